@@ -1,0 +1,40 @@
+# Two commands do all the set-up on a fresh machine:
+#   make serve   start tritonserver (127.0.0.1, ports 8000/8001/8002) on the built-in tiny model
+#   make test    lint + all tests (unit, integration on CPU, end-to-end against a real tritonserver)
+# Both bootstrap what they need (scripts/setup.sh: .venv, pinned deps, backend dir, tiny model).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+ADDRESS ?= 127.0.0.1
+MODEL_REPOSITORY ?= model_repository
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-unit lint format bench-offline clean
+
+setup:
+	@bash scripts/setup.sh
+
+serve: setup
+	$(PY) -m paged_llm.launch serve --model-repository $(MODEL_REPOSITORY) --address $(ADDRESS) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: setup lint
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check backend_src clients scripts tests model_repository
+
+format: setup
+	$(VENV)/bin/ruff format backend_src clients scripts tests model_repository
+
+bench-offline: setup
+	$(PY) scripts/bench_offline.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,152 @@
+"""Engine configuration: frozen dataclasses, validated once, built from config.pbtxt parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from paged_llm.sampling_params import RequestLimits, parse_bool, parse_float, parse_int
+
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A bad engine setting (config.pbtxt); the model fails to load with this message."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "tiny-qwen3"  # a checkpoint directory, or the name of a built-in model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: checkpoint dtype on GPU, fp32 on CPU)
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0  # seeds the per-request seeds drawn for requests that give none
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size_tokens: int = 16
+    num_blocks: int | None = None  # explicit pool size; else derived from a memory budget
+    memory_bytes: int | None = None  # KV memory budget in bytes
+    gpu_memory_utilization: float = 0.9  # on accelerators: fraction of device memory for weights+KV
+    cpu_memory_bytes: int = 1 * GiB  # on CPU, when neither num_blocks nor memory_bytes is given
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size_tokens < 1 or self.block_size_tokens > 1024:
+            raise ConfigError(f"block_size_tokens must be in [1, 1024], got {self.block_size_tokens}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ConfigError(f"kv_cache_memory_bytes must be >= 1, got {self.memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True
+    max_queued_requests: int = 4096  # waiting requests beyond this are refused (UNAVAILABLE)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_queued_requests < 1:
+            raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # auto | cpu | cuda | npu (optionally with an index, e.g. cuda:1)
+    enable_cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        kind = self.device.split(":", 1)[0]
+        if kind not in ("auto", "cpu", "cuda", "npu"):
+            raise ConfigError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
+
+    @staticmethod
+    def from_parameters(parameters: Mapping[str, str]) -> EngineConfig:
+        """Builds the config from config.pbtxt `parameters` (all values are strings there).
+
+        Names are the section field names, with the aliases in `_ALIASES`; empty values and "0" for
+        optional sizes mean "automatic". Unknown names are an error so typos do not go unnoticed.
+        """
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for raw_key, raw_value in parameters.items():
+            key = _ALIASES.get(raw_key, raw_key)
+            value = raw_value.strip() if isinstance(raw_value, str) else raw_value
+            if value == "":
+                continue
+            for section, cls in _SECTIONS.items():
+                field_types = {f.name: f.type for f in fields(cls)}
+                if key in field_types:
+                    sections[section][key] = _coerce(raw_key, value, str(field_types[key]))
+                    break
+            else:
+                if key == "fault_injection_step":
+                    top[key] = _coerce(raw_key, value, "int | None")
+                else:
+                    raise ConfigError(f"unknown parameter {raw_key!r} in config.pbtxt")
+        try:
+            return EngineConfig(
+                model=ModelConfig(**sections["model"]),
+                cache=CacheConfig(**sections["cache"]),
+                scheduler=SchedulerConfig(**sections["scheduler"]),
+                device=DeviceConfig(**sections["device"]),
+                limits=RequestLimits(**sections["limits"]),
+                **top,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "device": DeviceConfig,
+    "limits": RequestLimits,
+}
+_ALIASES = {
+    "num_kv_blocks": "num_blocks",
+    "kv_cache_memory_bytes": "memory_bytes",
+    "max_tokens_cap": "max_tokens",
+}
+# Optional sizes where 0 means "automatic" (None).
+_ZERO_IS_AUTO = {"num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "max_tokens_cap"}
+
+
+def _coerce(name: str, value: str, type_name: str) -> Any:
+    try:
+        if "bool" in type_name:
+            return parse_bool(name, value)
+        if "int" in type_name:
+            number = parse_int(name, value)
+            return None if number == 0 and name in _ZERO_IS_AUTO else number
+        if "float" in type_name:
+            return parse_float(name, value)
+    except ValueError as error:
+        raise ConfigError(f"config.pbtxt parameter {error}") from None
+    return value

@@ -1,0 +1,396 @@
+"""The synchronous engine: `add_request`, `abort_request`, `step() -> list[RequestOutput]`.
+
+One client request with `n` samples becomes `n` scheduler requests ("sequences"). The first one
+runs the prompt; the others are added once its prompt KV is computed, so they take the prompt's
+full blocks from the prefix cache instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from paged_llm.config import EngineConfig
+from paged_llm.core.kv_cache_manager import KVCacheManager
+from paged_llm.core.scheduler import Scheduler
+from paged_llm.engine.outputs import PositionLogprobs, RequestOutput, SequenceDelta, TopLogprob
+from paged_llm.engine.stats import EngineStats
+from paged_llm.errors import InvalidRequestError
+from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.models.hf_config import ModelSpec, load_model_spec
+from paged_llm.request import Request, RequestStatus
+from paged_llm.runner.device import Device
+from paged_llm.runner.kv_sizing import plan_kv_cache
+from paged_llm.runner.model_runner import ModelRunner, ModelRunnerOutput
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer, decode_token
+from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+_UINT64_MASK = (1 << 64) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a request (splitmix64 of seed + index; sample 0 keeps the seed)."""
+    if index == 0:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15 * index) & _UINT64_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
+    return z ^ (z >> 31)
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float = 0.0
+    finished: bool = False  # generation ended (its request is finished)
+    reported_final: bool = False  # the delta carrying finish_reason was handed out
+    # Output produced since the serving layer last received this sequence's delta.
+    pending_text: list[str] = field(default_factory=list)
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    """One client request: its n sequences and the siblings not yet admitted."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    unstarted: list[Request]  # samples 1..n-1, added once sample 0 computed the prompt
+    arrival_time: float
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.unstarted and all(s.finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        self.model_dir: Path = resolve_model_dir(config.model.model)
+        self.spec: ModelSpec = load_model_spec(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.device = Device.resolve(config.device.device)
+        self.dtype = self.device.model_dtype(config.model.dtype, self.spec.checkpoint_dtype)
+        requested_len = config.model.max_model_len or self.spec.max_position_embeddings
+        block_size = config.cache.block_size_tokens
+        self.runner = ModelRunner(
+            self.spec, self.model_dir, self.device, self.dtype, requested_len, block_size
+        )
+        self.runner.load(show_progress=show_progress)
+        plan = plan_kv_cache(config, self.runner, self.device)
+        self.runner.allocate_kv_cache(plan.num_blocks)
+        self.max_model_len = min(requested_len, plan.num_blocks * block_size)
+        if self.max_model_len < requested_len:
+            logger.warning(
+                "KV pool holds %d tokens, less than max_model_len %d: max_model_len lowered to %d",
+                plan.num_blocks * block_size,
+                requested_len,
+                self.max_model_len,
+            )
+        logger.info(
+            "paged_llm: %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens (%.1f MiB); "
+            "max_model_len %d",
+            self.model_dir,
+            self.spec.architecture,
+            self.device.describe(),
+            str(self.dtype).removeprefix("torch."),
+            plan.num_blocks,
+            block_size,
+            plan.num_blocks * block_size,
+            plan.num_blocks * self.runner.kv_bytes_per_block / (1 << 20),
+            self.max_model_len,
+        )
+        salt = hashlib.sha256(
+            (self.model_dir / "config.json").read_bytes() + str(self.dtype).encode()
+        ).digest()
+        self.kv_cache = KVCacheManager(plan.num_blocks, block_size, config.cache.enable_prefix_caching, salt)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, _Group] = {}
+        self._seed_rng = random.Random(config.model.seed)
+        self._num_steps = 0
+        self.stats = EngineStats()
+
+    # ---------------------------------------------------------------------------------- requests
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Raises InvalidRequestError for prompts that can never be served (checked before queueing)."""
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise InvalidRequestError("text_input", "the prompt is empty")
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                "text_input",
+                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}, "
+                f"which leaves no room for output (at most {self.max_model_len - 1} prompt tokens)",
+            )
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        num_blocks = self.kv_cache.num_blocks_for_tokens(num_tokens + 1)
+        if num_blocks > self.kv_cache.num_blocks:
+            raise InvalidRequestError(
+                "text_input",
+                f"the prompt needs {num_blocks} KV blocks but the whole pool has {self.kv_cache.num_blocks}",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: float | None = None,
+    ) -> None:
+        if request_id in self.groups:
+            raise InvalidRequestError("request id", f"{request_id!r} is already in flight")
+        self.validate_prompt(prompt_token_ids)
+        params.validate_for_vocab(self.spec.vocab_size)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        now = time.monotonic()
+        prompt = list(prompt_token_ids)
+        requests = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                seed=derive_seed(seed, index),
+                eos_token_ids=self.spec.eos_token_ids,
+                arrival_time=now,
+                deadline=deadline,
+            )
+            for index in range(params.n)
+        ]
+        group = _Group(
+            request_id=request_id,
+            params=params,
+            prompt_token_ids=prompt,
+            sequences=[],
+            unstarted=requests[1:],
+            arrival_time=now,
+        )
+        self.groups[request_id] = group
+        self._start_sequence(group, requests[0])
+        self.stats.on_request_added(len(prompt))
+
+    def _start_sequence(self, group: _Group, request: Request) -> None:
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=group.params.skip_special_tokens,
+            stop=group.params.stop,
+            include_stop_str_in_output=group.params.include_stop_str_in_output,
+        )
+        group.sequences.append(_Sequence(request, detokenizer))
+        self._seq_to_group[request.request_id] = group
+        self.scheduler.add_request(request)
+
+    def _start_siblings(self, group: _Group) -> None:
+        first = group.sequences[0].request
+        for request in group.unstarted:
+            request.arrival_seq = first.arrival_seq  # same place in the queue as the first sample
+            self._start_sequence(group, request)
+        group.unstarted = []
+
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> RequestOutput | None:
+        """Ends a request now; returns its final output (None if it is unknown or already done)."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        live = [s.request.request_id for s in group.sequences if not s.finished]
+        self.scheduler.finish_requests(live, status)
+        group.unstarted = []
+        deltas = [self._finish_sequence(group, seq) for seq in group.sequences if not seq.finished]
+        output = self._close_group(group, deltas)
+        self.stats.update_scheduler(self.scheduler.stats())
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        outputs = self._expire_deadlines()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        self._num_steps += 1
+        try:
+            if self.config.fault_injection_step == self._num_steps:
+                raise RuntimeError(f"injected fault at step {self._num_steps} (fault_injection_step)")
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as error:  # a model fault must not take the server down
+            return outputs + self._fail_step(scheduler_output.scheduled, error)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        touched: dict[str, _Group] = {}
+        for request, token_id in updates:
+            if token_id is None:
+                continue
+            group = self._seq_to_group[request.request_id]
+            self._apply_token(group, request, token_id, runner_output)
+            touched[group.request_id] = group
+        for group in touched.values():
+            output = self._collect(group)
+            if output is not None:
+                outputs.append(output)
+        self.stats.update_scheduler(self.scheduler.stats())
+        return outputs
+
+    def _apply_token(
+        self, group: _Group, request: Request, token_id: int, runner_output: ModelRunnerOutput
+    ) -> None:
+        seq = next(s for s in group.sequences if s.request is request)
+        now = time.monotonic()
+        if group.first_token_time is None:
+            group.first_token_time = now
+        self.stats.on_token(request, now)
+        seq.pending_token_ids.append(token_id)
+        token_logprobs = runner_output.logprobs.get(request.request_id)
+        if token_logprobs is not None:
+            seq.cumulative_logprob += token_logprobs.sampled_logprob
+            seq.pending_logprobs.append(self._position_logprobs(token_id, token_logprobs))
+        # A stop token ends generation without becoming text (vLLM), unless asked to include it.
+        stopped_by_token = (
+            request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token_id
+        )
+        if not stopped_by_token or group.params.include_stop_str_in_output:
+            update = seq.detokenizer.update([token_id])
+            seq.pending_text.append(update.text_delta)
+            if update.matched_stop is not None:
+                if not request.is_finished:
+                    self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED  # a stop string beats "length"
+                request.stop_reason = update.matched_stop
+        if request.is_finished:
+            if not isinstance(request.stop_reason, str):
+                seq.pending_text.append(seq.detokenizer.finish())
+                if seq.detokenizer.matched_stop is not None:  # the flushed tail held a stop string
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = seq.detokenizer.matched_stop
+            seq.finished = True
+        if group.unstarted and seq is group.sequences[0]:
+            self._start_siblings(group)
+
+    def _position_logprobs(self, token_id: int, logprobs) -> PositionLogprobs:
+        top = [
+            TopLogprob(tid, lp, rank + 1, decode_token(self.tokenizer, tid))
+            for rank, (tid, lp) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs))
+        ]
+        return PositionLogprobs(
+            token_id=token_id,
+            logprob=logprobs.sampled_logprob,
+            rank=logprobs.sampled_rank,
+            decoded_token=decode_token(self.tokenizer, token_id),
+            top=top,
+        )
+
+    def _collect(self, group: _Group) -> RequestOutput | None:
+        deltas = [
+            self._take_delta(group, index, seq)
+            for index, seq in enumerate(group.sequences)
+            if seq.pending_token_ids or seq.pending_text or (seq.finished and not seq.reported_final)
+        ]
+        if group.finished:
+            return self._close_group(group, deltas)
+        if not deltas:
+            return None
+        return RequestOutput(group.request_id, len(group.prompt_token_ids), deltas, False)
+
+    def _take_delta(self, group: _Group, index: int, seq: _Sequence) -> SequenceDelta:
+        request = seq.request
+        delta = SequenceDelta(
+            index=index,
+            text="".join(seq.pending_text),
+            token_ids=seq.pending_token_ids,
+            logprobs=seq.pending_logprobs if group.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if group.params.logprobs is not None else None,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=request.status.finish_reason if seq.finished else None,
+            stop_reason=request.stop_reason if seq.finished else None,
+        )
+        seq.pending_text, seq.pending_token_ids, seq.pending_logprobs = [], [], []
+        seq.reported_final = seq.finished
+        return delta
+
+    def _finish_sequence(self, group: _Group, seq: _Sequence) -> SequenceDelta:
+        seq.pending_text.append(seq.detokenizer.finish())  # release held-back text
+        seq.finished = True
+        index = group.sequences.index(seq)
+        return self._take_delta(group, index, seq)
+
+    def _close_group(
+        self, group: _Group, deltas: list[SequenceDelta], error: BaseException | None = None
+    ) -> RequestOutput:
+        del self.groups[group.request_id]
+        for seq in group.sequences:
+            self._seq_to_group.pop(seq.request.request_id, None)
+        self.stats.on_request_finished(group, time.monotonic(), error)
+        return RequestOutput(group.request_id, len(group.prompt_token_ids), deltas, True, error)
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = [
+            group.request_id
+            for group in self.groups.values()
+            if group.sequences
+            and group.sequences[0].request.deadline is not None
+            and group.sequences[0].request.deadline <= now
+        ]
+        outputs = []
+        for request_id in expired:
+            output = self.abort_request(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail_step(self, scheduled, error: Exception) -> list[RequestOutput]:
+        """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving."""
+        logger.error(
+            "model step %d failed; failing %d requests:\n%s",
+            self._num_steps,
+            len(scheduled),
+            "".join(traceback.format_exception(error)),
+        )
+        self.stats.num_step_faults += 1
+        group_ids = []
+        for item in scheduled:
+            group = self._seq_to_group.get(item.request_id)
+            if group is not None and group.request_id not in group_ids:
+                group_ids.append(group.request_id)
+        outputs = []
+        for group_id in group_ids:
+            group = self.groups[group_id]
+            live = [s.request.request_id for s in group.sequences if not s.finished]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+            group.unstarted = []
+            deltas = [self._finish_sequence(group, s) for s in group.sequences if not s.finished]
+            outputs.append(self._close_group(group, deltas, error=error))
+        # KV written by the failed step may be garbage: never serve it from the prefix cache.
+        self.kv_cache.reset_prefix_cache()
+        return outputs
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = {s.request.request_id for g in self.groups.values() for s in g.sequences if not s.finished}
+        assert live == set(self.scheduler.requests), "engine and scheduler disagree on live sequences"

@@ -1,0 +1,210 @@
+"""Runs a real tritonserver (from the nvidia-pytriton wheel) on a model repository.
+
+One place knows how to turn the wheel into a working server, so `make serve`, the end-to-end test
+fixture and the benchmark scripts start it the same way:
+
+* a backend directory = the wheel's `backends/python` + the stub built for this Python version;
+* the environment: this venv's `bin/` first on PATH (the stub runs the first `python3` it finds) and
+  this Python's own LIBDIR first on LD_LIBRARY_PATH (otherwise the stub links the system
+  libpython3.11 and importing `ssl` fails with `undefined symbol: _PyModule_Add`);
+* perf_analyzer's libraries: `libcudart.so.12` from the `nvidia-cuda-runtime-cu12` wheel and, when
+  Debian's libb64-0d is missing, the copy of libb64 bundled in the pytriton wheel.
+
+Usage: `python -m paged_llm.launch prepare` or
+`python -m paged_llm.launch serve [--model-repository DIR] [--http-port N] ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from paged_llm.paths import paged_llm_home, repo_root
+
+
+def _site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def pytriton_dir() -> Path:
+    path = _site_packages() / "pytriton" / "tritonserver"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} missing: install nvidia-pytriton==0.7.0 (run scripts/setup.sh)")
+    return path
+
+
+def pytriton_libs_dir() -> Path:
+    return _site_packages() / "nvidia_pytriton.libs"
+
+
+def python_version_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def backend_dir() -> Path:
+    """Backend directory for `--backend-directory` (created by `prepare_backend_dir`)."""
+    return paged_llm_home() / f"triton-2.51-py{python_version_tag()}" / "backends"
+
+
+def tool_lib_dir() -> Path:
+    return paged_llm_home() / "lib"
+
+
+def prepare_backend_dir() -> Path:
+    """Copies the wheel's python backend and puts the stub for this Python inside it."""
+    target = backend_dir() / "python"
+    stub = target / "triton_python_backend_stub"
+    if stub.is_file():
+        return backend_dir()
+    source = pytriton_dir()
+    staging = target.with_name("python.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source / "backends" / "python", staging, ignore=shutil.ignore_patterns("__pycache__"))
+    stub_source = source / "python_backend_stubs" / python_version_tag() / "triton_python_backend_stub"
+    shutil.copy2(stub_source, staging / "triton_python_backend_stub")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return backend_dir()
+
+
+def _system_has_library(soname: str) -> bool:
+    try:
+        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return False
+    return soname in listing
+
+
+def prepare_tool_libs() -> Path:
+    """Symlinks the shared libraries perf_analyzer needs into one directory."""
+    lib_dir = tool_lib_dir()
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    wanted: dict[str, Path | None] = {
+        "libcudart.so.12": _site_packages() / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12",
+    }
+    if not _system_has_library("libb64.so.0d"):
+        bundled = sorted(pytriton_libs_dir().glob("libb64-*.so.0d"))
+        wanted["libb64.so.0d"] = bundled[0] if bundled else None
+    for soname, source in wanted.items():
+        link = lib_dir / soname
+        if source is None or not source.exists():
+            continue
+        if link.is_symlink() or link.exists():
+            if link.resolve() == source.resolve():
+                continue
+            link.unlink()
+        link.symlink_to(source)
+    return lib_dir
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver and its Python stub (see the module docstring)."""
+    env = dict(os.environ if base is None else base)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "/usr/bin:/bin")])
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    lib_paths = [libdir, str(pytriton_libs_dir()), env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in lib_paths if p)
+    return env
+
+
+def perf_analyzer_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    lib_paths = [str(prepare_tool_libs()), env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in lib_paths if p)
+    return env
+
+
+def perf_analyzer_path() -> Path:
+    return Path(sys.executable).parent / "perf_analyzer"
+
+
+@dataclass(frozen=True)
+class ServerPorts:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def server_command(
+    model_repository: Path,
+    ports: ServerPorts,
+    address: str = "127.0.0.1",
+    exit_timeout_secs: int = 30,
+    extra_args: list[str] | None = None,
+) -> list[str]:
+    """The tritonserver command line; binds every endpoint to `address` (loopback by default)."""
+    return [
+        str(pytriton_dir() / "bin" / "tritonserver"),
+        f"--model-repository={model_repository}",
+        f"--backend-directory={prepare_backend_dir()}",
+        f"--http-address={address}",
+        f"--http-port={ports.http}",
+        f"--grpc-address={address}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-address={address}",
+        f"--metrics-port={ports.metrics}",
+        f"--exit-timeout-secs={exit_timeout_secs}",
+        "--allow-gpu-metrics=false" if not _has_nvidia_gpu() else "--allow-gpu-metrics=true",
+        *(extra_args or []),
+    ]
+
+
+def _has_nvidia_gpu() -> bool:
+    return Path("/dev/nvidiactl").exists()
+
+
+def prepare() -> None:
+    from paged_llm.models.tiny_model import ensure_tiny_model
+
+    print(f"[setup] Triton backend directory: {prepare_backend_dir()}", file=sys.stderr)
+    print(f"[setup] perf_analyzer libraries: {prepare_tool_libs()}", file=sys.stderr)
+    print(f"[setup] built-in tiny model: {ensure_tiny_model()}", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
+    command = server_command(
+        Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra
+    )
+    host = "127.0.0.1" if args.address in ("0.0.0.0", "127.0.0.1") else args.address
+    print(
+        f"Starting tritonserver on {args.address} "
+        f"(HTTP {ports.http}, gRPC {ports.grpc}, metrics {ports.metrics}).\n"
+        "Once it logs 'Started GRPCInferenceService', send a request:\n"
+        f'  .venv/bin/python clients/generate.py --url {host}:{ports.grpc} "What is a paged KV cache?"\n'
+        f"  curl -s -X POST {host}:{ports.http}/v2/models/llm/generate "
+        '-d \'{"text_input": "Hello", "max_tokens": 16}\'\n',
+        file=sys.stderr,
+        flush=True,
+    )
+    os.execve(command[0], command, server_env())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.launch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("prepare", help="build the backend directory, tool libraries and the tiny model")
+    serve = sub.add_parser("serve", help="run tritonserver on a model repository")
+    serve.add_argument("--model-repository", default=str(repo_root() / "model_repository"))
+    serve.add_argument("--address", default=os.environ.get("TRITON_ADDRESS", "127.0.0.1"))
+    serve.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    serve.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    serve.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    serve.add_argument("--exit-timeout-secs", type=int, default=30)
+    serve.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare()
+        return 0
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

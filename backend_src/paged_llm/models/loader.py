@@ -1,0 +1,129 @@
+"""Loads HF safetensors checkpoints (single file or sharded with an index) into a CausalLM."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from paged_llm.config import ConfigError
+from paged_llm.models.decoder import AttentionBackend, CausalLM
+from paged_llm.models.hf_config import ModelSpec
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF name inside a layer -> (our parameter, slice index within a fused parameter or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _iter_tensors(files: list[Path], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
+    names = [(handle, name) for handle in handles for name in handle.keys()]
+    for handle, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
+        yield name, handle.get_tensor(name)
+
+
+def _fused_slice(spec: ModelSpec, fused_name: str, part: int) -> tuple[int, int]:
+    if fused_name == "self_attn.qkv_proj":
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        bounds = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+    else:
+        bounds = [0, spec.intermediate_size, 2 * spec.intermediate_size]
+    return bounds[part], bounds[part + 1]
+
+
+def load_model(
+    model_dir: Path,
+    spec: ModelSpec,
+    backend: AttentionBackend,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    show_progress: bool = True,
+) -> CausalLM:
+    """Builds the model on `device` without initialising weights, then copies every tensor in."""
+    with torch.device("meta"):
+        model = CausalLM(spec, backend, max_positions)
+    model = model.to(dtype).to_empty(device=device)  # dtype first: no fp32 copy on the device
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for hf_name, tensor in _iter_tensors(checkpoint_files(Path(model_dir)), show_progress):
+            target_name, rows = _map_name(spec, hf_name)
+            if target_name is None:
+                continue
+            if target_name not in params:
+                raise ConfigError(f"checkpoint tensor {hf_name} has no place in {spec.architecture}")
+            target = params[target_name]
+            if rows is not None:
+                target = target[rows[0] : rows[1]]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ConfigError(
+                    f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(dtype))
+            loaded.add(f"{target_name}[{rows}]" if rows is not None else target_name)
+    _check_complete(spec, params, loaded)
+    model.rotary.build(device, dtype)
+    return model.eval()
+
+
+def _map_name(spec: ModelSpec, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None, None
+    if hf_name == "lm_head.weight":
+        return (None, None) if spec.tie_word_embeddings else ("lm_head.weight", None)
+    if hf_name.startswith("model.") and not hf_name.startswith("model.layers."):
+        return hf_name[len("model.") :], None
+    match = _LAYER_RE.match(hf_name)
+    if match is None:
+        return hf_name, None
+    layer, rest = match.groups()
+    module, _, leaf = rest.rpartition(".")
+    if module in _FUSED:
+        fused, part = _FUSED[module]
+        return f"layers.{layer}.{fused}.{leaf}", _fused_slice(spec, fused, part)
+    return f"layers.{layer}.{rest}", None
+
+
+def _check_complete(spec: ModelSpec, params: dict[str, torch.nn.Parameter], loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        fused = next(
+            (f for f, _ in _FUSED.values() if name.endswith(f"{f}.weight") or name.endswith(f"{f}.bias")),
+            None,
+        )
+        if fused is None:
+            if name not in loaded:
+                missing.append(name)
+            continue
+        parts = 3 if fused == "self_attn.qkv_proj" else 2
+        for part in range(parts):
+            if f"{name}[{_fused_slice(spec, fused, part)}]" not in loaded:
+                missing.append(f"{name} (part {part})")
+    if missing:
+        raise ConfigError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,99 @@
+"""Request: the engine's record of one sequence being generated.
+
+A request has no "prefill" or "decode" phase. It has `num_tokens` (prompt + generated so far) and
+`num_computed_tokens` (how many of those have KV in the cache). Each step the scheduler gives it some
+of the difference; when the computed count reaches `num_tokens`, the step also samples a new token:
+
+    all_token_ids:  [ p0 p1 p2 p3 p4 | o0 o1 ]        num_tokens = 7
+    KV in cache:    [ ## ## ## ## ## | ##    ]        num_computed_tokens = 6 -> next step computes o1
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from paged_llm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV was freed and is recomputed on resume
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"  # cancelled by the client, timed out or shut down
+    FINISHED_ERROR = "error"  # the engine failed while running it
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The vLLM-compatible finish_reason string (`stop`, `length`, `abort`), or None if unfinished."""
+        if self is RequestStatus.FINISHED_ERROR:
+            return "abort"
+        return self.value if self.is_finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str  # unique within the engine
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # resolved 64-bit sampling seed (drawn by the engine when the client gave none)
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids (generation_config)
+    arrival_time: float = 0.0  # seconds (time.monotonic) when the engine accepted it
+    deadline: float | None = None  # time.monotonic() after which it is aborted (Triton's timeout)
+    arrival_seq: int = -1  # admission order, assigned by the scheduler; kept across preemptions
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0  # tokens of all_token_ids whose KV is in the cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def schedule_key(self) -> tuple[int, int]:
+        """Lower runs sooner: priority first, then arrival order (FCFS)."""
+        return (self.priority, self.arrival_seq)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

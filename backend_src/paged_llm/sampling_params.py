@@ -1,0 +1,278 @@
+"""SamplingParams and their validation: the only place user-controlled numbers are checked.
+
+Clients send `sampling_parameters` as JSON whose values may be strings ("0.7", "true"), as genai-perf
+does, so every field is coerced from int/float/bool/str and then range-checked. Every failure is an
+`InvalidRequestError` naming the field and the allowed range; unknown keys are errors, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from paged_llm.errors import InvalidRequestError
+
+_UINT64_MASK = (1 << 64) - 1
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Server-side caps on what one request may ask for (from config.pbtxt)."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_tokens: int | None = None  # None: bounded only by max_model_len
+    max_priority_abs: int = 1 << 31
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # parallel samples of the same prompt
+    max_tokens: int | None = 16  # None: until max_model_len (vLLM's default is 16)
+    min_tokens: int = 0  # EOS and stop tokens are suppressed until this many were generated
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # >1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from tokens seen in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    seed: int | None = None  # fixes this request's randomness regardless of batch composition
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k alternatives per position; 0 = only the sampled token
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs sooner
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return _replace(self, seed=seed)
+
+    @staticmethod
+    def from_json(text: str | bytes, limits: RequestLimits | None = None) -> SamplingParams:
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InvalidRequestError("sampling_parameters", f"not valid UTF-8 ({error})") from None
+        if not text.strip():
+            return SamplingParams.from_mapping({}, limits)
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise InvalidRequestError("sampling_parameters", f"invalid JSON: {error}") from None
+        if not isinstance(payload, dict):
+            raise InvalidRequestError("sampling_parameters", "must be a JSON object")
+        return SamplingParams.from_mapping(payload, limits)
+
+    @staticmethod
+    def from_mapping(payload: Mapping[str, Any], limits: RequestLimits | None = None) -> SamplingParams:
+        limits = limits or RequestLimits()
+        known = {f.name for f in fields(SamplingParams)} - {"extra"}
+        values: dict[str, Any] = {}
+        for key, raw in payload.items():
+            if key in _COMPAT_KEYS:
+                _COMPAT_KEYS[key](raw, payload)
+                continue
+            if key not in known:
+                allowed = ", ".join(sorted(known))
+                raise InvalidRequestError(key, f"unknown sampling parameter (allowed: {allowed})")
+            if raw is None and key == "max_tokens":
+                values[key] = None  # as in vLLM: generate until max_model_len
+                continue
+            if raw is None and key in _NULLABLE:
+                continue  # null means "use the default", as in vLLM
+            values[key] = _PARSERS[key](key, raw)
+        params = SamplingParams(**values)
+        params.validate(limits)
+        return params
+
+    def validate(self, limits: RequestLimits) -> None:
+        _check_range("n", self.n, 1, limits.max_n)
+        if self.max_tokens is not None:
+            upper = limits.max_tokens if limits.max_tokens is not None else None
+            _check_range("max_tokens", self.max_tokens, 1, upper)
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_range("temperature", self.temperature, 0.0, None)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if not self.repetition_penalty > 0.0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logprobs is not None:
+            _check_range("logprobs", self.logprobs, 0, limits.max_logprobs)
+        _check_range("priority", self.priority, -limits.max_priority_abs, limits.max_priority_abs)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
+        for text in self.stop:
+            if not text or len(text) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    "stop", f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        for token_id in self.stop_token_ids:
+            _check_range("stop_token_ids", token_id, 0, None)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Checks what depends on the model (the engine calls it once it knows the vocabulary)."""
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise InvalidRequestError(
+                    "stop_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+
+
+def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, **changes)
+
+
+def _check_range(name: str, value: float, lower: float | None, upper: float | None) -> None:
+    if (lower is not None and value < lower) or (upper is not None and value > upper):
+        low = "-inf" if lower is None else lower
+        high = "inf" if upper is None else upper
+        raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
+
+
+def parse_int(name: str, raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise InvalidRequestError(name, f"must be an integer, got a boolean ({raw})")
+    if isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, float) and math.isfinite(raw) and raw == int(raw):
+        value = int(raw)
+    elif isinstance(raw, str):
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            try:
+                as_float = float(raw.strip())
+            except ValueError:
+                raise InvalidRequestError(name, f"must be an integer, got {raw!r}") from None
+            if not math.isfinite(as_float) or as_float != int(as_float):
+                raise InvalidRequestError(name, f"must be an integer, got {raw!r}") from None
+            value = int(as_float)
+    else:
+        raise InvalidRequestError(name, f"must be an integer, got {type(raw).__name__}")
+    if abs(value) >= 1 << 64:
+        raise InvalidRequestError(name, f"must fit in 64 bits, got {value}")
+    return value
+
+
+def parse_float(name: str, raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise InvalidRequestError(name, f"must be a number, got a boolean ({raw})")
+    if isinstance(raw, int | float):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise InvalidRequestError(name, f"must be a number, got {raw!r}") from None
+    else:
+        raise InvalidRequestError(name, f"must be a number, got {type(raw).__name__}")
+    if not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {raw!r}")
+    return value
+
+
+def parse_bool(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.strip().lower() in ("true", "false", "1", "0"):
+        return raw.strip().lower() in ("true", "1")
+    raise InvalidRequestError(name, f"must be a boolean (true/false), got {raw!r}")
+
+
+def _parse_seed(name: str, raw: Any) -> int:
+    # Any 64-bit value (signed or unsigned) is a valid seed; it is used modulo 2**64.
+    return parse_int(name, raw) & _UINT64_MASK
+
+
+def _parse_stop(name: str, raw: Any) -> tuple[str, ...]:
+    if isinstance(raw, str):
+        return (raw,)
+    if isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw):
+        return tuple(raw)
+    raise InvalidRequestError(name, "must be a string or a list of strings")
+
+
+def _parse_token_ids(name: str, raw: Any) -> tuple[int, ...]:
+    if isinstance(raw, list | tuple):
+        return tuple(parse_int(name, item) for item in raw)
+    if isinstance(raw, int | str) and not isinstance(raw, bool):
+        return (parse_int(name, raw),)
+    raise InvalidRequestError(name, "must be a list of token ids")
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "n": parse_int,
+    "max_tokens": parse_int,
+    "min_tokens": parse_int,
+    "temperature": parse_float,
+    "top_p": parse_float,
+    "top_k": parse_int,
+    "min_p": parse_float,
+    "repetition_penalty": parse_float,
+    "presence_penalty": parse_float,
+    "frequency_penalty": parse_float,
+    "seed": _parse_seed,
+    "stop": _parse_stop,
+    "stop_token_ids": _parse_token_ids,
+    "include_stop_str_in_output": parse_bool,
+    "ignore_eos": parse_bool,
+    "logprobs": parse_int,
+    "skip_special_tokens": parse_bool,
+    "priority": parse_int,
+}
+_NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids"}
+
+
+def _compat_best_of(raw: Any, payload: Mapping[str, Any]) -> None:
+    # vLLM clients send best_of; only best_of == n (no extra candidates) is meaningful here.
+    if raw is None:
+        return
+    best_of = parse_int("best_of", raw)
+    n = parse_int("n", payload.get("n", 1))
+    if best_of != n:
+        raise InvalidRequestError("best_of", f"only best_of == n is supported (n={n}), got {best_of}")
+
+
+def _compat_use_beam_search(raw: Any, payload: Mapping[str, Any]) -> None:
+    if parse_bool("use_beam_search", raw):
+        raise InvalidRequestError("use_beam_search", "beam search is not supported; only false is allowed")
+
+
+# Keys vLLM clients commonly send that are accepted only with their no-op values.
+_COMPAT_KEYS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {
+    "best_of": _compat_best_of,
+    "use_beam_search": _compat_use_beam_search,
+}

@@ -1,0 +1,238 @@
+"""numpy tensors <-> (prompt, SamplingParams, flags), and RequestOutputs -> response tensors.
+
+No `triton_python_backend_utils` here: model.py turns pb_utils tensors into numpy arrays and back.
+The request contract is shared/design/API.md (vllm_backend-compatible).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from paged_llm.engine.outputs import PositionLogprobs, RequestOutput
+from paged_llm.errors import InvalidRequestError
+from paged_llm.sampling_params import RequestLimits, SamplingParams
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS)
+# Request parameters Triton itself may attach; never sampling parameters.
+_IGNORED_REQUEST_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt_text: str | None  # exactly one of prompt_text / prompt_token_ids is set
+    prompt_token_ids: list[int] | None
+    stream: bool
+    params: SamplingParams
+    exclude_input_in_output: bool
+    return_flags: frozenset[str] = field(default_factory=frozenset)  # which optional outputs to send
+
+
+def _scalar(name: str, array: np.ndarray) -> Any:
+    if array.size != 1:
+        raise InvalidRequestError(name, f"expected one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _as_text(name: str, value: Any, max_bytes: int | None = None) -> str:
+    if isinstance(value, bytes | np.bytes_):
+        raw = bytes(value)
+        if max_bytes is not None and len(raw) > max_bytes:
+            raise InvalidRequestError(name, f"is {len(raw)} bytes, more than the limit of {max_bytes}")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidRequestError(
+                name, f"is not valid UTF-8 ({error.reason} at byte {error.start})"
+            ) from None
+    if isinstance(value, str):
+        return value
+    raise InvalidRequestError(name, f"must be a string, got {type(value).__name__}")
+
+
+def _as_bool(name: str, array: np.ndarray) -> bool:
+    value = _scalar(name, array)
+    if isinstance(value, np.bool_ | bool):
+        return bool(value)
+    raise InvalidRequestError(name, f"must be BOOL, got {array.dtype}")
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray],
+    request_parameters: str | Mapping[str, Any] | None,
+    limits: RequestLimits,
+    max_prompt_bytes: int | None = None,
+) -> ParsedRequest:
+    """Turns a request's input tensors (and Triton request parameters) into engine inputs."""
+    has_text = "text_input" in inputs
+    has_ids = "input_ids" in inputs
+    if has_text == has_ids:
+        raise InvalidRequestError("text_input", "give exactly one of text_input or input_ids")
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    if has_text:
+        prompt_text = _as_text("text_input", _scalar("text_input", inputs["text_input"]), max_prompt_bytes)
+        if not prompt_text:
+            raise InvalidRequestError("text_input", "the prompt is empty")
+    else:
+        ids = inputs["input_ids"]
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError("input_ids", f"must be INT32 token ids, got {ids.dtype}")
+        prompt_ids = [int(t) for t in ids.reshape(-1)]
+        if not prompt_ids:
+            raise InvalidRequestError("input_ids", "the prompt is empty")
+    flags = {name: _as_bool(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
+    if "sampling_parameters" in inputs:
+        params = SamplingParams.from_json(
+            _as_text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"])),
+            limits,
+        )
+    else:
+        params = SamplingParams.from_mapping(_request_parameter_mapping(request_parameters), limits)
+    return_flags = frozenset(name for name in RETURN_FLAGS if flags.get(name, False))
+    wants_logprobs = {"return_logprobs", "return_cumulative_logprob"} & return_flags
+    if wants_logprobs and params.logprobs is None:
+        params = replace(params, logprobs=0)  # the sampled token's logprob only
+    return ParsedRequest(
+        prompt_text=prompt_text,
+        prompt_token_ids=prompt_ids,
+        stream=flags.get("stream", False),
+        params=params,
+        exclude_input_in_output=flags.get("exclude_input_in_output", False),
+        return_flags=return_flags,
+    )
+
+
+def _request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, str):
+        try:
+            mapping = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise InvalidRequestError("parameters", f"invalid JSON: {error}") from None
+    else:
+        mapping = dict(raw)
+    if not isinstance(mapping, dict):
+        raise InvalidRequestError("parameters", "must be a JSON object")
+    return {k: v for k, v in mapping.items() if k not in _IGNORED_REQUEST_PARAMETERS}
+
+
+def logprobs_json(positions: list[PositionLogprobs]) -> str:
+    """vllm_backend's format: a list, per position, of {token_id: {logprob, rank, decoded_token}}."""
+    encoded = []
+    for position in positions:
+        entry = {
+            str(position.token_id): {
+                "logprob": position.logprob,
+                "rank": position.rank,
+                "decoded_token": position.decoded_token,
+            }
+        }
+        for top in position.top:
+            entry.setdefault(
+                str(top.token_id),
+                {"logprob": top.logprob, "rank": top.rank, "decoded_token": top.decoded_token},
+            )
+        encoded.append(entry)
+    return json.dumps(encoded, ensure_ascii=False)
+
+
+@dataclass
+class _SequenceState:
+    text: list[str] = field(default_factory=list)  # pending (streaming) or all (non-streaming) text
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_new_tokens: int = 0  # tokens since the last response
+    finish_reason: str | None = None
+
+
+class ResponseAccumulator:
+    """Collects a request's engine outputs and turns them into as few responses as possible.
+
+    Streaming: each `take()` returns every delta that arrived since the previous one, merged
+    (the response thread calls it once per pass, so a slow client gets fewer, larger responses).
+    Non-streaming: nothing is returned until the request finished; then one response with all text.
+    """
+
+    def __init__(self, parsed: ParsedRequest, prompt_text: str, num_prompt_tokens: int) -> None:
+        self.parsed = parsed
+        self.prompt_text = prompt_text
+        self.num_prompt_tokens = num_prompt_tokens
+        self.sequences = [_SequenceState() for _ in range(parsed.params.n)]
+        self.finished = False
+        self.error: BaseException | None = None
+        self._has_news = False
+
+    def add(self, output: RequestOutput) -> None:
+        for delta in output.sequences:
+            state = self.sequences[delta.index]
+            state.text.append(delta.text)
+            state.token_ids.extend(delta.token_ids)
+            state.num_new_tokens += len(delta.token_ids)
+            if delta.logprobs:
+                state.logprobs.extend(delta.logprobs)
+            if delta.cumulative_logprob is not None:
+                state.cumulative_logprob = delta.cumulative_logprob
+            if delta.finish_reason is not None:
+                state.finish_reason = delta.finish_reason
+        self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
+        self._has_news = self._has_news or bool(output.sequences)
+        if output.finished:
+            self.finished = True
+            self.error = output.error
+
+    def take(self) -> dict[str, np.ndarray] | None:
+        """Tensors of the next response, or None when there is nothing to send yet."""
+        if self.error is not None:
+            return None
+        if not self.parsed.stream and not self.finished:
+            return None
+        if not self._has_news and not self.finished:
+            return None
+        tensors = self._encode()
+        for state in self.sequences:
+            if self.parsed.stream:
+                state.text, state.token_ids, state.logprobs = [], [], []
+            state.num_new_tokens = 0
+        self._has_news = False
+        return tensors
+
+    def _encode(self) -> dict[str, np.ndarray]:
+        flags = self.parsed.return_flags
+        echo = not self.parsed.stream and not self.parsed.exclude_input_in_output
+        texts = [(self.prompt_text if echo else "") + "".join(s.text) for s in self.sequences]
+        tensors: dict[str, np.ndarray] = {
+            "text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_),
+            "output_ids": np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32),
+        }
+        if "return_finish_reason" in flags and self.finished:
+            reasons = [(s.finish_reason or "abort").encode() for s in self.sequences]
+            tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
+        if "return_cumulative_logprob" in flags:
+            tensors["cumulative_logprob"] = np.array(
+                [s.cumulative_logprob for s in self.sequences], dtype=np.float32
+            )
+        if "return_logprobs" in flags:
+            tensors["logprobs"] = np.array(
+                [logprobs_json(s.logprobs).encode("utf-8") for s in self.sequences], dtype=np.object_
+            )
+        if "return_num_input_tokens" in flags:
+            tensors["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
+        if "return_num_output_tokens" in flags:
+            counts = [s.num_new_tokens if self.parsed.stream else len(s.token_ids) for s in self.sequences]
+            tensors["num_output_tokens"] = np.array(counts, dtype=np.uint32)
+        return tensors

@@ -1,0 +1,246 @@
+"""Offline throughput: many requests through the paged_llm engine vs HF transformers, same model,
+same machine, one run. Prints output tokens/s of both and the ratio.
+
+Workload (nano-vllm's, scaled by flags): random prompt token ids and output lengths drawn uniformly
+from the given ranges, ignore_eos so every request produces exactly its output length.
+
+  CPU, built-in tiny model (the default):
+    .venv/bin/python scripts/bench_offline.py
+  GPU, Qwen3-0.6B shape with random weights (see scripts/make_random_model.py):
+    python scripts/bench_offline.py --model /tmp/qwen3-0.6b-random --num-requests 256 \
+        --input-len 100:1024 --output-len 100:1024 --hf-num-requests 32
+
+The HF baseline uses transformers' continuous-batching API (`generate_batch`) when available, else
+padded batched `generate`. `--hf-num-requests` runs HF on the first N requests only (its tokens/s is
+still a rate over the same distribution); the ratio compares rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class RunResult:
+    name: str
+    num_requests: int
+    num_output_tokens: int
+    elapsed_s: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def make_workload(args: argparse.Namespace, vocab_limit: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    in_low, in_high = parse_range(args.input_len)
+    out_low, out_high = parse_range(args.output_len)
+    return [
+        (
+            [rng.randrange(0, vocab_limit) for _ in range(rng.randint(in_low, in_high))],
+            rng.randint(out_low, out_high),
+        )
+        for _ in range(args.num_requests)
+    ]
+
+
+def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_progress: bool) -> RunResult:
+    for index, (prompt, num_output) in enumerate(workload):
+        params = SamplingParams(temperature=0.0, max_tokens=num_output, ignore_eos=True)
+        engine.add_request(f"bench-{index}", prompt, params)
+    total = sum(n for _, n in workload)
+    produced = 0
+    engine.device.synchronize()
+    start = time.perf_counter()
+    with tqdm(total=total, desc="paged_llm", unit="tok", disable=not show_progress) as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                new = sum(len(s.token_ids) for s in output.sequences)
+                produced += new
+                bar.update(new)
+    engine.device.synchronize()
+    elapsed = time.perf_counter() - start
+    assert produced == total, f"engine produced {produced} tokens, expected {total}"
+    return RunResult("paged_llm", len(workload), produced, elapsed)
+
+
+def run_hf(
+    model_dir: Path, workload, device: torch.device, dtype: torch.dtype, mode: str, batch_size: int
+) -> RunResult:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    if mode in ("auto", "cb") and hasattr(model, "continuous_batching_context_manager"):
+        return _run_hf_continuous_batching(model, workload, device)
+    return _run_hf_padded_generate(model, workload, device, batch_size)
+
+
+def _run_hf_continuous_batching(model, workload, device: torch.device) -> RunResult:
+    """transformers' continuous batching, each request with its own output length."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import WorkloadHints
+
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=1)
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p, _ in workload),
+        max_generated_length=max(n for _, n in workload),
+        num_requests=len(workload),
+    )
+    total = sum(n for _, n in workload)
+    with (
+        torch.no_grad(),
+        model.continuous_batching_context_manager(
+            generation_config=config, workload_hints=hints, block=True, timeout=10
+        ) as manager,
+    ):
+        _sync(device)
+        start = time.perf_counter()
+        for index, (prompt, num_output) in enumerate(workload):
+            manager.add_request(input_ids=prompt, request_id=f"hf-{index}", max_new_tokens=num_output)
+        produced = 0
+        with tqdm(total=len(workload), desc="hf continuous batching", unit="req") as bar:
+            for _ in range(len(workload)):
+                result = None
+                while result is None:
+                    result = manager.get_result(timeout=1)
+                produced += len(result.generated_tokens)
+                bar.update(1)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+    assert produced == total, f"HF produced {produced} tokens, expected {total}"
+    return RunResult("hf-continuous-batching", len(workload), produced, elapsed)
+
+
+def _run_hf_padded_generate(model, workload, device: torch.device, batch_size: int) -> RunResult:
+    """Padded batched `generate`, longest prompts first; only each request's own tokens count."""
+    order = sorted(range(len(workload)), key=lambda i: -len(workload[i][0]))
+    _sync(device)
+    start = time.perf_counter()
+    produced = 0
+    for begin in tqdm(range(0, len(order), batch_size), desc="hf generate", unit="batch"):
+        batch = [workload[i] for i in order[begin : begin + batch_size]]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        num_new = max(n for _, n in batch)
+        with torch.no_grad():
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        produced += sum(n for _, n in batch)
+    _sync(device)
+    return RunResult("hf-generate-padded", len(workload), produced, time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", default="16:256", help="uniform range, e.g. 100:1024")
+    parser.add_argument("--output-len", default="16:128", help="uniform range, e.g. 100:1024")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-kv-blocks", type=int, default=0)
+    parser.add_argument("--hf", choices=["auto", "cb", "generate", "none"], default="auto")
+    parser.add_argument(
+        "--hf-num-requests", type=int, default=0, help="HF runs the first N requests (0 = all)"
+    )
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(resolve_model_dir(args.model)), dtype=args.dtype),
+        cache=CacheConfig(num_blocks=args.num_kv_blocks or None),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        device=DeviceConfig(device=args.device),
+    )
+    engine = LLMEngine(config, show_progress=not args.no_progress)
+    vocab_limit = min(engine.spec.vocab_size, len(engine.tokenizer))
+    workload = make_workload(args, vocab_limit)
+    warmup = [(p[:32], 8) for p, _ in workload[: min(8, len(workload))]]
+    run_engine(engine, warmup, show_progress=False)
+    ours = run_engine(engine, workload, show_progress=not args.no_progress)
+    results = [ours]
+    if args.hf != "none":
+        subset = workload[: args.hf_num_requests] if args.hf_num_requests else workload
+        device, dtype = engine.device.torch_device, engine.dtype
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        results.append(
+            run_hf(resolve_model_dir(args.model), subset, device, dtype, args.hf, args.hf_batch_size)
+        )
+
+    card = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available() and args.device != "cpu"
+        else platform.processor() or "cpu"
+    )
+    threads = torch.get_num_threads()
+    print(f"\nmachine: {platform.node()} ({card}), torch {torch.__version__}, {threads} CPU threads")
+    print(f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}")
+    print(f"{'run':<24}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>12}")
+    for result in results:
+        print(
+            f"{result.name:<24}{result.num_requests:>10}{result.num_output_tokens:>12}"
+            f"{result.elapsed_s:>10.2f}{result.output_tokens_per_s:>12.1f}"
+        )
+    if len(results) == 2:
+        ratio = ours.output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"ratio paged_llm / {results[1].name}: {ratio:.2f}x")
+    if args.json:
+        payload = {
+            "argv": sys.argv,
+            "card": card,
+            "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()

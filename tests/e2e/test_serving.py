@@ -1,0 +1,132 @@
+"""End-to-end: a real tritonserver with the llm model, reached through tritonclient and HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from paged_llm.paths import repo_root
+from tests.e2e.client import http_post, make_inputs, sse_events, stream, stream_many
+
+GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+
+
+def test_grpc_streaming_yields_several_responses_then_one_final(server):
+    result = stream(server.grpc_url, "The capital of France is", stream=True, sampling_parameters=GREEDY)
+    assert not result.errors
+    assert result.finals == 1
+    assert len(result.responses) >= 2
+    assert result.text
+
+
+def test_streamed_text_equals_non_streaming_text(server):
+    prompt = "Streaming and non-streaming must agree:"
+    streamed = stream(server.grpc_url, prompt, stream=True, sampling_parameters=GREEDY)
+    whole = stream(
+        server.grpc_url, prompt, stream=False, sampling_parameters=GREEDY, exclude_input_in_output=True
+    )
+    assert whole.finals == 1 and len(whole.responses) == 1
+    assert streamed.text == whole.text
+    streamed_ids = [i for r in streamed.responses for i in r.as_numpy("output_ids").tolist()]
+    assert streamed_ids == whole.responses[0].as_numpy("output_ids").tolist()
+    assert len(streamed_ids) == GREEDY["max_tokens"]
+
+
+def test_non_streaming_echoes_prompt_unless_excluded(server):
+    prompt = "Echo me"
+    echoed = stream(server.grpc_url, prompt, sampling_parameters=GREEDY)
+    excluded = stream(server.grpc_url, prompt, sampling_parameters=GREEDY, exclude_input_in_output=True)
+    assert echoed.text == prompt + excluded.text
+
+
+def test_concurrent_grpc_requests_match_sequential(server):
+    prompts = [f"Request number {i} asks about topic {i * 7}" for i in range(6)]
+    sequential = [
+        stream(server.grpc_url, p, sampling_parameters=GREEDY, exclude_input_in_output=True).text
+        for p in prompts
+    ]
+    together = stream_many(
+        server.grpc_url,
+        [make_inputs(p, sampling_parameters=GREEDY, exclude_input_in_output=True) for p in prompts],
+    )
+    assert [r.finals for r in together] == [1] * len(prompts)
+    assert [r.text for r in together] == sequential
+
+
+def test_http_generate_returns_one_response(server):
+    status, body = http_post(
+        server.http_url,
+        "/v2/models/llm/generate",
+        {"text_input": "Hello", "max_tokens": 8, "temperature": 0, "return_finish_reason": True},
+    )
+    assert status == 200, body
+    payload = json.loads(body)
+    assert payload["text_output"].startswith("Hello")
+    assert payload["finish_reason"] == "length"
+    assert len(payload["output_ids"]) == 8
+
+
+def test_http_generate_stream_streams(server):
+    status, body = http_post(
+        server.http_url,
+        "/v2/models/llm/generate_stream",
+        {
+            "text_input": "Hello",
+            "stream": True,
+            "sampling_parameters": json.dumps(GREEDY),
+            "return_finish_reason": True,
+        },
+    )
+    assert status == 200, body
+    events = sse_events(body)
+    assert len(events) >= 2
+    assert all("error" not in e for e in events)
+    assert events[-1]["finish_reason"] == "length"
+    streamed = "".join(e["text_output"] for e in events)
+    status, body = http_post(
+        server.http_url,
+        "/v2/models/llm/generate",
+        {"text_input": "Hello", "sampling_parameters": json.dumps(GREEDY), "exclude_input_in_output": True},
+    )
+    assert json.loads(body)["text_output"] == streamed
+
+
+def test_bad_sampling_parameters_json_is_invalid_arg_and_server_keeps_serving(server):
+    status, body = http_post(
+        server.http_url, "/v2/models/llm/generate", {"text_input": "Hi", "sampling_parameters": "{not json"}
+    )
+    assert status == 400, body
+    assert "sampling_parameters" in json.loads(body)["error"]
+    bad = stream(server.grpc_url, "Hi", sampling_parameters="{not json")
+    assert bad.finals == 1 and len(bad.errors) == 1
+    assert "sampling_parameters: invalid JSON" in bad.errors[0]
+    good = stream(server.grpc_url, "Hi", sampling_parameters=GREEDY)
+    assert not good.errors and good.finals == 1 and good.text
+
+
+def test_metrics_count_successful_requests(server):
+    def successes() -> float:
+        match = re.search(r'nv_inference_request_success\{model="llm",version="1"\} (\d+)', server.metrics())
+        assert match, "no success counter for llm"
+        return float(match.group(1))
+
+    before = successes()
+    for _ in range(3):
+        assert stream(server.grpc_url, "count me", sampling_parameters=GREEDY).finals == 1
+    assert successes() - before == 3
+
+
+def test_client_cli_streams_over_grpc_and_http(server):
+    script = repo_root() / "clients" / "generate.py"
+    for extra in (["--url", server.grpc_url], ["--http", "--url", server.http_url]):
+        completed = subprocess.run(
+            [sys.executable, str(script), "Tell me a story", "--max-tokens", "12", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 0, completed.stderr
+        assert completed.stdout.strip()
+        assert "finish_reason: length" in completed.stderr

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+def make_engine(model_dir: Path, **overrides) -> LLMEngine:
+    """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections."""
+    cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
+    cache = {k: v for k, v in overrides.items() if k in cache_fields}
+    scheduler = {k: v for k, v in overrides.items() if k not in cache_fields and k != "max_model_len"}
+    cache.setdefault("num_blocks", 2048)
+    config = EngineConfig(
+        model=ModelConfig(
+            model=str(model_dir), dtype="float32", max_model_len=overrides.get("max_model_len")
+        ),
+        cache=CacheConfig(**cache),
+        scheduler=SchedulerConfig(**scheduler),
+    )
+    return LLMEngine(config, show_progress=False)
+
+
+def run_to_completion(
+    engine: LLMEngine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    check_integrity: bool = True,
+) -> list[list[Completion]]:
+    """Adds every prompt at once, steps until done; returns the n completions of each request."""
+    all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    results: dict[str, list[Completion]] = {}
+    for index, (prompt, p) in enumerate(zip(prompts, all_params, strict=True)):
+        engine.add_request(f"r{index}", prompt, p)
+        results[f"r{index}"] = [Completion() for _ in range(p.n)]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for delta in output.sequences:
+                completion = results[output.request_id][delta.index]
+                completion.token_ids.extend(delta.token_ids)
+                completion.text += delta.text
+                if delta.finish_reason is not None:
+                    completion.finish_reason = delta.finish_reason
+        if check_integrity:
+            engine.check_integrity()
+    assert engine.kv_cache.usage == 0.0, "blocks still held after every request finished"
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+class HFReference:
+    """HF transformers' greedy `generate` on the same checkpoint (float32, CPU)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dir) -> HFReference:
+    return HFReference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    """16+ prompts of mixed lengths (2 to ~300 tokens), some sharing a long prefix."""
+    texts = [
+        "Hi",
+        "The quick brown fox jumps over the lazy dog.",
+        "你好，世界！今天天气怎么样？",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n",
+        "Paged attention stores the KV cache in fixed-size blocks " * 6,
+        "A",
+        "Emoji 🎉 and accents: café, naïve, Zürich.",
+        "Numbers 1234567890 and symbols !@#$%^&*()",
+        "In a hole in the ground there lived a hobbit. " * 14,
+        "Continuous batching schedules new requests every step",
+        "Short",
+        "Long context: " + " ".join(f"item{i}" for i in range(120)),
+        "The mitochondria is the powerhouse of the cell",
+        "SELECT * FROM users WHERE id = 42;",
+        "Once upon a time",
+        "Triton Inference Server streams tokens over gRPC",
+        "Translate to French: the cat sits on the mat",
+        "Q: What is 2+2?\nA:",
+    ]
+    return [list(tiny_tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]

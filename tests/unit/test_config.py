@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import pytest
+
+from paged_llm.config import ConfigError, EngineConfig
+
+
+def test_parameters_from_config_pbtxt():
+    config = EngineConfig.from_parameters(
+        {
+            "model": "/models/x",
+            "max_model_len": "0",
+            "num_kv_blocks": "128",
+            "kv_cache_memory_bytes": "0",
+            "enable_prefix_caching": "false",
+            "max_num_seqs": "8",
+            "gpu_memory_utilization": "0.8",
+            "device": "cpu",
+            "max_n": "4",
+        }
+    )
+    assert config.model.model == "/models/x" and config.model.max_model_len is None
+    assert config.cache.num_blocks == 128 and config.cache.memory_bytes is None
+    assert config.cache.enable_prefix_caching is False and config.cache.gpu_memory_utilization == 0.8
+    assert config.scheduler.max_num_seqs == 8 and config.device.device == "cpu"
+    assert config.limits.max_n == 4
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"typo_setting": "1"}, "unknown parameter 'typo_setting'"),
+        ({"dtype": "int8"}, "dtype must be"),
+        ({"device": "tpu"}, "device must be"),
+        ({"max_num_seqs": "0"}, "max_num_seqs must be >= 1"),
+        ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
+        ({"block_size_tokens": "abc"}, "block_size_tokens"),
+    ],
+)
+def test_bad_parameters_fail_loading_with_a_clear_message(parameters, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_parameters(parameters)
