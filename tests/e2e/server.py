@@ -73,7 +73,9 @@ class RunningServer:
                 self.process.wait(timeout=10)
 
 
-def make_model_repository(target: Path, parameters: dict[str, str] | None = None, models=("llm",)) -> Path:
+def make_model_repository(
+    target: Path, parameters: dict[str, str] | None = None, models: tuple[str, ...] = ("llm", "llm_trtllm")
+) -> Path:
     """Copies the repository's models into `target`, overriding `parameters` of the llm model."""
     for name in models:
         shutil.copytree(REPO_MODELS / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))

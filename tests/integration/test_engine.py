@@ -20,7 +20,7 @@ def engine(tiny_model_dir) -> LLMEngine:
     return make_engine(tiny_model_dir)
 
 
-def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
+def greedy(max_tokens: int | None = 16, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
@@ -81,7 +81,7 @@ def test_stop_token_id_ends_generation(engine, prompts, tiny_tokenizer):
 def test_max_model_len_ends_with_length(tiny_model_dir, prompts):
     prompt = prompts[1]
     engine = make_engine(tiny_model_dir, max_model_len=len(prompt) + 5)
-    [[completion]] = run_to_completion(engine, [prompt], greedy(100))
+    [[completion]] = run_to_completion(engine, [prompt], greedy(None))  # until max_model_len
     assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
 
 

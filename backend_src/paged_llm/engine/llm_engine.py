@@ -150,6 +150,14 @@ class LLMEngine:
                 f"the prompt needs {num_blocks} KV blocks but the whole pool has {self.kv_cache.num_blocks}",
             )
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks of sampling parameters that depend on the model (vocabulary, context length)."""
+        params.validate_for_vocab(self.spec.vocab_size)
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} exceeds max_model_len {self.max_model_len}"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -160,7 +168,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError("request id", f"{request_id!r} is already in flight")
         self.validate_prompt(prompt_token_ids)
-        params.validate_for_vocab(self.spec.vocab_size)
+        self.validate_params(params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         now = time.monotonic()
         prompt = list(prompt_token_ids)

@@ -110,7 +110,7 @@ class TritonPythonModel:
             else:
                 prompt_ids = self.engine.tokenize(parsed.prompt_text or "")
             self.engine.validate_prompt(prompt_ids)
-            parsed.params.validate_for_vocab(self.engine.spec.vocab_size)
+            self.engine.validate_params(parsed.params)
         except InvalidRequestError as error:
             self._send_error(sender, error)
             return

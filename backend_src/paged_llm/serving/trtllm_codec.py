@@ -1,0 +1,181 @@
+"""TensorRT-LLM client convention <-> the `llm` model's vllm_backend-style tensors (no pb_utils here).
+
+TensorRT-LLM's ensemble / BLS models take one tensor per sampling knob, with a batch dimension
+(clients send shapes [1, 1]), and answer with `output_ids` [batch, beam, tokens] etc. The
+`llm_trtllm` model converts a request with this module, forwards it to `llm`, and converts each
+response back, so one engine serves both conventions.
+
+Sampling follows TensorRT-LLM: with neither `top_k` nor `top_p` set (or both 0) decoding is greedy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from paged_llm.errors import InvalidRequestError
+
+# name -> (sampling parameter it becomes, kind)
+_SCALARS: dict[str, tuple[str, str]] = {
+    "max_tokens": ("max_tokens", "int"),
+    "temperature": ("temperature", "float"),
+    "top_k": ("top_k", "int"),
+    "runtime_top_k": ("top_k", "int"),
+    "top_p": ("top_p", "float"),
+    "runtime_top_p": ("top_p", "float"),
+    "repetition_penalty": ("repetition_penalty", "float"),
+    "presence_penalty": ("presence_penalty", "float"),
+    "frequency_penalty": ("frequency_penalty", "float"),
+    "seed": ("seed", "int"),
+    "random_seed": ("seed", "int"),
+    "min_tokens": ("min_tokens", "int"),
+    "min_length": ("min_tokens", "int"),
+}
+INPUT_NAMES = (
+    "text_input",
+    "stream",
+    "exclude_input_in_output",
+    "return_log_probs",
+    "beam_width",
+    "end_id",
+    "stop_words",
+    *_SCALARS,
+)
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    inputs: dict[str, np.ndarray]  # tensors for the `llm` model
+    stream: bool
+    exclude_input_in_output: bool
+    return_log_probs: bool
+
+
+def _single(name: str, array: np.ndarray) -> Any:
+    if array.size != 1:
+        raise InvalidRequestError(
+            name,
+            f"expected one value (shape [1, 1]; batch size 1 per request), got shape {list(array.shape)}",
+        )
+    return array.reshape(-1)[0]
+
+
+def _number(name: str, array: np.ndarray, kind: str) -> int | float:
+    value = _single(name, array)
+    if isinstance(value, bytes | np.bytes_ | str | np.bool_ | bool):
+        raise InvalidRequestError(name, f"must be numeric, got {array.dtype}")
+    if kind == "int":
+        if not np.issubdtype(array.dtype, np.integer):
+            raise InvalidRequestError(name, f"must be an integer tensor, got {array.dtype}")
+        return int(value)
+    return float(value)
+
+
+def _flag(name: str, array: np.ndarray | None) -> bool:
+    if array is None:
+        return False
+    value = _single(name, array)
+    if not isinstance(value, np.bool_ | bool):
+        raise InvalidRequestError(name, f"must be BOOL, got {array.dtype}")
+    return bool(value)
+
+
+def _stop_words(array: np.ndarray) -> list[str]:
+    words = []
+    for raw in array.reshape(-1):
+        if not isinstance(raw, bytes | np.bytes_):
+            raise InvalidRequestError("stop_words", "must be BYTES strings")
+        try:
+            word = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequestError("stop_words", "is not valid UTF-8") from None
+        if word:
+            words.append(word)
+    return words
+
+
+def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
+    if "text_input" not in inputs:
+        raise InvalidRequestError("text_input", "is required")
+    text = _single("text_input", inputs["text_input"])
+    if "beam_width" in inputs:
+        beam_width = _number("beam_width", inputs["beam_width"], "int")
+        if beam_width != 1:
+            raise InvalidRequestError("beam_width", f"only 1 is supported (no beam search), got {beam_width}")
+    params: dict[str, Any] = {}
+    for name, (target, kind) in _SCALARS.items():
+        if name in inputs:
+            params[target] = _number(name, inputs[name], kind)
+    params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    # TensorRT-LLM: top_k == 0 and top_p == 0 mean "off", and with both off decoding is greedy.
+    if params.get("top_p") == 0.0:
+        params.pop("top_p")
+    if params.get("top_k") == 0:
+        params.pop("top_k")
+    if "top_k" not in params and "top_p" not in params:
+        params["temperature"] = 0.0
+    if "stop_words" in inputs:
+        words = _stop_words(inputs["stop_words"])
+        if words:
+            params["stop"] = words
+    if "end_id" in inputs:
+        params["stop_token_ids"] = [_number("end_id", inputs["end_id"], "int")]
+    stream = _flag("stream", inputs.get("stream"))
+    exclude = _flag("exclude_input_in_output", inputs.get("exclude_input_in_output"))
+    return_log_probs = _flag("return_log_probs", inputs.get("return_log_probs"))
+    llm_inputs: dict[str, np.ndarray] = {
+        "text_input": np.array([text], dtype=np.object_),
+        "stream": np.array([stream]),
+        "exclude_input_in_output": np.array([exclude]),
+        "sampling_parameters": np.array([json.dumps(params).encode()], dtype=np.object_),
+        "return_num_input_tokens": np.array([True]),
+        "return_num_output_tokens": np.array([True]),
+    }
+    if return_log_probs:
+        llm_inputs["return_logprobs"] = np.array([True])
+        llm_inputs["return_cumulative_logprob"] = np.array([True])
+    return ForwardRequest(llm_inputs, stream, exclude, return_log_probs)
+
+
+class TrtllmResponseState:
+    """Turns `llm` responses into TensorRT-LLM-shaped outputs; tracks totals for sequence_length."""
+
+    def __init__(self, request: ForwardRequest) -> None:
+        self.request = request
+        self.num_input_tokens = 0
+        self.num_output_tokens = 0
+
+    def convert(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        text = outputs.get("text_output", np.array([b""], dtype=np.object_)).reshape(-1)[:1]
+        ids = outputs.get("output_ids", np.zeros(0, dtype=np.int32)).astype(np.int32)
+        if "num_input_tokens" in outputs:
+            self.num_input_tokens = int(outputs["num_input_tokens"].reshape(-1)[0])
+        self.num_output_tokens += int(ids.size)
+        total = self.num_output_tokens + (
+            0 if self.request.exclude_input_in_output else self.num_input_tokens
+        )
+        converted = {
+            "text_output": text.reshape(1, 1),
+            "output_ids": ids.reshape(1, 1, -1),
+            "sequence_length": np.array([[total]], dtype=np.int32),
+        }
+        if self.request.return_log_probs:
+            converted["cum_log_probs"] = outputs.get("cumulative_logprob", np.zeros(1, np.float32)).reshape(
+                1, 1
+            )
+            converted["output_log_probs"] = _sampled_logprobs(outputs.get("logprobs")).reshape(1, 1, -1)
+        return converted
+
+
+def _sampled_logprobs(logprobs: np.ndarray | None) -> np.ndarray:
+    """The sampled token's logprob per position, from the llm model's logprobs JSON."""
+    if logprobs is None or logprobs.size == 0:
+        return np.zeros(0, dtype=np.float32)
+    positions = json.loads(bytes(logprobs.reshape(-1)[0]).decode("utf-8"))
+    # Each position's first entry is the sampled token (the llm model writes it first).
+    return np.array([next(iter(p.values()))["logprob"] for p in positions], dtype=np.float32)
