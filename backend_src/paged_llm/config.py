@@ -135,7 +135,13 @@ _ALIASES = {
     "max_tokens_cap": "max_tokens",
 }
 # Optional sizes where 0 means "automatic" (None).
-_ZERO_IS_AUTO = {"num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "max_tokens_cap"}
+_ZERO_IS_AUTO = {
+    "num_kv_blocks",
+    "kv_cache_memory_bytes",
+    "max_model_len",
+    "max_tokens_cap",
+    "max_prompt_bytes",
+}
 
 
 def _coerce(name: str, value: str, type_name: str) -> Any:

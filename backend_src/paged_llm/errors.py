@@ -17,3 +17,8 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine stopped after a fault and takes no more work (becomes UNAVAILABLE)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was ended before it finished: client cancellation, timeout or shutdown
+    (becomes CANCELLED). The message says which."""

@@ -29,6 +29,7 @@ class RequestLimits:
     max_logprobs: int = 20
     max_tokens: int | None = None  # None: bounded only by max_model_len
     max_priority_abs: int = 1 << 31
+    max_prompt_bytes: int | None = 1 << 20  # text_input larger than this is refused (None: no cap)
 
 
 @dataclass(frozen=True)

@@ -1,76 +1,16 @@
-"""Starts a real tritonserver for tests: fresh free ports, a short exit timeout, stopped by pid."""
+"""Test model repositories: copies of the project's models with overridden config parameters."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-from paged_llm.launch import ServerPorts, server_command, server_env
 from paged_llm.paths import repo_root
+from paged_llm.server_process import RunningServer, free_ports, start_server
+
+__all__ = ["RunningServer", "free_ports", "make_model_repository", "start_server"]
 
 REPO_MODELS = repo_root() / "model_repository"
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen
-    ports: ServerPorts
-    log_path: Path
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.ports.http}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports.grpc}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            return response.read().decode()
-
-    def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
 
 
 def make_model_repository(
@@ -83,30 +23,7 @@ def make_model_repository(
         config_path = target / "llm" / "config.pbtxt"
         config = config_path.read_text()
         lines = [line for line in config.splitlines() if not any(f'key: "{k}"' in line for k in parameters)]
-        lines += [
-            f'parameters: {{ key: "{k}", value: {{ string_value: "{v}" }} }}' for k, v in parameters.items()
-        ]
+        for key, value in parameters.items():
+            lines.append(f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}')
         config_path.write_text("\n".join(lines) + "\n")
     return target
-
-
-def start_server(
-    model_repository: Path, log_path: Path, extra_args: list[str] | None = None, timeout_s: float = 180.0
-) -> RunningServer:
-    http, grpc, metrics = free_ports(3)
-    ports = ServerPorts(http, grpc, metrics)
-    command = server_command(model_repository, ports, exit_timeout_secs=3, extra_args=extra_args)
-    log_file = open(log_path, "w")
-    process = subprocess.Popen(
-        command, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    server = RunningServer(process, ports, log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{server.log()[-5000:]}")
-        if server.is_ready():
-            return server
-        time.sleep(0.25)
-    server.stop()
-    raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n{server.log()[-5000:]}")

@@ -819,8 +819,12 @@ def check_step(
     assert [s.request for s in output.scheduled] == resumed + admitted
     assert [r.schedule_key for r in resumed] == sorted(r.schedule_key for r in resumed)
     assert admitted == waiting_before[: len(admitted)]
+    if output.preempted and admitted:
+        # Pool-shortage preemption stops admission; admissions next to preemptions only happen
+        # when the admitted requests outrank the victims (priority preemption).
+        best_admitted = min(r.priority for r in admitted)
+        assert all(v.priority > best_admitted for v in output.preempted), "admitted after preempting"
     if output.preempted:
-        assert admitted == [], "admitted a request in a step that preempted"
         worst_served = max((r.schedule_key for r in resumed), default=None)
         assert worst_served is None or all(worst_served < v.schedule_key for v in output.preempted)
 
@@ -913,3 +917,34 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
     assert sched.requests == {} and sched.running == [] and sched.waiting == []
     assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
     kv.check_integrity()
+
+
+# ---------------------------------------------------------------------------- priority preemption
+def test_a_waiting_request_that_outranks_a_running_one_preempts_it() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    low = make_request("low", 4, max_tokens=6, priority=5)
+    sched.add_request(low)
+    step(sched)
+    step(sched)
+    assert low.num_output_tokens == 2
+    high = make_request("high", 3, max_tokens=2, priority=-1)
+    sched.add_request(high)
+    output = schedule(sched)
+    assert output.preempted == [low] and low.status is RequestStatus.PREEMPTED
+    assert summary(output) == [("high", 0, 3, True)]
+    apply(sched, output)
+    run(sched)
+    assert high.output_token_ids == expected_outputs("high", 2)
+    assert low.output_token_ids == expected_outputs("low", 6)  # nothing lost or repeated
+    assert low.num_preemptions == 1
+    assert_all_freed(sched)
+
+
+def test_equal_priority_never_preempts_for_admission() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    first = make_request("first", 4, max_tokens=3)
+    sched.add_request(first)
+    step(sched)
+    sched.add_request(make_request("second", 4, max_tokens=3))
+    output = schedule(sched)
+    assert not output.preempted and summary(output) == [("first", 4, 1, True)]

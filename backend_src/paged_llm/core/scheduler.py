@@ -144,15 +144,27 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request in output.preempted:
+                break  # preempted this very step to make room: resuming it now would only thrash
+            if len(self.running) >= self.config.max_num_seqs:
+                budget, made_room = self._preempt_lower_priority(request, output, budget)
+                if not made_room:
+                    break
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
-                break  # FCFS: the head waits for blocks rather than being overtaken
+                # FCFS: the head waits for blocks rather than being overtaken, unless it outranks a
+                # running request.
+                budget, made_room = self._preempt_lower_priority(request, output, budget)
+                if not made_room:
+                    break
+                continue
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -163,6 +175,28 @@ class Scheduler:
             self._add_scheduled(output, request, num_hit_tokens, num_new)
             budget -= num_new
         return budget
+
+    def _preempt_lower_priority(
+        self, request: Request, output: SchedulerOutput, budget: int
+    ) -> tuple[int, bool]:
+        """Preempts the worst running request if `request` strictly outranks it (lower priority value).
+
+        The victim may already be scheduled in this step: it is taken out of the step and its tokens
+        go back to the budget. (Its blocks hold no cache entries yet for this step's tokens: those are
+        registered only after a step ran.) Returns the new budget and whether room was made.
+        """
+        candidates = [r for r in self.running if r.priority > request.priority]
+        if not candidates:
+            return budget, False
+        victim = max(candidates, key=lambda r: r.schedule_key)
+        for position, item in enumerate(output.scheduled):
+            if item.request is victim:
+                budget += item.num_new_tokens
+                del output.scheduled[position]
+                break
+        self._preempt(victim)
+        output.preempted.append(victim)
+        return budget, True
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, start: int, num_new: int) -> None:
         output.scheduled.append(

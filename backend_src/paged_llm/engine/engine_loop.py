@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.engine.outputs import RequestOutput
 from paged_llm.errors import EngineDeadError, QueueFullError
-from paged_llm.request import RequestStatus
 from paged_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +32,7 @@ class _Submit:
 @dataclass
 class _Abort:
     request_id: str
+    reason: str
 
 
 class EngineLoop:
@@ -66,8 +66,9 @@ class EngineLoop:
             raise EngineDeadError(f"not accepting requests: {reason}")
         self._inbox.put(_Submit(request_id, prompt_token_ids, params, callback, deadline))
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+    def abort(self, request_id: str, reason: str = "cancelled by the client") -> None:
+        """Ends a request within one step; its final output carries a RequestAbortedError(reason)."""
+        self._inbox.put(_Abort(request_id, reason))
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stops accepting work, lets in-flight requests run up to `grace_s`, aborts the rest, joins."""
@@ -107,7 +108,7 @@ class EngineLoop:
             if item is None:
                 return
             if isinstance(item, _Abort):
-                output = self.engine.abort_request(item.request_id)
+                output = self.engine.abort_request(item.request_id, item.reason)
                 if output is not None:
                     self._deliver(output)
                 continue
@@ -139,7 +140,7 @@ class EngineLoop:
 
     def _abort_all(self) -> None:
         for request_id in list(self.engine.groups):
-            output = self.engine.abort_request(request_id, RequestStatus.FINISHED_ABORTED)
+            output = self.engine.abort_request(request_id, "the server is shutting down")
             if output is not None:
                 self._deliver(output)
 

@@ -21,7 +21,7 @@ from paged_llm.core.kv_cache_manager import KVCacheManager
 from paged_llm.core.scheduler import Scheduler
 from paged_llm.engine.outputs import PositionLogprobs, RequestOutput, SequenceDelta, TopLogprob
 from paged_llm.engine.stats import EngineStats
-from paged_llm.errors import InvalidRequestError
+from paged_llm.errors import InvalidRequestError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import ModelSpec, load_model_spec
 from paged_llm.request import Request, RequestStatus
@@ -215,18 +215,24 @@ class LLMEngine:
             self._start_sequence(group, request)
         group.unstarted = []
 
-    def abort_request(
-        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
-    ) -> RequestOutput | None:
-        """Ends a request now; returns its final output (None if it is unknown or already done)."""
+    def abort_request(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """Ends a request now; returns its final output, whose error says why (None if unknown)."""
         group = self.groups.get(request_id)
         if group is None:
             return None
-        live = [s.request.request_id for s in group.sequences if not s.finished]
-        self.scheduler.finish_requests(live, status)
+        live = [s.request for s in group.sequences if not s.finished]
+        states = sorted({r.status.value for r in live}) or ["finished"]
+        logger.info(
+            "request %s aborted (%s) while %s, after %d generated tokens",
+            request_id,
+            reason,
+            "/".join(states),
+            sum(s.request.num_output_tokens for s in group.sequences),
+        )
+        self.scheduler.finish_requests([r.request_id for r in live], RequestStatus.FINISHED_ABORTED)
         group.unstarted = []
         deltas = [self._finish_sequence(group, seq) for seq in group.sequences if not seq.finished]
-        output = self._close_group(group, deltas)
+        output = self._close_group(group, deltas, error=RequestAbortedError(reason))
         self.stats.update_scheduler(self.scheduler.stats())
         return output
 
@@ -270,9 +276,9 @@ class LLMEngine:
     ) -> None:
         seq = next(s for s in group.sequences if s.request is request)
         now = time.monotonic()
+        self.stats.on_token(request, now, is_first_of_request=group.first_token_time is None)
         if group.first_token_time is None:
             group.first_token_time = now
-        self.stats.on_token(request, now)
         seq.pending_token_ids.append(token_id)
         token_logprobs = runner_output.logprobs.get(request.request_id)
         if token_logprobs is not None:
@@ -367,7 +373,8 @@ class LLMEngine:
         ]
         outputs = []
         for request_id in expired:
-            output = self.abort_request(request_id)
+            waited = now - self.groups[request_id].arrival_time
+            output = self.abort_request(request_id, f"timed out after {waited:.3f} s (request timeout)")
             if output is not None:
                 outputs.append(output)
         return outputs

@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from paged_llm.errors import RequestAbortedError
+
 if TYPE_CHECKING:
     from paged_llm.core.scheduler import SchedulerStats
     from paged_llm.request import Request
@@ -56,14 +58,15 @@ class EngineStats:
         with self._lock:
             self._scheduler = scheduler_stats
 
-    def on_token(self, request: Request, now: float) -> None:
+    def on_token(self, request: Request, now: float, is_first_of_request: bool) -> None:
+        """One generated token; `is_first_of_request`: the client request's first token (of any of
+        its n samples), which is what time-to-first-token measures."""
         with self._lock:
             self.num_generation_tokens_total += 1
+            if is_first_of_request:
+                self._observations.time_to_first_token_s.append(now - request.arrival_time)
             last = self._last_token_time.get(request.request_id)
-            if last is None:
-                if request.num_output_tokens == 1:
-                    self._observations.time_to_first_token_s.append(now - request.arrival_time)
-            else:
+            if last is not None:
                 self._observations.inter_token_latency_s.append(now - last)
             self._last_token_time[request.request_id] = now
             if request.is_finished:
@@ -73,7 +76,9 @@ class EngineStats:
         with self._lock:
             for seq in group.sequences:
                 self._last_token_time.pop(seq.request.request_id, None)
-            if error is not None:
+            if isinstance(error, RequestAbortedError):
+                outcome = "abort"
+            elif error is not None:
                 outcome = "error"
             else:
                 reasons = {seq.request.status.value for seq in group.sequences}

@@ -73,7 +73,6 @@ def parse_request(
     inputs: Mapping[str, np.ndarray],
     request_parameters: str | Mapping[str, Any] | None,
     limits: RequestLimits,
-    max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
     """Turns a request's input tensors (and Triton request parameters) into engine inputs."""
     has_text = "text_input" in inputs
@@ -83,7 +82,9 @@ def parse_request(
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     if has_text:
-        prompt_text = _as_text("text_input", _scalar("text_input", inputs["text_input"]), max_prompt_bytes)
+        prompt_text = _as_text(
+            "text_input", _scalar("text_input", inputs["text_input"]), limits.max_prompt_bytes
+        )
         if not prompt_text:
             raise InvalidRequestError("text_input", "the prompt is empty")
     else:

@@ -24,12 +24,16 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.engine_loop import EngineLoop
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.engine.outputs import RequestOutput
-from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.serving.metrics import TritonMetrics
 from paged_llm.serving.triton_codec import INPUT_NAMES, ResponseAccumulator, parse_request
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_POLL_INTERVAL_S = 0.02  # how often the response thread wakes without outputs (cancellation polls)
+_WAKE_INTERVAL_S = 0.02  # the response thread wakes at least this often
+_CANCEL_POLL_INTERVAL_S = 0.05  # how often in-flight requests are asked whether they were cancelled
+_METRICS_INTERVAL_S = 0.5
+_SHUTDOWN_GRACE_S = 5.0  # finalize(): in-flight requests get this long, then they are cancelled
 
 
 class _TritonLogHandler(logging.Handler):
@@ -45,12 +49,15 @@ class _TritonLogHandler(logging.Handler):
             pb_utils.Logger.log_info(message)
 
 
-def _error_code(error: BaseException) -> Any:
+def _error_code(error: BaseException) -> tuple[Any, str]:
+    """Triton status code for an error, and its label in paged_llm_final_responses_total."""
     if isinstance(error, InvalidRequestError):
-        return pb_utils.TritonError.INVALID_ARG
+        return pb_utils.TritonError.INVALID_ARG, "invalid_arg"
     if isinstance(error, QueueFullError | EngineDeadError):
-        return pb_utils.TritonError.UNAVAILABLE
-    return pb_utils.TritonError.INTERNAL
+        return pb_utils.TritonError.UNAVAILABLE, "unavailable"
+    if isinstance(error, RequestAbortedError):
+        return pb_utils.TritonError.CANCELLED, "cancelled"
+    return pb_utils.TritonError.INTERNAL, "internal"
 
 
 @dataclass
@@ -60,6 +67,7 @@ class _Stream:
     request_id: str
     sender: Any  # pb_utils.InferenceResponseSender
     accumulator: ResponseAccumulator
+    cancelled: bool = False  # the client cancelled: no more data, one CANCELLED final
 
 
 class TritonPythonModel:
@@ -78,6 +86,7 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(config.model.model, Path(args["model_repository"]))
         config = replace(config, model=replace(config.model, model=str(model_dir)))
         self.engine = LLMEngine(config, show_progress=False)
+        self.metrics = TritonMetrics(pb_utils, self.engine.stats, args["model_name"], args["model_version"])
         self.loop = EngineLoop(self.engine)
         self.loop.start()
         self._ids = itertools.count()
@@ -114,6 +123,9 @@ class TritonPythonModel:
         except InvalidRequestError as error:
             self._send_error(sender, error)
             return
+        if request.is_cancelled():
+            self._send_error(sender, RequestAbortedError("cancelled by the client before it was queued"))
+            return
         prompt_text = parsed.prompt_text
         if prompt_text is None:
             echo = not parsed.stream and not parsed.exclude_input_in_output
@@ -131,25 +143,25 @@ class TritonPythonModel:
                 self._streams.pop(request_id, None)
             self._send_error(sender, error)
 
-    @staticmethod
-    def _send_error(sender: Any, error: BaseException) -> None:
-        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), _error_code(error)))
+    def _send_error(self, sender: Any, error: BaseException) -> None:
+        code, label = _error_code(error)
+        self.metrics.count_final(label)
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), code))
         try:
             sender.send(response, flags=_FINAL)
         except Exception as send_error:  # the client may be gone already
-            logging.getLogger("paged_llm").warning("could not send an error response: %s", send_error)
+            logging.getLogger("paged_llm").info("could not send an error response: %s", send_error)
 
     # ----------------------------------------------------------------------------- response thread
     def _respond_loop(self) -> None:
+        next_cancel_poll = next_metrics = time.monotonic()
         while True:
             try:
-                first = self._outputs.get(timeout=_POLL_INTERVAL_S)
+                first: RequestOutput | None = self._outputs.get(timeout=_WAKE_INTERVAL_S)
             except queue.Empty:
-                if self._stopping.is_set() and not self._streams:
-                    return
-                continue
+                first = None
             touched: dict[str, _Stream] = {}
-            output: RequestOutput | None = first
+            output = first
             while output is not None:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
@@ -161,6 +173,28 @@ class TritonPythonModel:
                     output = None
             for stream in touched.values():
                 self._send(stream)
+            now = time.monotonic()
+            if now >= next_cancel_poll:
+                self._poll_cancellations()
+                next_cancel_poll = now + _CANCEL_POLL_INTERVAL_S
+            if now >= next_metrics:
+                self.metrics.update()
+                next_metrics = now + _METRICS_INTERVAL_S
+            if first is None and self._stopping.is_set() and not self._streams:
+                self.metrics.update()
+                return
+
+    def _poll_cancellations(self) -> None:
+        with self._streams_lock:
+            streams = [s for s in self._streams.values() if not s.cancelled]
+        for stream in streams:
+            try:
+                cancelled = stream.sender.is_cancelled()
+            except Exception:  # a sender that cannot answer belongs to a request Triton already dropped
+                cancelled = True
+            if cancelled:
+                stream.cancelled = True
+                self.loop.abort(stream.request_id, "cancelled by the client")
 
     def _send(self, stream: _Stream) -> None:
         accumulator = stream.accumulator
@@ -168,6 +202,8 @@ class TritonPythonModel:
             self._forget(stream)
             self._send_error(stream.sender, accumulator.error)
             return
+        if stream.cancelled and not accumulator.finished:
+            return  # the abort is on its way; its CANCELLED final is the next thing the client gets
         tensors = accumulator.take()
         if tensors is None:
             return
@@ -176,15 +212,20 @@ class TritonPythonModel:
         )
         if accumulator.finished:
             self._forget(stream)
+            if stream.cancelled:
+                # Finished on its own before the abort landed: the client still asked to cancel.
+                self._send_error(stream.sender, RequestAbortedError("cancelled by the client"))
+                return
+            self.metrics.count_final("success")
         try:
             stream.sender.send(response, flags=_FINAL if accumulator.finished else 0)
         except Exception as error:  # the client went away: stop generating for it
-            logging.getLogger("paged_llm").warning(
+            logging.getLogger("paged_llm").info(
                 "request %s: send failed (%s); aborting", stream.request_id, error
             )
             if not accumulator.finished:
-                self._forget(stream)
-                self.loop.abort(stream.request_id)
+                stream.cancelled = True
+                self.loop.abort(stream.request_id, f"response could not be sent ({error})")
 
     def _forget(self, stream: _Stream) -> None:
         with self._streams_lock:
@@ -192,6 +233,13 @@ class TritonPythonModel:
 
     # ---------------------------------------------------------------------------------- shutdown
     def finalize(self) -> None:
-        self.loop.shutdown(grace_s=5.0)
+        """Stops accepting work, gives in-flight requests a bounded grace period, cancels the rest
+        (each gets its CANCELLED final), then joins the engine and response threads."""
+        self.loop.shutdown(grace_s=_SHUTDOWN_GRACE_S)
         self._stopping.set()
         self._response_thread.join(timeout=10.0)
+        logging.getLogger("paged_llm").info(
+            "paged_llm finalized: engine thread alive=%s, response thread alive=%s",
+            self.loop.is_alive,
+            self._response_thread.is_alive(),
+        )

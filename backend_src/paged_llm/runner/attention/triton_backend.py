@@ -1,0 +1,97 @@
+"""Paged attention in Triton for CUDA: one launch per step for a mixed batch of prefills and decodes.
+
+forward() reads only device tensors of the metadata and host ints that a captured CUDA graph keeps
+fixed (max_query_len, the batch size and the block-table width), so the decode step can be
+captured and replayed. Padding rows of a graph batch (slot -1, seq_len 0) write nothing to the
+cache and produce zeros in their own output rows.
+
+Decode-only batches with few (sequence, kv head) programs leave most SMs idle while each program
+walks a long context; they split the keys over several programs (flash-decoding) and merge the
+partial softmaxes in a second small kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.runner.attention.triton_kernels import paged_attention, write_kv_cache
+
+DEFAULT_NUM_SMS = 132  # H100 SXM; used when the device cannot be asked (CPU interpreter)
+MAX_SPLITS = 16  # the reduce kernel holds [splits, head_dim] partials in registers
+MIN_KEYS_PER_SPLIT = 256  # below this the partial writes + reduce cost more than the parallelism wins
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _prev_power_of_2(value: int) -> int:
+    return 1 << (value.bit_length() - 1) if value > 0 else 0
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len_bound: int, num_sms: int
+) -> int:
+    """How many programs share the keys of one (sequence, kv head); 1 = single pass.
+
+    Only host ints that are fixed for a captured graph enter: `max_seq_len_bound` is the block-table
+    width in tokens, not the true longest context, so a replayed graph never needs another split.
+    Aim for about two programs per SM, keep >= MIN_KEYS_PER_SPLIT keys per split of the longest
+    possible context, and round down to a power of two (the reduce kernel's tile).
+    """
+    programs = num_seqs * num_kv_heads
+    if max_query_len != 1 or programs == 0 or programs >= num_sms:
+        return 1
+    wanted = -(-2 * num_sms // programs)
+    splits = min(MAX_SPLITS, wanted, max_seq_len_bound // MIN_KEYS_PER_SPLIT)
+    return max(1, _prev_power_of_2(splits))
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        # A fixed split count overrides the heuristic (tests; tuning). Must be a power of two.
+        self.fixed_num_splits = num_splits
+
+    def num_splits(self, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> int:
+        if self.fixed_num_splits is not None:
+            return self.fixed_num_splits
+        block_tables = metadata.block_tables
+        return choose_num_splits(
+            num_seqs=block_tables.shape[0],
+            num_kv_heads=k_cache.shape[2],
+            max_query_len=metadata.max_query_len,
+            max_seq_len_bound=block_tables.shape[1] * k_cache.shape[1],
+            num_sms=_num_sms(query.device),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # The attention kernel reads the new tokens' keys back from the cache, so write first.
+        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            scale,
+            num_splits=self.num_splits(query, k_cache, metadata),
+        )

@@ -1,0 +1,288 @@
+r"""Triton kernels of the paged attention backend: cache write, unified (prefill + decode) attention
+with an optional split over the KV positions (flash-decoding), and the reduce of the splits.
+
+One program of the attention kernel owns one (sequence, kv head, query block[, split]). Its Q tile
+packs the query heads that share the kv head into the M dimension, so K/V are read once per group:
+
+    row m of the Q tile (BLOCK_M = BLOCK_Q * GROUP_P rows):
+        token  t = q_block * BLOCK_Q + m // GROUP_P      (index among the sequence's new tokens)
+        head   h = kv_head * GROUP + m % GROUP_P         (rows with m % GROUP_P >= GROUP are padding)
+        pos    p = (seq_len - query_len) + t             (absolute position; sees keys 0 .. p)
+
+    key position j of the sequence -> cache row:
+        block_tables[seq, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE
+        [ blk 7 | blk 2 | blk 9 ]     (BLOCK_SIZE 16) j = 0..15 in blk 7, 16..31 in blk 2, ...
+          \_ TILE_N keys per loop step, any multiple or fraction of BLOCK_SIZE
+
+With NUM_SPLITS > 1 the keys a query block sees, 0 .. kv_end-1, are cut into NUM_SPLITS chunks
+(multiples of TILE_N); every split writes an unnormalised partial (acc, max, sum) and
+`_reduce_splits_kernel` merges them. All loop bounds come from device tensors, all grid sizes from
+host ints that stay fixed for a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The max/sum of the online softmax live in log2 units: exp2 is the fast hardware path.
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding row of a CUDA-graph batch: owns no cache slot
+        return
+    heads = tl.arange(0, KV_HEADS_P)
+    dims = tl.arange(0, HEAD_DIM_P)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    cache_off += heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= query_len:  # the grid is sized for the longest query of the batch
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len  # keys cached before this step's tokens
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = q_block * BLOCK_Q + rows // GROUP_P
+    head_in_group = rows % GROUP_P
+    head = kv_head * GROUP + head_in_group
+    row_valid = (q_tok < query_len) & (head_in_group < GROUP)
+    q_pos = context_len + q_tok
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_valid = dims < HEAD_DIM
+    token = (q_start + q_tok).to(tl.int64)
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # zero padding: it meets K's zero padding in tl.dot
+    if DOT_FP32:  # K, V and P follow q's dtype into tl.dot
+        q = q.to(tl.float32)
+
+    # The last row of the block sees the most keys; padding rows (seq_len 0) get an empty range.
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        # Per-sequence chunk: short sequences leave the high splits empty (they write m = -inf).
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_ch
+    for start in range(kv_lo, kv_hi, TILE_N):
+        pos = start + offs_n
+        pos_valid = pos < kv_hi
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head_off
+        # Masked loads return 0: an unwritten cache row may hold NaN, and 0 * NaN would leak into acc.
+        k = tl.load(
+            k_cache_ptr + row_off[None, :] + dims[:, None],
+            mask=dim_valid[:, None] & pos_valid[None, :],
+            other=0.0,
+        )  # [HEAD_DIM_P, TILE_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :] & row_valid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + row_off[:, None] + dims[None, :],
+            mask=pos_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_P]
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows without keys (padding) give 0
+        out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        acc_ptrs = part_acc_ptr + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :]
+        tl.store(acc_ptrs + split * stride_ps, acc, mask=q_mask)
+        ml_off = token * stride_mt + head * stride_mh + split
+        tl.store(part_m_ptr + ml_off, m_i, mask=row_valid)
+        tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_valid = dims < HEAD_DIM
+    # Exactly the tokens the attention kernel covered; one per sequence on the decode path.
+    for i in range(0, q_end - q_start):
+        tok64 = q_start.to(tl.int64) + i
+        ml_off = tok64 * stride_mt + head * stride_mh + splits
+        m = tl.load(part_m_ptr + ml_off)
+        l_part = tl.load(part_l_ptr + ml_off)
+        m_max = tl.max(m, 0)
+        weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
+        denom = tl.sum(weight * l_part, 0)
+        acc_ptrs = part_acc_ptr + tok64 * stride_pt + head * stride_ph
+        acc = tl.load(
+            acc_ptrs + splits[:, None] * stride_ps + dims[None, :], mask=dim_valid[None, :], other=0.0
+        )
+        out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+        out_ptrs = out_ptr + tok64 * stride_ot + head * stride_oh + dims
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+# ------------------------------------------------------------------------------------- launchers
+# TRITON_INTERPRET=1 at import time turns @triton.jit into the CPU interpreter's function type.
+_INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    # The kernels address the last dim with stride 1; q/k/v are usually strided views of qkv.
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+) -> None:
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        KV_HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_kv_heads * head_dim <= 256 else 4,
+    )  # fmt: skip
+
+
+def attention_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N). tl.dot wants every dim >= 16, so BLOCK_M never drops below 16.
+
+    Decode-like batches (one token times the head group fits 16 rows) take the 16-row tile: the
+    kernel is bound by the K/V reads and bigger tiles only add masked rows. Prefills take 64 rows,
+    the usual FlashAttention-2 tile for head_dim <= 128 on Hopper.
+    """
+    group_p = triton.next_power_of_2(group)
+    block_m = max(16, group_p) if max_query_len * group_p <= 16 else max(64, group_p)
+    tile_n = 64 if head_dim <= 128 else 32  # keeps K/V tiles + scores within the register file
+    return block_m, block_m // group_p, tile_n
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    max_query_len: int,
+    scale: float,
+    num_splits: int = 1,  # power of two; > 1 = split-KV (meant for decode-only batches)
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cache (which already holds it)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    query = _last_dim_contiguous(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if out is None else out
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m, block_q, tile_n = attention_tiles(max_query_len, group, head_dim)
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:  # never read: NUM_SPLITS == 1 removes those code paths at compile time
+        part_acc = part_m = part_l = out
+    # fp32 inputs would run tl.dot in TF32 (10-bit mantissa) by default; keep them exact. The CPU
+    # interpreter multiplies bf16 as raw uint16 bits (triton 3.6), so it gets fp32 dots instead.
+    dot_fp32 = query.dtype == torch.float32 or (_INTERPRETED and query.dtype == torch.bfloat16)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * num_splits)
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out, part_acc, part_m, part_l,
+        query_start_loc, seq_lens, block_tables, scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_m.stride(0), part_m.stride(1),
+        GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        NUM_SPLITS=num_splits, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
+        num_warps=4, num_stages=3 if block_m <= 16 else 2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_m, part_l, query_start_loc,
+            out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_m.stride(0), part_m.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
+            num_warps=1 if head_dim_p * num_splits <= 1024 else 4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,95 @@
+"""A tritonserver child process on fresh ports, for tests, benchmarks and the soak script.
+
+Started with `start_server` (waits until /v2/health/ready), stopped by pid (`stop`): SIGTERM to its
+process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) keeps restarts fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from paged_llm.launch import ServerPorts, server_command, server_env
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    ports: ServerPorts
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return response.read().decode()
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def start_server(
+    model_repository: Path, log_path: Path, extra_args: list[str] | None = None, timeout_s: float = 180.0
+) -> RunningServer:
+    http, grpc, metrics = free_ports(3)
+    ports = ServerPorts(http, grpc, metrics)
+    command = server_command(model_repository, ports, exit_timeout_secs=3, extra_args=extra_args)
+    log_file = open(log_path, "w")  # the server process writes it for as long as it runs
+    process = subprocess.Popen(
+        command, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    server = RunningServer(process, ports, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{server.log()[-5000:]}")
+        if server.is_ready():
+            return server
+        time.sleep(0.25)
+    server.stop()
+    raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n{server.log()[-5000:]}")

@@ -1,0 +1,49 @@
+"""Reading Prometheus text from Triton's /metrics endpoint in tests."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eEinfaN]+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
+
+
+def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    samples = {}
+    for line in text.splitlines():
+        match = _LINE.match(line.strip())
+        if match:
+            name, labels, value = match.groups()
+            samples[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
+    return samples
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when there is none)."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in parse(text).items() if n == name and wanted <= set(ls))
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def wait_idle(server, timeout_s: float = 30.0) -> None:
+    """Running/waiting gauges at 0 and every KV block back in the pool (metrics refresh every 0.5 s)."""
+
+    def idle() -> bool:
+        text = server.metrics()
+        return (
+            value(text, "paged_llm_num_requests_running") == 0
+            and value(text, "paged_llm_num_requests_waiting") == 0
+            and value(text, "paged_llm_kv_cache_usage_ratio") == 0.0
+        )
+
+    assert wait_for(idle, timeout_s=timeout_s), server.metrics()[-3000:]

@@ -1,0 +1,69 @@
+"""paged_llm's own metrics on Triton's /metrics endpoint, checked after a known workload."""
+
+from __future__ import annotations
+
+import time
+
+from tests.e2e.client import make_inputs, stream_many
+from tests.e2e.metrics import value, wait_for, wait_idle
+
+NUM_REQUESTS = 5
+MAX_TOKENS = 7
+
+COUNTERS = {
+    "generation": ("paged_llm_generation_tokens_total", {}),
+    "prompt": ("paged_llm_prompt_tokens_total", {}),
+    "length": ("paged_llm_request_outcomes_total", {"outcome": "length"}),
+    "success": ("paged_llm_final_responses_total", {"code": "success"}),
+    "ttft": ("paged_llm_time_to_first_token_seconds_count", {}),
+    "itl": ("paged_llm_inter_token_latency_seconds_count", {}),
+    "e2e": ("paged_llm_e2e_request_latency_seconds_count", {}),
+}
+
+
+def read(server) -> dict[str, float]:
+    text = server.metrics()
+    return {key: value(text, name, **labels) for key, (name, labels) in COUNTERS.items()}
+
+
+def test_metrics_after_a_known_workload(server):
+    wait_idle(server)  # earlier tests' stragglers (e.g. perf_analyzer's last requests) must not count
+    time.sleep(0.6)  # one more metrics refresh after the last of them finished
+    before = read(server)
+    requests = [
+        make_inputs(
+            f"metrics prompt number {i} " * (i + 1),
+            sampling_parameters={"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0},
+            return_num_input_tokens=True,
+        )
+        for i in range(NUM_REQUESTS)
+    ]
+    results = stream_many(server.grpc_url, requests)
+    assert all(r.finals == 1 and not r.errors for r in results)
+    prompt_tokens = sum(int(r.last("num_input_tokens")[0]) for r in results)
+    expected = {
+        "generation": NUM_REQUESTS * MAX_TOKENS,
+        "prompt": prompt_tokens,
+        "length": NUM_REQUESTS,
+        "success": NUM_REQUESTS,
+        "ttft": NUM_REQUESTS,
+        "itl": NUM_REQUESTS * (MAX_TOKENS - 1),
+        "e2e": NUM_REQUESTS,
+    }
+
+    def deltas() -> dict[str, float]:
+        now = read(server)
+        return {key: now[key] - before[key] for key in expected}
+
+    assert wait_for(lambda: deltas() == expected, timeout_s=10), (deltas(), expected)
+    text = server.metrics()
+    # Histograms are populated: the first-token latencies fall in some finite bucket.
+    assert value(text, "paged_llm_time_to_first_token_seconds_bucket", le="+Inf") >= NUM_REQUESTS
+    assert value(text, "paged_llm_e2e_request_latency_seconds_sum") > 0
+    for gauge in (
+        "paged_llm_num_requests_running",
+        "paged_llm_num_requests_waiting",
+        "paged_llm_kv_cache_usage_ratio",
+    ):
+        assert f"{gauge}{{" in text
+    assert "paged_llm_prefix_cache_hit_ratio{" in text

@@ -1,0 +1,233 @@
+"""TritonAttention against PortableAttention on CPU (Triton interpreter) and, with a GPU, on CUDA.
+
+Metadata comes from the real ModelRunner.prepare_inputs, fed with stand-in scheduler items. The
+Triton run gets a cache whose unused slots hold NaN: a masked load that leaked would show up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import; GPU runs compile for real
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("triton")
+
+from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.runner.attention.portable import PortableAttention
+from paged_llm.runner.attention.triton_backend import TritonAttention, choose_num_splits
+from paged_llm.runner.model_runner import ModelRunner
+
+NUM_BLOCKS = 128
+
+
+def build_metadata(
+    chunks: list[tuple[int, int]], block_size: int, device: torch.device, seed: int = 0
+) -> AttentionMetadata:
+    """chunks: (num_computed_tokens, num_new_tokens) per sequence; blocks are scattered at random."""
+    free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    scheduled = []
+    for computed, new in chunks:
+        num_blocks = -(-(computed + new) // block_size)
+        scheduled.append(
+            SimpleNamespace(
+                request=SimpleNamespace(all_token_ids=[0] * (computed + new)),
+                num_computed_tokens=computed,
+                num_new_tokens=new,
+                block_ids=[free.pop() for _ in range(num_blocks)],
+                needs_sample=False,
+            )
+        )
+    runner = SimpleNamespace(
+        block_size_tokens=block_size,
+        device=SimpleNamespace(torch_device=device, pin_memory=device.type == "cuda"),
+    )
+    return ModelRunner.prepare_inputs(runner, SimpleNamespace(scheduled=scheduled)).metadata
+
+
+def context_slots(metadata: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0 .. seq_len-1 of every sequence (cached context + new tokens)."""
+    slots = []
+    for row, seq_len in enumerate(metadata.seq_lens_host):
+        pos = torch.arange(seq_len)
+        table = metadata.block_tables[row].cpu().long()
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(slots)
+
+
+def make_inputs(metadata, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = metadata.num_tokens
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)  # strided q/k/v views, as in the decoder
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    shape = (NUM_BLOCKS, block_size, kv_heads, head_dim)
+    return (
+        q.view(tokens, heads, head_dim),
+        k.view(tokens, kv_heads, head_dim),
+        v.view(tokens, kv_heads, head_dim),
+        randn(*shape),
+        randn(*shape),
+    )
+
+
+def run_both(
+    chunks, heads=4, kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu", splits=None
+):
+    device = torch.device(device)
+    metadata = build_metadata(chunks, block_size, device)
+    q, k, v, k_cache, v_cache = make_inputs(metadata, heads, kv_heads, head_dim, block_size, dtype, device)
+    scale = head_dim**-0.5
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = PortableAttention().forward(q, k, v, ref_k, ref_v, metadata, scale)
+    valid = context_slots(metadata, block_size).to(device)
+    tri_k, tri_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    for tri, src in ((tri_k, k_cache), (tri_v, v_cache)):
+        tri.view(-1, kv_heads, head_dim)[valid] = src.view(-1, kv_heads, head_dim)[valid]
+    actual = TritonAttention(num_splits=splits).forward(q, k, v, tri_k, tri_v, metadata, scale)
+    # The cache writes: every context slot (incl. the new tokens' slots) matches the portable cache.
+    for tri, ref in ((tri_k, ref_k), (tri_v, ref_v)):
+        assert torch.equal(tri.view(-1, kv_heads, head_dim)[valid], ref.view(-1, kv_heads, head_dim)[valid])
+    return actual, expected
+
+
+def assert_close(actual, expected, atol=1e-4):
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=atol)
+
+
+# ------------------------------------------------------------------------------------ batches
+# Contexts past 64 keys (one KV tile) exercise the online-softmax rescale and several splits.
+DECODES = [(3, 1), (12, 1), (0, 1), (140, 1)]
+MIXED = [(0, 7), (9, 1), (70, 6), (150, 1), (0, 1)]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [DECODES, [(0, 70)], [(75, 6)], MIXED],
+    ids=["decode", "prefill", "chunked_prefill", "mixed"],
+)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_portable(chunks, block_size):
+    assert_close(*run_both(chunks, block_size=block_size))
+
+
+@pytest.mark.parametrize("heads_per_kv", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_gqa_and_head_dim(heads_per_kv, head_dim):
+    assert_close(*run_both(MIXED, heads=2 * heads_per_kv, kv_heads=2, head_dim=head_dim))
+
+
+def test_odd_group_and_long_prefill_spanning_query_blocks():
+    # group 3 (padded to 4 rows) and a 40-token chunk: several query blocks of one sequence.
+    assert_close(*run_both([(5, 40), (17, 1)], heads=6, kv_heads=2, block_size=8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    assert_close(*run_both(MIXED, dtype=dtype), atol=2e-2)
+
+
+@pytest.mark.parametrize("chunks", [DECODES, MIXED], ids=["decode", "mixed"])
+def test_split_kv_matches_single_pass(chunks):
+    single, expected = run_both(chunks, splits=1)
+    split, _ = run_both(chunks, splits=4)
+    assert_close(split, expected)
+    assert_close(split, single, atol=1e-5)
+
+
+def test_padding_rows_leave_real_rows_exact():
+    block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
+    metadata = build_metadata(DECODES, block_size, torch.device("cpu"))
+    q, k, v, k_cache, v_cache = make_inputs(
+        metadata, heads, kv_heads, head_dim, block_size, torch.float32, "cpu"
+    )
+    real = TritonAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, 0.25)
+    # A CUDA-graph batch padded by 3 rows: one token each, slot -1, seq_len 0, block table of zeros.
+    pad = 3
+    padded = replace(
+        metadata,
+        num_tokens=metadata.num_tokens + pad,
+        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad,), -1)]),
+        query_start_loc=torch.cat(
+            [
+                metadata.query_start_loc,
+                metadata.query_start_loc[-1] + torch.arange(1, pad + 1, dtype=torch.int32),
+            ]
+        ),
+        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+        block_tables=torch.cat(
+            [metadata.block_tables, torch.zeros(pad, metadata.block_tables.shape[1]).int()]
+        ),
+    )
+    nan_rows = torch.full((pad, kv_heads, head_dim), float("nan"))
+    q_pad = torch.cat([q, torch.full((pad, heads, head_dim), float("nan"))])
+    k_pad, v_pad = torch.cat([k, nan_rows]), torch.cat([v, nan_rows])
+    for splits in (1, 4):
+        pk, pv = k_cache.clone(), v_cache.clone()
+        out = TritonAttention(num_splits=splits).forward(q_pad, k_pad, v_pad, pk, pv, padded, 0.25)
+        assert not pk.isnan().any() and not pv.isnan().any()  # padding rows wrote nothing
+        assert_close(out[: metadata.num_tokens], real, atol=1e-6)
+
+
+def test_split_heuristic():
+    # 1 sequence x 8 kv heads on 132 SMs with a 4096-token table: split as far as allowed.
+    assert choose_num_splits(1, 8, 1, 4096, 132) == 16
+    assert choose_num_splits(8, 8, 1, 4096, 132) == 4
+    assert choose_num_splits(64, 8, 1, 4096, 132) == 1  # the batch already fills the GPU
+    assert choose_num_splits(1, 8, 1, 256, 132) == 1  # too short to be worth a reduce
+    assert choose_num_splits(1, 8, 7, 4096, 132) == 1  # prefills never split
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_bf16_matches_portable(head_dim):
+    chunks = [(0, 37), (300, 1), (70, 20), (1000, 1), (0, 1)]
+    assert_close(*run_both(chunks, 8, 2, head_dim, 16, torch.bfloat16, "cuda"), atol=2e-2)
+    assert_close(*run_both(chunks[1::2], 8, 2, head_dim, 16, torch.bfloat16, "cuda", splits=8), atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_capture_and_replay():
+    device, block_size, heads, kv_heads, head_dim = torch.device("cuda"), 16, 8, 2, 128
+    backend = TritonAttention()
+    first = build_metadata([(40, 1), (300, 1), (5, 1)], block_size, device, seed=1)
+    q, k, v, k_cache, v_cache = make_inputs(
+        first, heads, kv_heads, head_dim, block_size, torch.bfloat16, device
+    )
+    static = [t.clone() for t in (q, k, v)]
+    meta = replace(first, block_tables=torch.zeros(3, 64, dtype=torch.int32, device=device))  # 4 splits
+    meta.block_tables[:, : first.block_tables.shape[1]] = first.block_tables
+    backend.forward(*static, k_cache, v_cache, meta, head_dim**-0.5)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = backend.forward(*static, k_cache, v_cache, meta, head_dim**-0.5)
+    # Replay with the next step's inputs copied into the captured tensors (longer contexts).
+    second = build_metadata([(41, 1), (301, 1), (6, 1)], block_size, device, seed=1)
+    nq, nk, nv, _, _ = make_inputs(
+        second, heads, kv_heads, head_dim, block_size, torch.bfloat16, device, seed=2
+    )
+    for dst, src in zip(static, (nq, nk, nv)):
+        dst.copy_(src)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens"):
+        getattr(meta, name).copy_(getattr(second, name))
+    meta.block_tables.zero_()
+    meta.block_tables[:, : second.block_tables.shape[1]] = second.block_tables
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    graph.replay()
+    expected = PortableAttention().forward(nq, nk, nv, ref_k, ref_v, second, head_dim**-0.5)
+    assert_close(graph_out, expected, atol=2e-2)
