@@ -33,7 +33,10 @@ from tqdm import tqdm
 from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.models.hf_config import load_model_spec
+from paged_llm.runner.device import Device
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
 
 
 @dataclass
@@ -179,6 +182,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=0, help="0: the checkpoint's")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=0)
@@ -193,28 +197,34 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     config = EngineConfig(
-        model=ModelConfig(model=str(resolve_model_dir(args.model)), dtype=args.dtype),
+        model=ModelConfig(
+            model=str(resolve_model_dir(args.model)),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len or None,
+        ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks or None),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         device=DeviceConfig(device=args.device),
     )
-    engine = LLMEngine(config, show_progress=not args.no_progress)
-    vocab_limit = min(engine.spec.vocab_size, len(engine.tokenizer))
+    model_dir = resolve_model_dir(args.model)
+    spec = load_model_spec(model_dir)
+    vocab_limit = min(spec.vocab_size, len(load_tokenizer(model_dir)))
     workload = make_workload(args, vocab_limit)
+    device = Device.resolve(args.device)
+    dtype = device.model_dtype(args.dtype, spec.checkpoint_dtype)
+    hf_result = None
+    if args.hf != "none":  # first, while the whole device is free (the engine takes 90% of it for KV)
+        subset = workload[: args.hf_num_requests] if args.hf_num_requests else workload
+        hf_result = run_hf(model_dir, subset, device.torch_device, dtype, args.hf, args.hf_batch_size)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    engine = LLMEngine(config, show_progress=not args.no_progress)
     warmup = [(p[:32], 8) for p, _ in workload[: min(8, len(workload))]]
     run_engine(engine, warmup, show_progress=False)
     ours = run_engine(engine, workload, show_progress=not args.no_progress)
-    results = [ours]
-    if args.hf != "none":
-        subset = workload[: args.hf_num_requests] if args.hf_num_requests else workload
-        device, dtype = engine.device.torch_device, engine.dtype
-        del engine
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        results.append(
-            run_hf(resolve_model_dir(args.model), subset, device, dtype, args.hf, args.hf_batch_size)
-        )
+    results = [ours] + ([hf_result] if hf_result is not None else [])
 
     card = (
         torch.cuda.get_device_name()

@@ -106,10 +106,14 @@ def main() -> int:
             before_text, "paged_llm_final_responses_total", code="success"
         )
         throughput = re.search(r"Throughput: ([\d.]+) infer/sec", output)
+        # perf_analyzer exits 2 when its throughput windows never agree; the load was still applied
+        # and the server-side counters below are what the soak judges.
+        unstable = returncode != 0 and "Failed to obtain stable measurement" in output
         report = {
             "duration_s": round(elapsed, 1),
             "concurrency": args.concurrency,
             "perf_analyzer_exit_code": returncode,
+            "perf_analyzer_unstable_only": unstable,
             "requests_succeeded": int(succeeded),
             "requests_failed": int(sum(failed.values())),
             "failures_by_code": {k: int(v) for k, v in failed.items()},
@@ -131,7 +135,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     ok = (
-        returncode == 0
+        (returncode == 0 or report["perf_analyzer_unstable_only"])
         and report["requests_failed"] == 0
         and report["requests_succeeded"] > 0
         and report["kv_cache_usage_after"] == 0

@@ -7,6 +7,7 @@ does, so every field is coerced from int/float/bool/str and then range-checked. 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -57,6 +58,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that changes or reports the logits: an argmax decides the token."""
+        return (
+            self.temperature < 1e-5  # the sampler's greedy threshold
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.logprobs is None
+        )
 
     @property
     def top_k_enabled(self) -> bool:

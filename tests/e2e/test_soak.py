@@ -20,4 +20,4 @@ def test_short_soak_has_no_failures_and_returns_every_block(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["requests_failed"] == 0 and report["requests_succeeded"] > 0
     assert report["kv_cache_usage_after"] == 0 and report["requests_running_after"] == 0
-    assert report["perf_analyzer_exit_code"] == 0
+    assert report["perf_analyzer_exit_code"] == 0 or report["perf_analyzer_unstable_only"]

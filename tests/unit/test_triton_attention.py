@@ -1,7 +1,9 @@
-"""TritonAttention against PortableAttention on CPU (Triton interpreter) and, with a GPU, on CUDA.
+"""TritonAttention against PortableAttention: on CPU through the Triton interpreter, and with a GPU
+the same tests run the compiled kernels on CUDA.
 
-Metadata comes from the real ModelRunner.prepare_inputs, fed with stand-in scheduler items. The
-Triton run gets a cache whose unused slots hold NaN: a masked load that leaked would show up.
+Metadata comes from the real InputBuffers.prepare (what ModelRunner uses), fed with stand-in
+scheduler items. The Triton run gets a cache whose unused slots hold NaN: a masked load that leaked
+would show up.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ pytest.importorskip("triton")
 from paged_llm.runner.attention.metadata import AttentionMetadata
 from paged_llm.runner.attention.portable import PortableAttention
 from paged_llm.runner.attention.triton_backend import TritonAttention, choose_num_splits
-from paged_llm.runner.model_runner import ModelRunner
+from paged_llm.runner.input_buffers import InputBuffers
 
 NUM_BLOCKS = 128
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the device the comparison tests run on
 
 
 def build_metadata(
@@ -45,11 +48,16 @@ def build_metadata(
                 needs_sample=False,
             )
         )
-    runner = SimpleNamespace(
+    num_tokens = sum(new for _, new in chunks)
+    buffers = InputBuffers(
+        max_num_tokens=num_tokens,
+        max_num_seqs=len(chunks),
+        max_blocks_per_seq=max(len(item.block_ids) for item in scheduled),
         block_size_tokens=block_size,
-        device=SimpleNamespace(torch_device=device, pin_memory=device.type == "cuda"),
+        device=device,
+        pin_memory=device.type == "cuda",
     )
-    return ModelRunner.prepare_inputs(runner, SimpleNamespace(scheduled=scheduled)).metadata
+    return buffers.prepare(SimpleNamespace(scheduled=scheduled, num_batched_tokens=num_tokens)).metadata
 
 
 def context_slots(metadata: AttentionMetadata, block_size: int) -> torch.Tensor:
@@ -82,7 +90,7 @@ def make_inputs(metadata, heads, kv_heads, head_dim, block_size, dtype, device, 
 
 
 def run_both(
-    chunks, heads=4, kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu", splits=None
+    chunks, heads=4, kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32, device=DEVICE, splits=None
 ):
     device = torch.device(device)
     metadata = build_metadata(chunks, block_size, device)
@@ -148,9 +156,10 @@ def test_split_kv_matches_single_pass(chunks):
 
 def test_padding_rows_leave_real_rows_exact():
     block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
-    metadata = build_metadata(DECODES, block_size, torch.device("cpu"))
+    device = torch.device(DEVICE)
+    metadata = build_metadata(DECODES, block_size, device)
     q, k, v, k_cache, v_cache = make_inputs(
-        metadata, heads, kv_heads, head_dim, block_size, torch.float32, "cpu"
+        metadata, heads, kv_heads, head_dim, block_size, torch.float32, device
     )
     real = TritonAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, 0.25)
     # A CUDA-graph batch padded by 3 rows: one token each, slot -1, seq_len 0, block table of zeros.
@@ -158,20 +167,20 @@ def test_padding_rows_leave_real_rows_exact():
     padded = replace(
         metadata,
         num_tokens=metadata.num_tokens + pad,
-        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad,), -1)]),
+        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad,), -1, device=device)]),
         query_start_loc=torch.cat(
             [
                 metadata.query_start_loc,
-                metadata.query_start_loc[-1] + torch.arange(1, pad + 1, dtype=torch.int32),
+                metadata.query_start_loc[-1] + torch.arange(1, pad + 1, dtype=torch.int32, device=device),
             ]
         ),
-        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(pad, dtype=torch.int32, device=device)]),
         block_tables=torch.cat(
-            [metadata.block_tables, torch.zeros(pad, metadata.block_tables.shape[1]).int()]
+            [metadata.block_tables, torch.zeros(pad, metadata.block_tables.shape[1], device=device).int()]
         ),
     )
-    nan_rows = torch.full((pad, kv_heads, head_dim), float("nan"))
-    q_pad = torch.cat([q, torch.full((pad, heads, head_dim), float("nan"))])
+    nan_rows = torch.full((pad, kv_heads, head_dim), float("nan"), device=device)
+    q_pad = torch.cat([q, torch.full((pad, heads, head_dim), float("nan"), device=device)])
     k_pad, v_pad = torch.cat([k, nan_rows]), torch.cat([v, nan_rows])
     for splits in (1, 4):
         pk, pv = k_cache.clone(), v_cache.clone()

@@ -38,6 +38,9 @@ class KVCacheManager:
         self.hash_salt = hash_salt
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as plain ids, kept in step with req_to_blocks: the scheduler hands these
+        # lists to the runner every step, so they must not be rebuilt per step.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.num_prefix_queried_tokens = 0
@@ -101,6 +104,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_hit_tokens = len(new_computed_blocks) * self.block_size_tokens
         num_needed_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        if not new_computed_blocks and blocks and len(blocks) * self.block_size_tokens >= num_needed_tokens:
+            return []  # the common decode step: the last block still has room
         num_new_blocks = (
             self.num_blocks_for_tokens(num_needed_tokens) - len(blocks) - len(new_computed_blocks)
         )
@@ -110,7 +115,13 @@ class KVCacheManager:
             return None
         self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
-        self.req_to_blocks[request.request_id] = [*blocks, *new_computed_blocks, *new_blocks]
+        added = [*new_computed_blocks, *new_blocks]
+        if request.request_id in self.req_to_blocks:
+            blocks.extend(added)
+            self.req_to_block_ids[request.request_id].extend(block.block_id for block in added)
+        else:
+            self.req_to_blocks[request.request_id] = added
+            self.req_to_block_ids[request.request_id] = [block.block_id for block in added]
         self.num_cached_blocks.setdefault(request.request_id, 0)
         self.num_cached_blocks[request.request_id] += len(new_computed_blocks)
         return new_blocks
@@ -133,11 +144,17 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+        return list(self.req_to_block_ids.get(request_id, ()))
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's live block table (no copy): it grows as blocks are added; read it, never
+        change it, and do not keep it past the next allocation."""
+        return self.req_to_block_ids[request_id]
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -157,3 +174,6 @@ class KVCacheManager:
                 f"{block} has ref_count {block.ref_count} but {holders.get(block.block_id, 0)} holders"
             )
         assert set(self.num_cached_blocks) == set(self.req_to_blocks), "cached-block counters leaked"
+        for request_id, blocks in self.req_to_blocks.items():
+            assert self.req_to_block_ids[request_id] == [b.block_id for b in blocks], "id table out of sync"
+        assert set(self.req_to_block_ids) == set(self.req_to_blocks), "id tables leaked"

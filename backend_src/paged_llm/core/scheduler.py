@@ -28,7 +28,7 @@ class ScheduledRequest:
     request: Request  # the live request (the runner reads its tokens and sampling params)
     num_computed_tokens: int  # tokens with KV before this step = position of the first new token
     num_new_tokens: int  # tokens computed this step: all_token_ids[start : start + num_new_tokens]
-    block_ids: list[int]  # the request's whole block table after this step's allocation
+    block_ids: list[int]  # the request's whole block table (live view; read before the next schedule)
     needs_sample: bool  # this chunk reaches the last known token, so the step samples a new one
 
     @property
@@ -204,7 +204,7 @@ class Scheduler:
                 request=request,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
-                block_ids=self.kv_cache.get_block_ids(request.request_id),
+                block_ids=self.kv_cache.block_ids_view(request.request_id),
                 needs_sample=start + num_new == request.num_tokens,
             )
         )

@@ -87,7 +87,15 @@ class LLMEngine:
         requested_len = config.model.max_model_len or self.spec.max_position_embeddings
         block_size = config.cache.block_size_tokens
         self.runner = ModelRunner(
-            self.spec, self.model_dir, self.device, self.dtype, requested_len, block_size
+            self.spec,
+            self.model_dir,
+            self.device,
+            self.dtype,
+            requested_len,
+            block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            enable_cuda_graphs=config.device.enable_cuda_graphs,
         )
         self.runner.load(show_progress=show_progress)
         plan = plan_kv_cache(config, self.runner, self.device)
@@ -122,6 +130,8 @@ class LLMEngine:
         self._seq_to_group: dict[str, _Group] = {}
         self._seed_rng = random.Random(config.model.seed)
         self._num_steps = 0
+        # (scheduler updates, runner output) of the last step, turned into outputs during the next one.
+        self._pending: tuple[list[tuple[Request, int | None]], ModelRunnerOutput] | None = None
         self.stats = EngineStats()
 
     # ---------------------------------------------------------------------------------- requests
@@ -245,25 +255,46 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """One engine step. The outputs of step N are built while the device runs step N + 1:
+
+            launch(N+1) -> [build outputs of N: detokenize, stop strings, logprobs] -> result(N+1)
+
+        so the CPU-heavy output work overlaps the model. A request that a stop string ends while
+        its next token is in flight simply has that token dropped (update_from_output skips
+        finished requests), and its blocks are reused only by a later schedule(), after the sync.
+        """
         outputs = self._expire_deadlines()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return outputs
+            return outputs + self._process_pending()
         self._num_steps += 1
         try:
             if self.config.fault_injection_step == self._num_steps:
                 raise RuntimeError(f"injected fault at step {self._num_steps} (fault_injection_step)")
-            runner_output = self.runner.execute(scheduler_output)
+            launched = self.runner.launch(scheduler_output)
+            outputs += self._process_pending()
+            runner_output = launched.result()
         except Exception as error:  # a model fault must not take the server down
-            return outputs + self._fail_step(scheduler_output.scheduled, error)
+            return outputs + self._process_pending() + self._fail_step(scheduler_output.scheduled, error)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        self._pending = (updates, runner_output)
+        self.stats.update_scheduler(self.scheduler.stats())
+        return outputs
+
+    def _process_pending(self) -> list[RequestOutput]:
+        """Turns the sampled tokens of the last finished step into RequestOutputs."""
+        if self._pending is None:
+            return []
+        updates, runner_output = self._pending
+        self._pending = None
         touched: dict[str, _Group] = {}
         for request, token_id in updates:
-            if token_id is None:
+            group = self._seq_to_group.get(request.request_id)
+            if token_id is None or group is None:  # a prefill chunk, or aborted since the step
                 continue
-            group = self._seq_to_group[request.request_id]
             self._apply_token(group, request, token_id, runner_output)
             touched[group.request_id] = group
+        outputs = []
         for group in touched.values():
             output = self._collect(group)
             if output is not None:
@@ -408,4 +439,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         live = {s.request.request_id for g in self.groups.values() for s in g.sequences if not s.finished}
-        assert live == set(self.scheduler.requests), "engine and scheduler disagree on live sequences"
+        # Sequences the last step finished are still live here until its outputs are processed.
+        finishing = {r.request_id for r, _ in self._pending[0] if r.is_finished} if self._pending else set()
+        assert live - finishing == set(self.scheduler.requests), (
+            "engine and scheduler disagree on live sequences"
+        )

@@ -4,6 +4,10 @@ The architectures differ only in flags of the ModelSpec: Qwen3 normalises each h
 before RoPE (`qk_norm`), Qwen2 has q/k/v biases, Llama 3 scales RoPE frequencies. The numerics
 follow HF transformers step by step (float32 RMSNorm, rotate-half RoPE) so greedy outputs match.
 q/k/v and gate/up projections are fused into one matmul each; the loader fills the slices.
+
+The residual stream is carried next to the hidden states so that "add the residual, then
+normalise" is one fused op (`FusedOps.rms_norm`), as are q/k-norm + RoPE and SiLU * up: on CUDA
+each is one Triton kernel instead of a handful of eager launches.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 
 from paged_llm.models.hf_config import ModelSpec, RopeSpec
 from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.runner.fused_ops import FusedOps
 
 
 class AttentionBackend(Protocol):
@@ -33,17 +38,12 @@ class AttentionBackend(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the math is `FusedOps.rms_norm` (fused with the residual add)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden.dtype
-        hidden = hidden.to(torch.float32)
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        hidden = hidden * torch.rsqrt(variance + self.eps)
-        return self.weight * hidden.to(input_dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
@@ -78,22 +78,15 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(dtype)  # [2, max_positions, head_dim]
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos = self.cos_sin[0].index_select(0, positions)[:, None, :]
-        sin = self.cos_sin[1].index_select(0, positions)[:, None, :]
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # Computed in float32 and cast to the activation dtype, as HF does.
+        self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(dtype).contiguous()  # [2, positions, D]
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: FusedOps) -> None:
         super().__init__()
+        self.ops = ops
+        self.eps = spec.rms_norm_eps
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -119,44 +112,61 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q_weight = self.q_norm.weight if self.q_norm is not None else None
+        k_weight = self.k_norm.weight if self.k_norm is not None else None
+        q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ops: FusedOps) -> None:
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
+        self.ops = ops
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: FusedOps) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend)
+        self.self_attn = Attention(spec, backend, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, ops)
 
-    def forward(self, positions, hidden, kv_cache, metadata, rotary) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next layer adds
+        them. HF's `h = h + attn(norm(h)); h = h + mlp(norm(h))` in the same order of operations."""
+        norm = self.input_layernorm
+        hidden, residual = self.ops.rms_norm(hidden, norm.weight, norm.eps, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata, rotary)
+        norm = self.post_attention_layernorm
+        hidden, residual = self.ops.rms_norm(hidden, norm.weight, norm.eps, residual)
+        return self.mlp(hidden), residual
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, ops: FusedOps | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.ops = ops or FusedOps(use_triton=False)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, self.ops) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = (
             None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -171,9 +181,10 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
+        return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

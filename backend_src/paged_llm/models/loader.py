@@ -13,6 +13,7 @@ from tqdm import tqdm
 from paged_llm.config import ConfigError
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
+from paged_llm.runner.fused_ops import FusedOps
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF name inside a layer -> (our parameter, slice index within a fused parameter or None)
@@ -63,10 +64,11 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     show_progress: bool = True,
+    ops: FusedOps | None = None,
 ) -> CausalLM:
     """Builds the model on `device` without initialising weights, then copies every tensor in."""
     with torch.device("meta"):
-        model = CausalLM(spec, backend, max_positions)
+        model = CausalLM(spec, backend, max_positions, ops)
     model = model.to(dtype).to_empty(device=device)  # dtype first: no fp32 copy on the device
     params = dict(model.named_parameters())
     loaded: set[str] = set()

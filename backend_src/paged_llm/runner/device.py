@@ -62,12 +62,17 @@ class Device:
     def supports_graphs(self) -> bool:
         return self.kind == "cuda"
 
+    @property
+    def supports_triton(self) -> bool:
+        """Triton (triton-lang) kernels compile for this device."""
+        return self.kind == "cuda"
+
     def _module(self):
         return getattr(torch, self.kind)
 
     def activate(self) -> None:
-        if self.is_accelerator:
-            self._module().set_device(self.torch_device)
+        if self.is_accelerator and self.index is not None:
+            self._module().set_device(self.index)
 
     def synchronize(self) -> None:
         if self.is_accelerator:

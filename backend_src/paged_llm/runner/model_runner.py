@@ -1,5 +1,6 @@
 """Runs one scheduled step: builds the flat batch (tokens, positions, slots, block tables), runs the
-model, samples the sequences that reached their last known token, and returns tokens to the host."""
+model (a captured CUDA graph for decode-only batches on CUDA), samples the sequences that reached
+their last known token, and returns the tokens to the host: the step's one synchronisation."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from paged_llm.core.scheduler import SchedulerOutput
@@ -17,8 +17,12 @@ from paged_llm.models.loader import load_model
 from paged_llm.request import Request
 from paged_llm.runner.attention.metadata import AttentionMetadata
 from paged_llm.runner.attention.portable import PortableAttention
+from paged_llm.runner.cuda_graphs import DecodeGraphs
 from paged_llm.runner.device import Device
-from paged_llm.sampling.sampler import Sampler, SamplingMetadata, SamplingRow
+from paged_llm.runner.fused_ops import FusedOps
+from paged_llm.runner.input_buffers import InputBuffers, StepInputs
+from paged_llm.runner.memory_profile import profile_free_kv_bytes
+from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +42,35 @@ class ModelRunnerOutput:
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [S] rows of the hidden states that produce logits
-    sampled_requests: list[Request]  # the S requests sampling this step, in row order
+class LaunchedStep:
+    """A step whose device work is enqueued; `result()` is the step's one host synchronisation."""
+
+    requests: list[Request]  # the requests that sample a token, in row order
+    sampled: SamplerOutput | None  # device tensors (None: nothing sampled this step)
+
+    def result(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput()
+        sampled, requests = self.sampled, self.requests
+        token_ids = sampled.sampled_token_ids.tolist()
+        output = ModelRunnerOutput({r.request_id: t for r, t in zip(requests, token_ids)})
+        if sampled.sampled_logprobs is None:
+            return output
+        logprobs = sampled.sampled_logprobs.tolist()
+        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(requests)
+        top_ids = sampled.topk_token_ids.tolist() if sampled.topk_token_ids is not None else None
+        top_values = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
+        for row, request in enumerate(requests):
+            num_top = request.sampling_params.logprobs
+            if num_top is None:
+                continue
+            output.logprobs[request.request_id] = TokenLogprobs(
+                sampled_logprob=float(logprobs[row]),
+                sampled_rank=int(ranks[row]),
+                top_token_ids=top_ids[row][:num_top] if top_ids else [],
+                top_logprobs=top_values[row][:num_top] if top_values else [],
+            )
+        return output
 
 
 def suppressed_token_ids(request: Request) -> tuple[int, ...]:
@@ -64,6 +91,9 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         block_size_tokens: int,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_cuda_graphs: bool = True,
         attention: AttentionBackend | None = None,
     ) -> None:
         self.spec = spec
@@ -72,10 +102,23 @@ class ModelRunner:
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.block_size_tokens = block_size_tokens
-        self.attention = attention or PortableAttention()
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.attention = attention or default_attention(device)
+        self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.sampler = Sampler()
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_blocks_per_seq = -(-max_model_len // block_size_tokens)
+        self.buffers = InputBuffers(
+            max_num_batched_tokens,
+            max_num_seqs,
+            self.max_blocks_per_seq,
+            block_size_tokens,
+            device.torch_device,
+            pin_memory=device.pin_memory,
+        )
+        self.graphs: DecodeGraphs | None = None
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -87,6 +130,7 @@ class ModelRunner:
             self.device.torch_device,
             self.dtype,
             show_progress=show_progress,
+            ops=FusedOps(use_triton=self.device.supports_triton),
         )
 
     @property
@@ -94,7 +138,11 @@ class ModelRunner:
         element_bytes = torch.finfo(self.dtype).bits // 8
         return self.spec.kv_bytes_per_token_per_element * element_bytes * self.block_size_tokens
 
+    def profile_free_kv_bytes(self, gpu_memory_utilization: float) -> int:
+        return profile_free_kv_bytes(self, gpu_memory_utilization)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the per-layer KV tensors, then captures the decode graphs that address them."""
         shape = (num_blocks, self.block_size_tokens, self.spec.num_kv_heads, self.spec.head_dim)
         device = self.device.torch_device
         self.kv_caches = [
@@ -104,19 +152,50 @@ class ModelRunner:
             )
             for _ in range(self.spec.num_layers)
         ]
+        if self.use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
+            )
+            self.graphs.capture()
+
+    def _forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        assert self.model is not None
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, metadata))
 
     # --------------------------------------------------------------------------------------- step
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Enqueues the step's model forward and sampling on the device and returns at once (on an
+        accelerator); `result()` waits for the sampled tokens."""
         assert self.model is not None, "load() first"
         inputs = self.prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        metadata = inputs.metadata
+        if not inputs.sampled_requests and not inputs.is_decode_only:
+            self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+            return LaunchedStep([], None)
+        if self.graphs is not None and inputs.is_decode_only and self.graphs.bucket(metadata.num_seqs):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
+            if len(inputs.sampled_requests) != metadata.num_seqs:  # a 1-token prefill chunk among decodes
+                logits = logits.index_select(0, inputs.sample_indices)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
         if not inputs.sampled_requests:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        return self.sample(logits, inputs.sampled_requests)
+            return LaunchedStep([], None)
+        return LaunchedStep(inputs.sampled_requests, self._sample(logits, inputs.sampled_requests))
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        if all(
+            r.sampling_params.is_plain_greedy and r.num_output_tokens >= r.sampling_params.min_tokens
+            for r in requests
+        ):
+            # The common benchmark/greedy case: skip building per-row sampling metadata.
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
         rows = [
             SamplingRow(
                 params=request.sampling_params,
@@ -127,80 +206,16 @@ class ModelRunner:
             )
             for request in requests
         ]
-        metadata = SamplingMetadata.build(rows, self.spec.vocab_size, logits.device)
-        sampled = self.sampler(logits, metadata)
-        # The one host synchronisation of the step: the sampled tokens (and logprobs if asked).
-        token_ids = sampled.sampled_token_ids.tolist()
-        output = ModelRunnerOutput({r.request_id: t for r, t in zip(requests, token_ids)})
-        if sampled.sampled_logprobs is not None:
-            logprobs = sampled.sampled_logprobs.tolist()
-            ranks = (
-                sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(requests)
-            )
-            top_ids = sampled.topk_token_ids.tolist() if sampled.topk_token_ids is not None else None
-            top_values = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
-            for row, request in enumerate(requests):
-                num_top = request.sampling_params.logprobs
-                if num_top is None:
-                    continue
-                output.logprobs[request.request_id] = TokenLogprobs(
-                    sampled_logprob=float(logprobs[row]),
-                    sampled_rank=int(ranks[row]),
-                    top_token_ids=top_ids[row][:num_top] if top_ids else [],
-                    top_logprobs=top_values[row][:num_top] if top_values else [],
-                )
-        return output
+        return self.sampler(logits, SamplingMetadata.build(rows, self.spec.vocab_size, logits.device))
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        block_size = self.block_size_tokens
-        token_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sampled_requests: list[Request] = []
-        scheduled = scheduler_output.scheduled
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for row, item in enumerate(scheduled):
-            start, num_new = item.num_computed_tokens, item.num_new_tokens
-            token_ids.extend(item.request.all_token_ids[start : start + num_new])
-            pos = np.arange(start, start + num_new, dtype=np.int64)
-            table = np.asarray(item.block_ids, dtype=np.int64)
-            block_tables[row, : len(table)] = table
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            query_lens.append(num_new)
-            seq_lens.append(start + num_new)
-            if item.needs_sample:
-                sample_rows.append(sum(query_lens) - 1)
-                sampled_requests.append(item.request)
-        device = self.device.torch_device
-        query_start = np.zeros(len(scheduled) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start[1:])
+        return self.buffers.prepare(scheduler_output)
 
-        def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.as_tensor(np.asarray(array), dtype=dtype)
-            if self.device.pin_memory:
-                return tensor.pin_memory().to(device, non_blocking=True)
-            return tensor
 
-        metadata = AttentionMetadata(
-            num_tokens=len(token_ids),
-            slot_mapping=to_device(np.concatenate(slots), torch.int64),
-            query_start_loc=to_device(query_start, torch.int32),
-            seq_lens=to_device(np.asarray(seq_lens, dtype=np.int32), torch.int32),
-            block_tables=to_device(block_tables, torch.int32),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-        )
-        return StepInputs(
-            input_ids=to_device(np.asarray(token_ids, dtype=np.int64), torch.int64),
-            positions=to_device(np.concatenate(positions), torch.int64),
-            metadata=metadata,
-            sample_indices=to_device(np.asarray(sample_rows, dtype=np.int64), torch.int64),
-            sampled_requests=sampled_requests,
-        )
+def default_attention(device: Device) -> AttentionBackend:
+    """Triton kernels on CUDA; the portable PyTorch path on CPU and NPU."""
+    if device.supports_triton:
+        from paged_llm.runner.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    return PortableAttention()

@@ -1,0 +1,138 @@
+"""Random-weight checkpoints in the shape of real models, for benchmarks and GPU tests (no downloads).
+
+The tokenizer files are the built-in tiny model's (Qwen's real vocabulary). Models with a smaller
+vocabulary (Llama 3's 128,256) only ever see token ids below their own vocabulary size in the
+benchmarks, which the tokenizer still decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from paged_llm.models.tiny_model import ensure_tiny_model
+
+SHAPES: dict[str, dict[str, object]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # Small Llama for GPU parity tests (same vocabulary as the tiny Qwen3 model).
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 151936,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+}
+
+
+def _weight_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
+    hidden = int(config["hidden_size"])
+    head_dim = int(config["head_dim"])
+    q_size = int(config["num_attention_heads"]) * head_dim
+    kv_size = int(config["num_key_value_heads"]) * head_dim
+    inter = int(config["intermediate_size"])
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (int(config["vocab_size"]), hidden)}
+    for layer in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_size, hidden),
+            p + "self_attn.k_proj.weight": (kv_size, hidden),
+            p + "self_attn.v_proj.weight": (kv_size, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_size),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if config["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    shapes["model.norm.weight"] = (hidden,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (int(config["vocab_size"]), hidden)
+    return shapes
+
+
+def write_random_model(
+    out_dir: Path, shape: str, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu", std: float = 0.02
+) -> Path:
+    """Writes config.json, generation_config.json, tokenizer files and random safetensors weights."""
+    out_dir = Path(out_dir)
+    if (out_dir / ".complete").is_file():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = dict(SHAPES[shape]) | {"torch_dtype": dtype}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    eos = config["eos_token_id"]
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tiny = ensure_tiny_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tiny / name, out_dir / name)
+    torch_dtype = getattr(torch, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes = _weight_shapes(config)
+    for name, tensor_shape in tqdm(shapes.items(), desc=f"random {shape}", unit="tensor"):
+        if len(tensor_shape) == 1:  # norm weights near 1, as trained models have
+            values = 1.0 + 0.1 * torch.randn(tensor_shape, generator=generator, device=device)
+        else:
+            values = std * torch.randn(tensor_shape, generator=generator, device=device)
+        tensors[name] = values.to(torch_dtype).cpu()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / ".complete").write_text("ok\n")
+    return out_dir

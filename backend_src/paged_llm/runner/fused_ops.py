@@ -1,0 +1,199 @@
+"""Fused elementwise kernels for the decoder: residual-add + RMSNorm, q/k RMSNorm + RoPE, SiLU * up.
+
+A decode step of a small model is dominated by launches, not bytes: in eager PyTorch one RMSNorm is
+~6 kernels and RoPE ~12, per layer. Here each is one Triton kernel on CUDA. The PyTorch versions
+(CPU, NPU) compute the same thing in the same order; both follow HF transformers' rounding: float32
+statistics, cast back to the activation dtype before the weight multiply, RoPE products rounded in
+the activation dtype, so greedy outputs stay token-identical to HF.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton use the PyTorch versions
+    triton = None
+
+
+# ------------------------------------------------------------------------------ PyTorch versions
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); without a residual the second is x."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), x
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def qk_norm_rope_torch(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin: torch.Tensor,  # [2, max_positions, D] in the activation dtype
+    positions: torch.Tensor,  # [T]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_weight is not None and k_weight is not None:
+        q = rms_norm_torch(q, q_weight, eps)[0]
+        k = rms_norm_torch(k, k_weight, eps)[0]
+    cos = cos_sin[0].index_select(0, positions)[:, None, :]
+    sin = cos_sin[1].index_select(0, positions)[:, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ------------------------------------------------------------------------------- Triton kernels
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, residual_ptr, out_ptr, residual_out_ptr, weight_ptr,
+        stride_x, stride_r, stride_o, stride_ro, size, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < size
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like a torch add
+            tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        variance = tl.sum(x32 * x32, axis=0) / size
+        normed = (x32 * tl.math.rsqrt(variance + eps)).to(x.dtype)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        tl.store(
+            out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask
+        )
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+        stride_cs, max_positions, num_q_heads, eps,
+        HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (token, head); heads 0..num_q_heads-1 are q, the rest k. A head vector is
+        # handled as its two halves, which is what rotate_half pairs up:
+        #   out[:half] = x1 * cos - x2 * sin        out[half:] = x2 * cos + x1 * sin
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        lo = tl.arange(0, HALF_BLOCK)
+        mask = lo < HALF
+        if head < num_q_heads:
+            src = q_ptr + token * stride_qt + head * stride_qh
+            dst = q_out_ptr + token * stride_qot + head * stride_qoh
+            w_ptr = q_weight_ptr
+        else:
+            src = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
+            dst = k_out_ptr + token * stride_kot + (head - num_q_heads) * stride_koh
+            w_ptr = k_weight_ptr
+        x1 = tl.load(src + lo, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF + lo, mask=mask, other=0.0)
+        dtype = x1.dtype
+        if HAS_NORM:
+            a = x1.to(tl.float32)
+            b = x2.to(tl.float32)
+            rstd = tl.math.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
+            w1 = tl.load(w_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + lo, mask=mask, other=0.0).to(tl.float32)
+            x1 = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype)
+            x2 = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype)
+        position = tl.load(positions_ptr + token)
+        cos = tl.load(cos_sin_ptr + position * stride_cs + lo, mask=mask, other=0.0).to(tl.float32)
+        sin_ptr = cos_sin_ptr + max_positions * stride_cs + position * stride_cs
+        sin = tl.load(sin_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the activation dtype.
+        out1 = ((f1 * cos).to(dtype).to(tl.float32) + (-(f2 * sin)).to(dtype).to(tl.float32)).to(dtype)
+        out2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
+        tl.store(dst + lo, out1, mask=mask)
+        tl.store(dst + HALF + lo, out2, mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, size, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < size
+        gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+        up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu rounds its result to the dtype
+        tl.store(
+            out_ptr + row * stride_out + cols,
+            (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+            mask=mask,
+        )
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, size = x.shape
+    out = torch.empty_like(x)
+    residual_in = residual if residual is not None else x
+    residual_out = torch.empty_like(x) if residual is not None else x
+    block = triton.next_power_of_2(size)
+    _rms_norm_kernel[(rows,)](
+        x, residual_in, out, residual_out, weight,
+        x.stride(0), residual_in.stride(0), out.stride(0), residual_out.stride(0),
+        size, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+    )  # fmt: skip
+    return out, residual_out
+
+
+def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos_sin, positions):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
+    has_norm = q_weight is not None and k_weight is not None
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous()
+    half = head_dim // 2
+    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
+        q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos_sin.stride(1), cos_sin.shape[1], num_q_heads, eps,
+        HALF=half, HALF_BLOCK=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=1,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, width = gate_up.shape
+    size = width // 2
+    out = torch.empty((rows, size), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(size))
+    _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+class FusedOps:
+    """The decoder's elementwise ops: Triton kernels when `use_triton`, else the PyTorch versions."""
+
+    def __init__(self, use_triton: bool) -> None:
+        self.use_triton = use_triton and triton is not None
+        self.rms_norm = rms_norm_triton if self.use_triton else rms_norm_torch
+        self.qk_norm_rope = qk_norm_rope_triton if self.use_triton else qk_norm_rope_torch
+        self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch

@@ -1,0 +1,138 @@
+"""Step inputs built into buffers that live as long as the runner.
+
+Host buffers are pinned (on accelerators), filled with numpy, and copied to same-shaped device
+buffers with non-blocking copies: no allocation per step, no host synchronisation. The next step
+refills the host buffers only after the previous step's sampled tokens were fetched (the one sync),
+by which time its copies have long completed.
+
+    host (pinned)  --copy_(non_blocking)-->  device         sliced to this step's sizes:
+    input_ids[:T], positions[:T], slot_mapping[:T], query_start_loc[:B+1], seq_lens[:B],
+    block_tables[:B * W] viewed as [B, W] (W = widest block table of the step), sample_indices[:S]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged_llm.core.scheduler import SchedulerOutput
+from paged_llm.request import Request
+from paged_llm.runner.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] rows of the hidden states that produce logits
+    sampled_requests: list[Request]  # the S requests sampling this step, in row order
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.metadata.max_query_len == 1
+
+
+class InputBuffers:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size_tokens: int,
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.block_size_tokens = block_size_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self.pin_memory = pin_memory
+        sizes = {
+            "input_ids": (max_num_tokens, torch.int64),
+            "positions": (max_num_tokens, torch.int64),
+            "slot_mapping": (max_num_tokens, torch.int64),
+            "query_start_loc": (max_num_seqs + 1, torch.int32),
+            "seq_lens": (max_num_seqs, torch.int32),
+            "block_tables": (max_num_seqs * max_blocks_per_seq, torch.int32),
+            "sample_indices": (max_num_seqs, torch.int64),
+        }
+        self.host = {n: torch.zeros(s, dtype=d, pin_memory=pin_memory) for n, (s, d) in sizes.items()}
+        self.host_np = {n: t.numpy() for n, t in self.host.items()}
+        on_device = device.type != "cpu"
+        self.dev = (
+            {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in sizes.items()} if on_device else None
+        )
+
+    def _upload(self, name: str, count: int) -> torch.Tensor:
+        host = self.host[name][:count]
+        if self.dev is None:
+            return host
+        target = self.dev[name][:count]
+        target.copy_(host, non_blocking=self.pin_memory)
+        return target
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        block_size = self.block_size_tokens
+        scheduled = scheduler_output.scheduled
+        num_seqs = len(scheduled)
+        num_tokens = scheduler_output.num_batched_tokens
+        width = max(len(item.block_ids) for item in scheduled)
+        ids_np, pos_np, slot_np = (
+            self.host_np["input_ids"],
+            self.host_np["positions"],
+            self.host_np["slot_mapping"],
+        )
+        tables_np = self.host_np["block_tables"][: num_seqs * width].reshape(num_seqs, width)
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled_requests: list[Request] = []
+        cursor = 0
+        for row, item in enumerate(scheduled):
+            start, num_new = item.num_computed_tokens, item.num_new_tokens
+            end = cursor + num_new
+            block_ids = item.block_ids
+            tables_np[row, : len(block_ids)] = block_ids
+            if num_new == 1:  # decode: plain Python beats numpy for one element
+                ids_np[cursor] = item.request.all_token_ids[start]
+                pos_np[cursor] = start
+                slot_np[cursor] = block_ids[start // block_size] * block_size + start % block_size
+            else:
+                ids_np[cursor:end] = item.request.all_token_ids[start : start + num_new]
+                table = np.asarray(block_ids, dtype=np.int64)
+                pos = np.arange(start, start + num_new, dtype=np.int64)
+                pos_np[cursor:end] = pos
+                slot_np[cursor:end] = table[pos // block_size] * block_size + pos % block_size
+            query_lens.append(num_new)
+            seq_lens.append(start + num_new)
+            cursor = end
+            if item.needs_sample:
+                sample_rows.append(end - 1)
+                sampled_requests.append(item.request)
+        assert cursor == num_tokens, f"scheduled {cursor} tokens, output says {num_tokens}"
+        query_start = self.host_np["query_start_loc"]
+        query_start[0] = 0
+        np.cumsum(query_lens, out=query_start[1 : num_seqs + 1])
+        self.host_np["seq_lens"][:num_seqs] = seq_lens
+        self.host_np["sample_indices"][: len(sample_rows)] = sample_rows
+        block_tables = self._upload("block_tables", num_seqs * width).view(num_seqs, width)
+        metadata = AttentionMetadata(
+            num_tokens=num_tokens,
+            slot_mapping=self._upload("slot_mapping", num_tokens),
+            query_start_loc=self._upload("query_start_loc", num_seqs + 1),
+            seq_lens=self._upload("seq_lens", num_seqs),
+            block_tables=block_tables,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        return StepInputs(
+            input_ids=self._upload("input_ids", num_tokens),
+            positions=self._upload("positions", num_tokens),
+            metadata=metadata,
+            sample_indices=self._upload("sample_indices", len(sample_rows)),
+            sampled_requests=sampled_requests,
+        )

@@ -1,0 +1,83 @@
+"""How much device memory the KV pool may take: profile a worst-case step, subtract it."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from paged_llm.runner.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from paged_llm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+GRAPH_RESERVE_BYTES = 512 << 20  # captured decode graphs' private memory pool
+
+
+@torch.inference_mode()
+def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) -> int:
+    """The utilisation share of device memory, minus what is in use now (weights, CUDA context, other
+    processes), minus the peak of a worst-case step (the whole token budget, logits for
+    max_num_seqs rows and the sampler's float32 copy), minus the graphs' reserve."""
+    assert runner.model is not None
+    device = runner.device
+    torch_device = device.torch_device
+    spec = runner.spec
+    device.synchronize()
+    free_bytes, total_bytes = device.memory_info()
+    device.reset_peak_stats()
+    baseline = torch.cuda.memory_allocated(torch_device) if device.kind == "cuda" else 0
+
+    num_tokens = runner.max_num_batched_tokens
+    seq_len = min(num_tokens, runner.max_model_len)
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    blocks_per_seq = -(-seq_len // runner.block_size_tokens)
+    num_blocks = len(lens) * blocks_per_seq
+    shape = (num_blocks, runner.block_size_tokens, spec.num_kv_heads, spec.head_dim)
+    scratch = torch.zeros(
+        shape, dtype=runner.dtype, device=torch_device
+    )  # one throwaway cache for all layers
+    starts = [0]
+    for length in lens:
+        starts.append(starts[-1] + length)
+    metadata = AttentionMetadata(
+        num_tokens=num_tokens,
+        slot_mapping=torch.cat(
+            [
+                torch.arange(n, device=torch_device) + i * blocks_per_seq * runner.block_size_tokens
+                for i, n in enumerate(lens)
+            ]
+        ),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=torch_device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=torch_device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=torch_device).view(
+            len(lens), blocks_per_seq
+        ),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        query_lens_host=lens,
+        seq_lens_host=lens,
+    )
+    positions = torch.cat([torch.arange(n, device=torch_device) for n in lens])
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=torch_device)
+    hidden = runner.model(input_ids, positions, [(scratch, scratch)] * spec.num_layers, metadata)
+    logits = runner.model.compute_logits(hidden[: min(runner.max_num_seqs, num_tokens)])
+    torch.log_softmax(logits.float(), dim=-1)
+    device.synchronize()
+    peak_bytes = device.peak_allocated_bytes() - baseline
+    del scratch, hidden, logits
+    device.empty_cache()
+
+    used_bytes = total_bytes - free_bytes
+    reserve = GRAPH_RESERVE_BYTES if runner.use_cuda_graphs else 0
+    budget = int(total_bytes * gpu_memory_utilization) - used_bytes - peak_bytes - reserve
+    logger.info(
+        "memory profile: %.1f GiB total, %.1f GiB in use, worst step peak %.2f GiB -> KV budget %.1f GiB",
+        total_bytes / 2**30,
+        used_bytes / 2**30,
+        peak_bytes / 2**30,
+        budget / 2**30,
+    )
+    return max(budget, 0)

@@ -1,0 +1,219 @@
+"""Decode speed: per-token latency at batch 1, or a sweep over batch sizes, with achieved memory
+bandwidth against the measured copy bandwidth of the device.
+
+  Batch-1 latency (128-token prompt, 256 new tokens), with HF generate on the same card:
+    python scripts/bench_decode.py --model /tmp/qwen3-0.6b-random --hf
+  Sweep at 1k context (batch 1/16/64/256), PNG plot:
+    python scripts/bench_decode.py --model /tmp/qwen3-0.6b-random --batch-sizes 1,16,64,256 \
+        --prompt-len 1024 --new-tokens 64 --plot decode_sweep.png
+
+Bytes per decode step = weights read once (every linear layer and the LM head; the embedding
+lookup reads only a few rows) + the KV of every sequence's context. Bandwidth utilisation = bytes per
+step / step time / copy bandwidth (a large device-to-device copy, read + write bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class DecodeResult:
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    ms_per_step: float  # one decode step of the whole batch
+    tokens_per_s: float
+    bytes_per_step: float
+    achieved_gb_per_s: float
+    bandwidth_utilization: float  # vs the measured copy bandwidth
+
+
+def copy_bandwidth_gb_per_s(device: torch.device, num_bytes: int = 2 << 30) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    repeats = 10
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    return 2 * num_bytes * repeats / elapsed / 1e9
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes a decode step reads from weights: all parameters except the embedding table, which is
+    only gathered (a few rows) unless it doubles as the LM head."""
+    model = engine.runner.model
+    assert model is not None
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.embed_tokens.weight
+    if model.lm_head is not None:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def kv_bytes_per_token(engine: LLMEngine) -> int:
+    return engine.spec.kv_bytes_per_token_per_element * (torch.finfo(engine.dtype).bits // 8)
+
+
+def run_batch(
+    engine: LLMEngine, batch_size: int, prompt_len: int, new_tokens: int, seed: int
+) -> DecodeResult:
+    rng = random.Random(seed)
+    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for index in range(batch_size):
+        engine.add_request(
+            f"d{batch_size}-{index}", [rng.randrange(vocab) for _ in range(prompt_len)], params
+        )
+    # Prefill (and the first token) first; time only the pure decode steps after it.
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    step_s = elapsed / steps
+    mean_context = prompt_len + 1 + (new_tokens - 1) / 2
+    step_bytes = weight_bytes(engine) + batch_size * mean_context * kv_bytes_per_token(engine)
+    return DecodeResult(
+        batch_size=batch_size,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        ms_per_step=step_s * 1e3,
+        tokens_per_s=batch_size / step_s,
+        bytes_per_step=step_bytes,
+        achieved_gb_per_s=step_bytes / step_s / 1e9,
+        bandwidth_utilization=0.0,
+    )
+
+
+def hf_ms_per_token(model_dir: Path, prompt_len: int, new_tokens: int, dtype: torch.dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).cuda().eval()
+    ids = torch.randint(0, 1000, (1, prompt_len), device="cuda")
+    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        timings = []
+        for count in (1, new_tokens):  # the difference removes the prefill
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=count, min_new_tokens=count, **kwargs)
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - start)
+    del model
+    torch.cuda.empty_cache()
+    return (timings[1] - timings[0]) / (new_tokens - 1) * 1e3
+
+
+def plot(results: list[DecodeResult], copy_gb_per_s: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r.batch_size for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(sizes, [r.tokens_per_s for r in results], "o-")
+    left.set(xscale="log", xlabel="batch size", ylabel="output tokens/s", title="decode throughput")
+    right.plot(sizes, [r.achieved_gb_per_s for r in results], "o-", label="achieved")
+    right.axhline(
+        copy_gb_per_s, color="gray", linestyle="--", label=f"copy bandwidth {copy_gb_per_s:.0f} GB/s"
+    )
+    right.set(xscale="log", xlabel="batch size", ylabel="GB/s", title="bytes read per step / step time")
+    right.legend()
+    for axis in (left, right):
+        axis.set_xticks(sizes, [str(s) for s in sizes])
+        axis.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-sizes", default="1")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--hf", action="store_true", help="also time HF generate at batch 1")
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    model_dir = resolve_model_dir(args.model)
+    hf_ms = None
+    if args.hf:  # first, while the whole card is free (the engine takes 90% of it for KV)
+        hf_ms = hf_ms_per_token(
+            model_dir, args.prompt_len, min(args.new_tokens, 64), config_dtype(args.dtype)
+        )
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(),
+        scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=16384),
+        device=DeviceConfig(device="cuda"),
+    )
+    engine = LLMEngine(config, show_progress=False)
+    card = torch.cuda.get_device_name()
+    copy_gb_per_s = copy_bandwidth_gb_per_s(engine.device.torch_device)
+    run_batch(engine, 1, 16, 8, args.seed)  # warm-up
+    results = []
+    for batch_size in batch_sizes:
+        result = run_batch(engine, batch_size, args.prompt_len, args.new_tokens, args.seed)
+        result.bandwidth_utilization = result.achieved_gb_per_s / copy_gb_per_s
+        results.append(result)
+    print(f"\ncard: {card}; copy bandwidth {copy_gb_per_s:.0f} GB/s; model {model_dir.name} ({engine.dtype})")
+    weights_gb = weight_bytes(engine) / 1e9
+    print(f"weights read per step: {weights_gb:.3f} GB; KV per token {kv_bytes_per_token(engine)} B")
+    print(f"{'batch':>6}{'prompt':>8}{'new':>6}{'ms/step':>10}{'tok/s':>11}{'GB/s':>9}{'of copy BW':>12}")
+    for r in results:
+        print(
+            f"{r.batch_size:>6}{r.prompt_len:>8}{r.new_tokens:>6}{r.ms_per_step:>10.3f}{r.tokens_per_s:>11.0f}"
+            f"{r.achieved_gb_per_s:>9.0f}{r.bandwidth_utilization:>11.1%}"
+        )
+    if hf_ms is not None:
+        ratio = hf_ms / results[0].ms_per_step if results[0].batch_size == 1 else float("nan")
+        print(f"HF transformers generate, batch 1: {hf_ms:.2f} ms/token (paged_llm {ratio:.1f}x faster)")
+    if args.plot:
+        plot(results, copy_gb_per_s, args.plot, f"{model_dir.name} on {card}, context {args.prompt_len}")
+    if args.json:
+        payload = {"card": card, "copy_gb_per_s": copy_gb_per_s, "hf_ms_per_token": hf_ms}
+        payload["results"] = [asdict(r) for r in results]
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+def config_dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "auto" else getattr(torch, name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Writes a random-weight checkpoint in the shape of a real model (no downloads), e.g. on a GPU host:
+
+python scripts/make_random_model.py --shape qwen3-0.6b --out /tmp/qwen3-0.6b-random
+python scripts/make_random_model.py --shape llama3-8b --out /tmp/llama3-8b-random --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from paged_llm.models.random_model import SHAPES, write_random_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is faster)")
+    args = parser.parse_args()
+    print(write_random_model(args.out, args.shape, args.dtype, args.seed, args.device))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The fused Triton ops against their PyTorch versions (CPU: Triton interpreter; GPU: compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from paged_llm.models.decoder import RotaryEmbedding
+from paged_llm.models.hf_config import RopeSpec
+from paged_llm.runner.fused_ops import (
+    qk_norm_rope_torch,
+    qk_norm_rope_triton,
+    rms_norm_torch,
+    rms_norm_triton,
+    silu_and_mul_torch,
+    silu_and_mul_triton,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter has no bfloat16 arithmetic; bf16 runs where the kernels really compile.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # Same operations in the same order: at most one rounding step apart (float32 sums may differ).
+    tolerance = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 1024])
+def test_rms_norm_with_and_without_residual(dtype, hidden):
+    x, residual = randn(5, hidden, dtype=dtype, seed=1), randn(5, hidden, dtype=dtype, seed=2)
+    weight = 1 + 0.1 * randn(hidden, dtype=dtype, seed=3)
+    for res in (None, residual):
+        out, new_residual = rms_norm_triton(x, weight, 1e-6, res)
+        want_out, want_residual = rms_norm_torch(x, weight, 1e-6, res)
+        assert_same(out, want_out, dtype)
+        assert torch.equal(new_residual, want_residual)  # one rounded add, exactly as torch does it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "with_norm"), [(16, True), (128, True), (64, False), (80, False)])
+def test_qk_norm_rope_matches_torch_on_strided_views(dtype, head_dim, with_norm):
+    tokens, q_heads, kv_heads = 7, 4, 2
+    qkv = randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=4)
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)  # non-contiguous views, as in the model
+    q, k = q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    rotary = RotaryEmbedding(head_dim, RopeSpec(theta=1e6), max_positions=512)
+    rotary.build(torch.device(DEVICE), dtype)
+    positions = torch.tensor([0, 1, 5, 100, 511, 7, 3], device=DEVICE)
+    q_weight = 1 + 0.1 * randn(head_dim, dtype=dtype, seed=5) if with_norm else None
+    k_weight = 1 + 0.1 * randn(head_dim, dtype=dtype, seed=6) if with_norm else None
+    got_q, got_k = qk_norm_rope_triton(q, k, q_weight, k_weight, 1e-6, rotary.cos_sin, positions)
+    want_q, want_k = qk_norm_rope_torch(q, k, q_weight, k_weight, 1e-6, rotary.cos_sin, positions)
+    assert_same(got_q, want_q, dtype)
+    assert_same(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [128, 3072, 1500])
+def test_silu_and_mul(dtype, size):
+    gate_up = randn(3, 2 * size, dtype=dtype, seed=7)
+    assert_same(silu_and_mul_triton(gate_up), silu_and_mul_torch(gate_up), dtype)
