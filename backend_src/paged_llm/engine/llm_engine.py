@@ -13,13 +13,13 @@ import random
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
 from paged_llm.core.scheduler import Scheduler
-from paged_llm.engine.outputs import PositionLogprobs, RequestOutput, SequenceDelta, TopLogprob
+from paged_llm.engine.outputs import RequestOutput, SequenceDelta
+from paged_llm.engine.request_group import RequestGroup, SequenceState, derive_seed, position_logprobs
 from paged_llm.engine.stats import EngineStats
 from paged_llm.errors import InvalidRequestError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
@@ -29,51 +29,10 @@ from paged_llm.runner.device import Device
 from paged_llm.runner.kv_sizing import plan_kv_cache
 from paged_llm.runner.model_runner import ModelRunner, ModelRunnerOutput
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer, decode_token
+from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer
 from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-_UINT64_MASK = (1 << 64) - 1
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Seed of sample `index` of a request (splitmix64 of seed + index; sample 0 keeps the seed)."""
-    if index == 0:
-        return seed
-    z = (seed + 0x9E3779B97F4A7C15 * index) & _UINT64_MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
-    return z ^ (z >> 31)
-
-
-@dataclass
-class _Sequence:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    cumulative_logprob: float = 0.0
-    finished: bool = False  # generation ended (its request is finished)
-    reported_final: bool = False  # the delta carrying finish_reason was handed out
-    # Output produced since the serving layer last received this sequence's delta.
-    pending_text: list[str] = field(default_factory=list)
-    pending_token_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)
-
-
-@dataclass
-class _Group:
-    """One client request: its n sequences and the siblings not yet admitted."""
-
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    unstarted: list[Request]  # samples 1..n-1, added once sample 0 computed the prompt
-    arrival_time: float
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return not self.unstarted and all(s.finished for s in self.sequences)
 
 
 class LLMEngine:
@@ -126,8 +85,8 @@ class LLMEngine:
         ).digest()
         self.kv_cache = KVCacheManager(plan.num_blocks, block_size, config.cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.groups: dict[str, _Group] = {}
-        self._seq_to_group: dict[str, _Group] = {}
+        self.groups: dict[str, RequestGroup] = {}
+        self._seq_to_group: dict[str, RequestGroup] = {}
         self._seed_rng = random.Random(config.model.seed)
         self._num_steps = 0
         # (scheduler updates, runner output) of the last step, turned into outputs during the next one.
@@ -194,7 +153,7 @@ class LLMEngine:
             )
             for index in range(params.n)
         ]
-        group = _Group(
+        group = RequestGroup(
             request_id=request_id,
             params=params,
             prompt_token_ids=prompt,
@@ -206,7 +165,7 @@ class LLMEngine:
         self._start_sequence(group, requests[0])
         self.stats.on_request_added(len(prompt))
 
-    def _start_sequence(self, group: _Group, request: Request) -> None:
+    def _start_sequence(self, group: RequestGroup, request: Request) -> None:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -214,11 +173,11 @@ class LLMEngine:
             stop=group.params.stop,
             include_stop_str_in_output=group.params.include_stop_str_in_output,
         )
-        group.sequences.append(_Sequence(request, detokenizer))
+        group.sequences.append(SequenceState(request, detokenizer))
         self._seq_to_group[request.request_id] = group
         self.scheduler.add_request(request)
 
-    def _start_siblings(self, group: _Group) -> None:
+    def _start_siblings(self, group: RequestGroup) -> None:
         first = group.sequences[0].request
         for request in group.unstarted:
             request.arrival_seq = first.arrival_seq  # same place in the queue as the first sample
@@ -241,7 +200,7 @@ class LLMEngine:
         )
         self.scheduler.finish_requests([r.request_id for r in live], RequestStatus.FINISHED_ABORTED)
         group.unstarted = []
-        deltas = [self._finish_sequence(group, seq) for seq in group.sequences if not seq.finished]
+        deltas = group.finish_unfinished()
         output = self._close_group(group, deltas, error=RequestAbortedError(reason))
         self.stats.update_scheduler(self.scheduler.stats())
         return output
@@ -287,7 +246,7 @@ class LLMEngine:
             return []
         updates, runner_output = self._pending
         self._pending = None
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for request, token_id in updates:
             group = self._seq_to_group.get(request.request_id)
             if token_id is None or group is None:  # a prefill chunk, or aborted since the step
@@ -303,9 +262,9 @@ class LLMEngine:
         return outputs
 
     def _apply_token(
-        self, group: _Group, request: Request, token_id: int, runner_output: ModelRunnerOutput
+        self, group: RequestGroup, request: Request, token_id: int, runner_output: ModelRunnerOutput
     ) -> None:
-        seq = next(s for s in group.sequences if s.request is request)
+        seq = group.sequence_of(request)
         now = time.monotonic()
         self.stats.on_token(request, now, is_first_of_request=group.first_token_time is None)
         if group.first_token_time is None:
@@ -314,7 +273,7 @@ class LLMEngine:
         token_logprobs = runner_output.logprobs.get(request.request_id)
         if token_logprobs is not None:
             seq.cumulative_logprob += token_logprobs.sampled_logprob
-            seq.pending_logprobs.append(self._position_logprobs(token_id, token_logprobs))
+            seq.pending_logprobs.append(position_logprobs(self.tokenizer, token_id, token_logprobs))
         # A stop token ends generation without becoming text (vLLM), unless asked to include it.
         stopped_by_token = (
             request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token_id
@@ -337,55 +296,16 @@ class LLMEngine:
         if group.unstarted and seq is group.sequences[0]:
             self._start_siblings(group)
 
-    def _position_logprobs(self, token_id: int, logprobs) -> PositionLogprobs:
-        top = [
-            TopLogprob(tid, lp, rank + 1, decode_token(self.tokenizer, tid))
-            for rank, (tid, lp) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs))
-        ]
-        return PositionLogprobs(
-            token_id=token_id,
-            logprob=logprobs.sampled_logprob,
-            rank=logprobs.sampled_rank,
-            decoded_token=decode_token(self.tokenizer, token_id),
-            top=top,
-        )
-
-    def _collect(self, group: _Group) -> RequestOutput | None:
-        deltas = [
-            self._take_delta(group, index, seq)
-            for index, seq in enumerate(group.sequences)
-            if seq.pending_token_ids or seq.pending_text or (seq.finished and not seq.reported_final)
-        ]
+    def _collect(self, group: RequestGroup) -> RequestOutput | None:
+        deltas = [group.take_delta(index) for index, seq in enumerate(group.sequences) if seq.has_news]
         if group.finished:
             return self._close_group(group, deltas)
         if not deltas:
             return None
         return RequestOutput(group.request_id, len(group.prompt_token_ids), deltas, False)
 
-    def _take_delta(self, group: _Group, index: int, seq: _Sequence) -> SequenceDelta:
-        request = seq.request
-        delta = SequenceDelta(
-            index=index,
-            text="".join(seq.pending_text),
-            token_ids=seq.pending_token_ids,
-            logprobs=seq.pending_logprobs if group.params.logprobs is not None else None,
-            cumulative_logprob=seq.cumulative_logprob if group.params.logprobs is not None else None,
-            num_output_tokens=request.num_output_tokens,
-            finish_reason=request.status.finish_reason if seq.finished else None,
-            stop_reason=request.stop_reason if seq.finished else None,
-        )
-        seq.pending_text, seq.pending_token_ids, seq.pending_logprobs = [], [], []
-        seq.reported_final = seq.finished
-        return delta
-
-    def _finish_sequence(self, group: _Group, seq: _Sequence) -> SequenceDelta:
-        seq.pending_text.append(seq.detokenizer.finish())  # release held-back text
-        seq.finished = True
-        index = group.sequences.index(seq)
-        return self._take_delta(group, index, seq)
-
     def _close_group(
-        self, group: _Group, deltas: list[SequenceDelta], error: BaseException | None = None
+        self, group: RequestGroup, deltas: list[SequenceDelta], error: BaseException | None = None
     ) -> RequestOutput:
         del self.groups[group.request_id]
         for seq in group.sequences:
@@ -430,7 +350,7 @@ class LLMEngine:
             live = [s.request.request_id for s in group.sequences if not s.finished]
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
             group.unstarted = []
-            deltas = [self._finish_sequence(group, s) for s in group.sequences if not s.finished]
+            deltas = group.finish_unfinished()
             outputs.append(self._close_group(group, deltas, error=error))
         # KV written by the failed step may be garbage: never serve it from the prefix cache.
         self.kv_cache.reset_prefix_cache()

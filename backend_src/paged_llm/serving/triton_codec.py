@@ -7,7 +7,7 @@ The request contract is shared/design/API.md (vllm_backend-compatible).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +38,18 @@ class ParsedRequest:
     params: SamplingParams
     exclude_input_in_output: bool
     return_flags: frozenset[str] = field(default_factory=frozenset)  # which optional outputs to send
+
+
+def read_inputs(
+    request: Any, names: Iterable[str], get_input_tensor_by_name: Callable[[Any, str], Any]
+) -> dict[str, np.ndarray]:
+    """The request's input tensors among `names`, as numpy arrays (pass pb_utils' getter in)."""
+    arrays = {}
+    for name in names:
+        tensor = get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:

@@ -27,7 +27,7 @@ from paged_llm.engine.outputs import RequestOutput
 from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.serving.metrics import TritonMetrics
-from paged_llm.serving.triton_codec import INPUT_NAMES, ResponseAccumulator, parse_request
+from paged_llm.serving.triton_codec import INPUT_NAMES, ResponseAccumulator, parse_request, read_inputs
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _WAKE_INTERVAL_S = 0.02  # the response thread wakes at least this often
@@ -108,11 +108,7 @@ class TritonPythonModel:
     def _accept(self, request: Any) -> None:
         sender = request.get_response_sender()
         try:
-            inputs = {}
-            for name in INPUT_NAMES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
+            inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
             parsed = parse_request(inputs, request.parameters(), self.engine.config.limits)
             if parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids

@@ -12,6 +12,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from paged_llm.errors import InvalidRequestError
+from paged_llm.serving.triton_codec import read_inputs
 from paged_llm.serving.trtllm_codec import INPUT_NAMES, TrtllmResponseState, to_llm_request
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -34,11 +35,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = {}
-                for name in INPUT_NAMES:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
-                    if tensor is not None:
-                        inputs[name] = tensor.as_numpy()
+                inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
                 forward = to_llm_request(inputs)
             except InvalidRequestError as error:
                 error_response = pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
