@@ -17,6 +17,8 @@ from typing import Any
 from paged_llm.errors import InvalidRequestError
 
 _UINT64_MASK = (1 << 64) - 1
+# As in vLLM, temperatures this small are treated as greedy (dividing by them would overflow float32).
+GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
@@ -63,7 +65,7 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that changes or reports the logits: an argmax decides the token."""
         return (
-            self.temperature < 1e-5  # the sampler's greedy threshold
+            self.temperature < GREEDY_TEMPERATURE_EPS
             and self.repetition_penalty == 1.0
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0

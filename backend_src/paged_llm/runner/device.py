@@ -88,6 +88,9 @@ class Device:
         available = page * os.sysconf("SC_AVPHYS_PAGES")
         return int(available), int(total)
 
+    def allocated_bytes(self) -> int:
+        return int(self._module().memory_allocated(self.torch_device)) if self.is_accelerator else 0
+
     def peak_allocated_bytes(self) -> int:
         return int(self._module().max_memory_allocated(self.torch_device)) if self.is_accelerator else 0
 

@@ -28,7 +28,7 @@ def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) ->
     device.synchronize()
     free_bytes, total_bytes = device.memory_info()
     device.reset_peak_stats()
-    baseline = torch.cuda.memory_allocated(torch_device) if device.kind == "cuda" else 0
+    baseline = device.allocated_bytes()
 
     num_tokens = runner.max_num_batched_tokens
     seq_len = min(num_tokens, runner.max_model_len)

@@ -175,7 +175,7 @@ class ModelRunner:
         assert self.model is not None, "load() first"
         inputs = self.prepare_inputs(scheduler_output)
         metadata = inputs.metadata
-        if not inputs.sampled_requests and not inputs.is_decode_only:
+        if not inputs.sampled_requests:  # only prefill chunks that do not reach their last token
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             return LaunchedStep([], None)
         if self.graphs is not None and inputs.is_decode_only and self.graphs.bucket(metadata.num_seqs):
@@ -185,8 +185,6 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        if not inputs.sampled_requests:
-            return LaunchedStep([], None)
         return LaunchedStep(inputs.sampled_requests, self._sample(logits, inputs.sampled_requests))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:

@@ -21,10 +21,7 @@ import torch
 
 from paged_llm.sampling.noise import exponential_noise, row_noise_key_int32
 from paged_llm.sampling.penalties import PenaltyMetadata, apply_penalties, flat_token_ids
-from paged_llm.sampling_params import SamplingParams
-
-# As in vLLM, temperatures this small are treated as greedy (dividing by them would overflow float32).
-GREEDY_TEMPERATURE_EPS = 1e-5
+from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
 @dataclass(frozen=True)
