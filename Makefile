@@ -18,7 +18,7 @@ setup:
 	@bash scripts/setup.sh
 
 serve: setup
-	$(PY) -m paged_llm.launch serve --model-repository $(MODEL_REPOSITORY) --address $(ADDRESS) \
+	$(PY) -m paged_llm.tools.launch serve --model-repository $(MODEL_REPOSITORY) --address $(ADDRESS) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 test: setup lint

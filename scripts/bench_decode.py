@@ -60,7 +60,7 @@ def copy_bandwidth_gb_per_s(device: torch.device, num_bytes: int = 2 << 30) -> f
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes a decode step reads from weights: all parameters except the embedding table, which is
     only gathered (a few rows) unless it doubles as the LM head."""
-    model = engine.runner.model
+    model = engine.core.runner.model
     assert model is not None
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embedding = model.embed_tokens.weight
@@ -70,21 +70,23 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
-    return engine.spec.kv_bytes_per_token_per_element * (torch.finfo(engine.dtype).bits // 8)
+    return engine.core.runner.spec.kv_bytes_per_token_per_element * (
+        torch.finfo(engine.core.runner.dtype).bits // 8
+    )
 
 
 def run_batch(
     engine: LLMEngine, batch_size: int, prompt_len: int, new_tokens: int, seed: int
 ) -> DecodeResult:
     rng = random.Random(seed)
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+    vocab = min(engine.info.vocab_size, len(engine.tokenizer))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for index in range(batch_size):
         engine.add_request(
             f"d{batch_size}-{index}", [rng.randrange(vocab) for _ in range(prompt_len)], params
         )
     # Prefill (and the first token) first; time only the pure decode steps after it.
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+    while any(r.num_output_tokens == 0 for r in engine.core.scheduler.sequences.values()):
         engine.step()
     torch.cuda.synchronize()
     steps = 0
@@ -184,14 +186,17 @@ def main() -> None:
     )
     engine = LLMEngine(config, show_progress=False)
     card = torch.cuda.get_device_name()
-    copy_gb_per_s = copy_bandwidth_gb_per_s(engine.device.torch_device)
+    copy_gb_per_s = copy_bandwidth_gb_per_s(engine.core.device.torch_device)
     run_batch(engine, 1, 16, 8, args.seed)  # warm-up
     results = []
     for batch_size in batch_sizes:
         result = run_batch(engine, batch_size, args.prompt_len, args.new_tokens, args.seed)
         result.bandwidth_utilization = result.achieved_gb_per_s / copy_gb_per_s
         results.append(result)
-    print(f"\ncard: {card}; copy bandwidth {copy_gb_per_s:.0f} GB/s; model {model_dir.name} ({engine.dtype})")
+    print(
+        f"\ncard: {card}; copy bandwidth {copy_gb_per_s:.0f} GB/s; "
+        f"model {model_dir.name} ({engine.info.dtype})"
+    )
     weights_gb = weight_bytes(engine) / 1e9
     print(f"weights read per step: {weights_gb:.3f} GB; KV per token {kv_bytes_per_token(engine)} B")
     print(f"{'batch':>6}{'prompt':>8}{'new':>6}{'ms/step':>10}{'tok/s':>11}{'GB/s':>9}{'of copy BW':>12}")

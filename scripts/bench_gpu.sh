@@ -1,27 +1,56 @@
 #!/usr/bin/env bash
-# Every GPU figure of docs/benchmarks.md in one go, on a CUDA host that has torch, triton and
-# transformers (see ../shared/gpu-host.md); random-weight models are built first (no downloads).
-#   scripts/bench_gpu.sh OUT_DIR            (PYTHON=python3, MODELS_DIR=/tmp/paged_llm_models)
+# Every GPU figure of docs/benchmarks.md, on an offline CUDA host with torch, triton and transformers
+# (see ../shared/gpu-host.md). Random-weight models are built first (no downloads).
+#
+#   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama (default: all)
+#
+# `serving` needs .gpu/ from scripts/gpu_host/pack.sh (tritonserver, the stub's numpy 1.26, the client)
+# and brings the server up with scripts/gpu_host/bringup.sh. MODELS_DIR (default /tmp/paged_llm_models).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/bench_out}"
+shift || true
+SECTIONS="${*:-serving offline decode llama}"
 MODELS="${MODELS_DIR:-/tmp/paged_llm_models}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$MODELS"
 export PYTHONPATH="$ROOT/backend_src${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 cd "$ROOT"
 quiet() { grep -v -e "incorrect regex pattern" -e "Warning" || true; }
+wants() { [[ " $SECTIONS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 
-"$PY" scripts/make_random_model.py --shape qwen3-0.6b --out "$MODELS/qwen3-0.6b" --device cuda >/dev/null 2>&1
-echo "== 1. offline throughput: 256 requests, input/output 100..1024, Qwen3-0.6B shape (bf16)"
-"$PY" scripts/bench_offline.py --model "$MODELS/qwen3-0.6b" --num-requests 256 --input-len 100:1024 \
-  --output-len 100:1024 --max-num-batched-tokens 16384 --max-model-len 2048 --hf-num-requests 32 \
-  --no-progress --json "$OUT/offline_qwen3.json" 2>&1 | quiet | tail -6
-echo "== 2a. batch-1 decode, 128-token prompt, 256 new tokens, Qwen3-0.6B shape"
-"$PY" scripts/bench_decode.py --model "$MODELS/qwen3-0.6b" --hf --json "$OUT/decode_b1_qwen3.json" 2>&1 | quiet | tail -5
-echo "== 3. decode sweep at 1k context, Qwen3-0.6B shape"
-"$PY" scripts/bench_decode.py --model "$MODELS/qwen3-0.6b" --batch-sizes 1,16,64,256 --prompt-len 1024 \
-  --new-tokens 64 --plot "$OUT/decode_sweep_qwen3.png" --json "$OUT/decode_sweep_qwen3.json" 2>&1 | quiet | tail -7
-"$PY" scripts/make_random_model.py --shape llama3-8b --out "$MODELS/llama3-8b" --device cuda >/dev/null 2>&1
-echo "== 2b. batch-1 decode, 128-token prompt, 256 new tokens, Llama-3-8B shape"
-"$PY" scripts/bench_decode.py --model "$MODELS/llama3-8b" --hf --json "$OUT/decode_b1_llama8b.json" 2>&1 | quiet | tail -5
+[ -d "$MODELS/qwen3-0.6b" ] || "$PY" scripts/make_random_model.py --shape qwen3-0.6b --out "$MODELS/qwen3-0.6b" --device cuda >/dev/null 2>&1
+
+if wants serving; then
+  # shellcheck source=gpu_host/bringup.sh
+  source scripts/gpu_host/bringup.sh "${WORK_DIR:-/tmp/paged_llm_host}"
+  REPO="$("$STUB_PYTHON" -m paged_llm.tools.server_process make-repository "$OUT/repository" \
+    model="$MODELS/qwen3-0.6b" device=cuda max_model_len=2048 max_num_batched_tokens=16384 \
+    max_num_seqs=256 engine_python="$HOST_PYTHON")"
+  echo "== serving: through tritonserver (gRPC streaming, one stream per request) and offline, one run"
+  "$STUB_PYTHON" scripts/bench_serving.py --launch "$REPO" --compare-offline --server-log "$OUT/server.log" \
+    --scenario "burst256:256:100-1024:100-1024:r=inf" \
+    --scenario "c64:256:512:256:c=64" \
+    --scenario "sweep:64:128:128:c=1,2,4,8,16" \
+    --scenario "batch1:8:128:256:c=1" \
+    --json "$OUT/serving_qwen3.json" --plot "$OUT/serving_qwen3.png" 2>&1 | quiet | tee "$OUT/serving_qwen3.txt"
+fi
+if wants offline; then
+  echo "== 1. offline throughput: 256 requests, input/output 100..1024, Qwen3-0.6B shape (bf16)"
+  "$PY" scripts/bench_offline.py --model "$MODELS/qwen3-0.6b" --num-requests 256 --input-len 100:1024 \
+    --output-len 100:1024 --max-num-batched-tokens 16384 --max-model-len 2048 --hf-num-requests 32 \
+    --no-progress --json "$OUT/offline_qwen3.json" 2>&1 | quiet | tail -6
+fi
+if wants decode; then
+  echo "== 2a. batch-1 decode, 128-token prompt, 256 new tokens, Qwen3-0.6B shape"
+  "$PY" scripts/bench_decode.py --model "$MODELS/qwen3-0.6b" --hf --json "$OUT/decode_b1_qwen3.json" 2>&1 | quiet | tail -5
+  echo "== 3. decode sweep at 1k context, Qwen3-0.6B shape"
+  "$PY" scripts/bench_decode.py --model "$MODELS/qwen3-0.6b" --batch-sizes 1,16,64,256 --prompt-len 1024 \
+    --new-tokens 64 --plot "$OUT/decode_sweep_qwen3.png" --json "$OUT/decode_sweep_qwen3.json" 2>&1 | quiet | tail -7
+fi
+if wants llama; then
+  [ -d "$MODELS/llama3-8b" ] || "$PY" scripts/make_random_model.py --shape llama3-8b --out "$MODELS/llama3-8b" --device cuda >/dev/null 2>&1
+  echo "== 2b. batch-1 decode, 128-token prompt, 256 new tokens, Llama-3-8B shape"
+  "$PY" scripts/bench_decode.py --model "$MODELS/llama3-8b" --hf --json "$OUT/decode_b1_llama8b.json" 2>&1 | quiet | tail -5
+fi

@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import platform
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +36,7 @@ from paged_llm.models.hf_config import load_model_spec
 from paged_llm.runner.device import Device
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
+from paged_llm.tools.bench_workload import random_workload
 
 
 @dataclass
@@ -51,22 +51,9 @@ class RunResult:
         return self.num_output_tokens / self.elapsed_s
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(":")
-    return int(low), int(high or low)
-
-
 def make_workload(args: argparse.Namespace, vocab_limit: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    in_low, in_high = parse_range(args.input_len)
-    out_low, out_high = parse_range(args.output_len)
-    return [
-        (
-            [rng.randrange(0, vocab_limit) for _ in range(rng.randint(in_low, in_high))],
-            rng.randint(out_low, out_high),
-        )
-        for _ in range(args.num_requests)
-    ]
+    jobs = random_workload(args.num_requests, args.input_len, args.output_len, vocab_limit, args.seed)
+    return [(job.prompt_token_ids, job.num_output_tokens) for job in jobs]
 
 
 def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_progress: bool) -> RunResult:
@@ -75,7 +62,7 @@ def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_pr
         engine.add_request(f"bench-{index}", prompt, params)
     total = sum(n for _, n in workload)
     produced = 0
-    engine.device.synchronize()
+    engine.core.device.synchronize()
     start = time.perf_counter()
     with tqdm(total=total, desc="paged_llm", unit="tok", disable=not show_progress) as bar:
         while engine.has_unfinished_requests():
@@ -83,7 +70,7 @@ def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_pr
                 new = sum(len(s.token_ids) for s in output.sequences)
                 produced += new
                 bar.update(new)
-    engine.device.synchronize()
+    engine.core.device.synchronize()
     elapsed = time.perf_counter() - start
     assert produced == total, f"engine produced {produced} tokens, expected {total}"
     return RunResult("paged_llm", len(workload), produced, elapsed)

@@ -2,7 +2,8 @@
 report of failed requests, server memory growth and whether every KV block came back.
 
   scripts/soak.sh                       # 10 minutes at concurrency 16 on the built-in tiny model
-  scripts/soak.sh --duration 20         # the short version CI runs
+  scripts/soak.sh --requests 64         # a fixed number of requests (what CI runs: no time window,
+                                        # so a slow or busy machine only makes it take longer)
 
 Failures are counted on the server side (paged_llm_final_responses_total by status code, Triton's
 nv_inference_request_failure), so a request that errored or never got its final response shows up
@@ -23,9 +24,9 @@ from pathlib import Path
 
 import psutil
 
-from paged_llm.launch import perf_analyzer_env, perf_analyzer_path
 from paged_llm.paths import repo_root
-from paged_llm.server_process import RunningServer, start_server
+from paged_llm.tools.launch import perf_analyzer_env, perf_analyzer_path
+from paged_llm.tools.server_process import RunningServer, start_server
 
 FAILURE_CODES = ("cancelled", "invalid_arg", "unavailable", "internal")
 
@@ -52,16 +53,33 @@ def failures(text: str) -> dict[str, float]:
     return counts
 
 
-def run_perf_analyzer(server: RunningServer, args: argparse.Namespace, duration_s: float) -> tuple[int, str]:
-    window_ms = max(int(duration_s * 1000 / 3), 1000)
+def run_perf_analyzer(
+    server: RunningServer,
+    input_data: Path,
+    concurrency: int,
+    duration_s: float | None,
+    num_requests: int | None,
+) -> tuple[int, str]:
+    """Time windows (`duration_s`, by hand) or exactly `num_requests` requests (CI: a busy machine
+    cannot make a window come out empty)."""
     command = [
         str(perf_analyzer_path()),
         "-m", "llm", "-i", "grpc", "-u", server.grpc_url, "--streaming",
-        "--input-data", str(args.input_data),
-        "--concurrency-range", str(args.concurrency),
-        "--measurement-interval", str(window_ms),
-        "--stability-percentage", "100", "--max-trials", "3",
+        "--input-data", str(input_data),
+        "--concurrency-range", str(concurrency),
     ]  # fmt: skip
+    if num_requests is not None:
+        command += ["--request-count", str(num_requests)]
+    else:
+        window_ms = max(int((duration_s or 0) * 1000 / 3), 1000)
+        command += [
+            "--measurement-interval",
+            str(window_ms),
+            "--stability-percentage",
+            "100",
+            "--max-trials",
+            "3",
+        ]
     completed = subprocess.run(command, env=perf_analyzer_env(), capture_output=True, text=True, check=False)
     return completed.returncode, completed.stdout + completed.stderr
 
@@ -70,7 +88,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    load.add_argument("--requests", type=int, default=None, help="send exactly this many requests instead")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument(
         "--input-data", type=Path, default=repo_root() / "clients/perf_inputs/llm_streaming.json"
@@ -84,11 +104,13 @@ def main() -> int:
     server = start_server(args.model_repository, workdir / "server.log")
     try:
         # Warm-up: first requests allocate caches; measure growth from after them.
-        run_perf_analyzer(server, argparse.Namespace(**{**vars(args), "concurrency": 2}), 3.0)
+        run_perf_analyzer(server, args.input_data, 2, None, 4)
         before_text = server.metrics()
         rss_before = server_rss_bytes(server)
         started = time.monotonic()
-        returncode, output = run_perf_analyzer(server, args, args.duration)
+        returncode, output = run_perf_analyzer(
+            server, args.input_data, args.concurrency, args.duration, args.requests
+        )
         elapsed = time.monotonic() - started
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -77,12 +77,37 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ServingConfig:
+    """How the Triton front end runs the engine (read by model.py; the engine core ignores it)."""
+
+    engine_mode: str = "process"  # process: the core in its own process | thread: in the stub's process
+    max_merged_steps: int = 16  # a response merges at most this many engine steps when the sender lags
+    # At unload / server shutdown, in-flight requests get this long to finish, then they get
+    # CANCELLED. Keep it well below tritonserver's --exit-timeout-secs: Triton does not count
+    # decoupled requests as in flight and gives up on the model after that timeout.
+    shutdown_grace_s: float = 1.0
+    # The Python interpreter of the engine core process ("" = the front end's own). The stub must
+    # run with numpy < 2 (Triton 2.51's stub reads every tensor wrong under numpy 2); the core does
+    # not touch Triton, so it can run in the host's own environment, e.g. a GPU host's torch venv.
+    engine_python: str = ""
+
+    def __post_init__(self) -> None:
+        if self.engine_mode not in ("process", "thread"):
+            raise ConfigError(f"engine_mode must be process or thread, got {self.engine_mode!r}")
+        if self.max_merged_steps < 1:
+            raise ConfigError(f"max_merged_steps must be >= 1, got {self.max_merged_steps}")
+        if not 0.0 <= self.shutdown_grace_s <= 600.0:
+            raise ConfigError(f"shutdown_grace_s must be in [0, 600], got {self.shutdown_grace_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
 
     @staticmethod
@@ -116,6 +141,7 @@ class EngineConfig:
                 scheduler=SchedulerConfig(**sections["scheduler"]),
                 device=DeviceConfig(**sections["device"]),
                 limits=RequestLimits(**sections["limits"]),
+                serving=ServingConfig(**sections["serving"]),
                 **top,
             )
         except ValueError as error:
@@ -128,6 +154,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
     "limits": RequestLimits,
+    "serving": ServingConfig,
 }
 _ALIASES = {
     "num_kv_blocks": "num_blocks",

@@ -16,9 +16,18 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine stopped after a fault and takes no more work (becomes UNAVAILABLE)."""
+    """The engine is not running (shutting down, or its core died) and takes no more work (becomes
+    UNAVAILABLE)."""
 
 
 class RequestAbortedError(RuntimeError):
     """The request was ended before it finished: client cancellation, timeout or shutdown
     (becomes CANCELLED). The message says which."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request: a model fault (becomes INTERNAL)."""
+
+
+class EngineCoreDiedError(EngineStepError):
+    """The engine core process died while this request was in flight (becomes INTERNAL)."""

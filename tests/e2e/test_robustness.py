@@ -281,7 +281,16 @@ def test_injected_step_fault_fails_in_flight_requests_then_recovers(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ model reload
-def test_repeated_load_unload_leaks_no_threads_or_memory(tmp_path):
+def our_processes(server: RunningServer) -> dict[str, list[psutil.Process]]:
+    """The server's Python stubs and the engine core processes they started."""
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    return {
+        "stubs": [p for p in children if "stub" in p.name()],
+        "cores": [p for p in children if "paged_llm.engine.core_process" in " ".join(p.cmdline())],
+    }
+
+
+def test_repeated_load_unload_leaks_no_threads_processes_or_memory(tmp_path):
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     explicit = start_server(
         repository, tmp_path / "server.log", ["--model-control-mode=explicit", "--load-model=llm"]
@@ -296,21 +305,22 @@ def test_repeated_load_unload_leaks_no_threads_or_memory(tmp_path):
     try:
         for _ in range(4):
             assert stream(explicit.grpc_url, "reload", sampling_parameters={"max_tokens": 4}).finals == 1
-            stubs = [p for p in process.children(recursive=True) if "stub" in p.name()]
-            samples.append((process.memory_info().rss, process.num_threads(), len(stubs)))
+            ours = our_processes(explicit)
+            samples.append(
+                (process.memory_info().rss, process.num_threads(), len(ours["stubs"]), len(ours["cores"]))
+            )
             assert http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})[0] == 200
             assert wait_for(lambda: state() == "UNAVAILABLE", timeout_s=60)
-            assert not [p for p in process.children(recursive=True) if "stub" in p.name()]
+            assert our_processes(explicit) == {"stubs": [], "cores": []}
             assert http_post(explicit.http_url, "/v2/repository/models/llm/load", {}, timeout_s=120)[0] == 200
-        assert [s[2] for s in samples] == [1, 1, 1, 1]
-        assert max(s[1] for s in samples) == min(s[1] for s in samples), samples
+        assert [s[2:] for s in samples] == [(1, 1)] * 4
+        # A thread leaked per cycle would add one per sample; the server may start a thread lazily
+        # once (seen: 62 -> 63 -> 63 -> 63), which this tolerates.
+        threads = [s[1] for s in samples]
+        assert threads[-1] - threads[1] < len(samples) - 2, samples
         assert samples[-1][0] - samples[1][0] < 32 << 20, samples  # RSS flat within 32 MiB
-        assert (
-            explicit.log().count(
-                "paged_llm finalized: engine thread alive=False, response thread alive=False"
-            )
-            == 4
-        )
+        finalized = "paged_llm finalized: output thread alive=False, housekeeping thread alive=False"
+        assert explicit.log().count(finalized) == 4
     finally:
         explicit.stop()
 

@@ -55,7 +55,7 @@ def cuda_engine(model_dir, **scheduler) -> LLMEngine:
 def test_greedy_matches_hf_on_gpu(model_dir, prompts):
     expected = hf_greedy(model_dir, prompts)
     engine = cuda_engine(model_dir, max_num_seqs=32)
-    assert engine.runner.graphs is not None and engine.runner.attention.name == "triton"
+    assert engine.core.runner.graphs is not None and engine.core.runner.attention.name == "triton"
     results = run_to_completion(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [r[0].token_ids for r in results] == expected
 
@@ -65,7 +65,7 @@ def test_gpu_preemption_and_chunked_prefill_still_match(model_dir, prompts):
     engine = cuda_engine(model_dir, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
     results = run_to_completion(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [r[0].token_ids for r in results] == expected
-    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler_stats().num_preemptions_total > 0
 
 
 def test_seeded_sampling_on_gpu_matches_cpu(model_dir, prompts):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +19,9 @@ class Completion:
     finish_reason: str | None = None
 
 
-def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections."""
+def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> LLMEngine:
+    """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections. With
+    core_mode="process" the caller shuts it down (the `engines` fixture does)."""
     cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
     cache = {k: v for k, v in overrides.items() if k in cache_fields}
     scheduler = {k: v for k, v in overrides.items() if k not in cache_fields and k != "max_model_len"}
@@ -32,7 +33,7 @@ def make_engine(model_dir: Path, **overrides) -> LLMEngine:
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**scheduler),
     )
-    return LLMEngine(config, show_progress=False)
+    return LLMEngine(config, show_progress=False, core_mode=core_mode)
 
 
 def run_to_completion(
@@ -57,8 +58,22 @@ def run_to_completion(
                     completion.finish_reason = delta.finish_reason
         if check_integrity:
             engine.check_integrity()
-    assert engine.kv_cache.usage == 0.0, "blocks still held after every request finished"
+    assert engine.scheduler_stats().kv_usage == 0.0, "blocks still held after every request finished"
     return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture
+def engines(tiny_model_dir) -> Iterator[Callable[..., LLMEngine]]:
+    """make_engine on the tiny model, every engine shut down afterwards (no core process survives)."""
+    made: list[LLMEngine] = []
+
+    def make(core_mode: str = "inprocess", **overrides) -> LLMEngine:
+        made.append(make_engine(tiny_model_dir, core_mode, **overrides))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown()
 
 
 class HFReference:

@@ -1,4 +1,5 @@
-"""Engine behaviour on the tiny model (CPU): sampling, stops, n > 1, aborts, faults, the loop thread."""
+"""Engine behaviour on the tiny model (CPU): sampling, stops, n > 1, aborts, faults, and the serving
+front end (AsyncLLM) over a core in a thread and in its own process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
-from paged_llm.engine.engine_loop import EngineLoop
+from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.engine.llm_engine import LLMEngine
-from paged_llm.errors import InvalidRequestError
+from paged_llm.errors import InvalidRequestError, RequestAbortedError
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import make_engine, run_to_completion
 
@@ -40,17 +41,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine, prompts):
 
 def test_n_samples_share_the_prompt_blocks(engine, tiny_tokenizer):
     prompt = list(tiny_tokenizer("A long shared prompt for several samples. " * 5)["input_ids"])
-    hits_before = engine.kv_cache.num_prefix_hit_tokens
+    kv_cache = engine.core.kv_cache
+    hits_before = kv_cache.num_prefix_hit_tokens
     [samples] = run_to_completion(
         engine, [prompt], SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=7)
     )
     assert len(samples) == 4 and all(len(s.token_ids) == 10 for s in samples)
     assert len({tuple(s.token_ids) for s in samples}) > 1, "samples with derived seeds should differ"
-    full_blocks = (len(prompt) - 1) // engine.kv_cache.block_size_tokens
-    assert (
-        engine.kv_cache.num_prefix_hit_tokens - hits_before
-        >= 3 * full_blocks * engine.kv_cache.block_size_tokens
-    )
+    full_blocks = (len(prompt) - 1) // kv_cache.block_size_tokens
+    assert kv_cache.num_prefix_hit_tokens - hits_before >= 3 * full_blocks * kv_cache.block_size_tokens
     [again] = run_to_completion(engine, [prompt], SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=7))
     assert [s.token_ids for s in again] == [s.token_ids for s in samples]
 
@@ -117,11 +116,11 @@ def test_logprobs_match_hf_scores(engine, hf_reference, prompts):
 def test_abort_frees_blocks_and_reports_abort(engine, prompts):
     engine.add_request("to-abort", prompts[8], greedy(50))
     engine.step()
-    assert engine.kv_cache.usage > 0
+    assert engine.core.kv_cache.usage > 0
     final = engine.abort_request("to-abort")
     assert final is not None and final.finished
     assert final.sequences[0].finish_reason == "abort"
-    assert engine.kv_cache.usage == 0 and not engine.has_unfinished_requests()
+    assert engine.core.kv_cache.usage == 0 and not engine.has_unfinished_requests()
     engine.check_integrity()
 
 
@@ -156,36 +155,45 @@ def test_injected_step_fault_fails_in_flight_requests_and_engine_recovers(tiny_m
     failed = [o for o in engine.step() if o.finished]  # the step also delivers step 1's tokens
     assert sorted(o.request_id for o in failed) == ["f0", "f1", "f2"]
     assert all(o.finished and o.error is not None and "injected fault" in str(o.error) for o in failed)
-    assert engine.kv_cache.usage == 0 and not engine.kv_cache.pool.cached_blocks
+    assert engine.core.kv_cache.usage == 0 and not engine.core.kv_cache.pool.cached_blocks
     [[after]] = run_to_completion(engine, [prompts[1]], greedy(8))
     assert len(after.token_ids) == 8 and after.finish_reason == "length"
 
 
-def test_engine_loop_serves_threads_and_shutdown_aborts_the_rest(tiny_model_dir, prompts):
-    engine = make_engine(tiny_model_dir)
-    loop = EngineLoop(engine)
-    loop.start()
+@pytest.mark.parametrize("core_mode", ["thread", "process"])
+def test_async_engine_serves_threads_and_shutdown_aborts_the_rest(tiny_model_dir, prompts, core_mode):
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"), cache=CacheConfig(num_blocks=512)
+    )
     done: dict[str, list] = {}
     finished = threading.Event()
     lock = threading.Lock()
 
-    def callback(output):
+    def on_outputs(outputs):
         with lock:
-            done.setdefault(output.request_id, []).append(output)
+            for output in outputs:
+                done.setdefault(output.request_id, []).append(output)
             if len([k for k, v in done.items() if v[-1].finished]) == 8:
                 finished.set()
 
-    def submit(index: int) -> None:
-        loop.submit(f"t{index}", prompts[index], greedy(8), callback)
-
-    threads = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert finished.wait(60)
-    assert all(sum(o.finished for o in outputs) == 1 for outputs in done.values())
-    loop.submit("long", prompts[1], greedy(4000, ignore_eos=True), callback)
-    loop.shutdown(grace_s=0.2)
-    assert done["long"][-1].finished and done["long"][-1].sequences[0].finish_reason == "abort"
-    assert engine.kv_cache.usage == 0
+    engine = AsyncLLM(config, on_outputs, core_mode=core_mode)
+    try:
+        threads = [
+            threading.Thread(target=engine.add_request, args=(f"t{i}", prompts[i], greedy(8)))
+            for i in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert finished.wait(60)
+        assert all(sum(o.finished for o in outputs) == 1 for outputs in done.values())
+        assert all(sum(len(o.sequences[0].token_ids) for o in outputs) == 8 for outputs in done.values())
+        engine.add_request("long", prompts[1], greedy(4000, ignore_eos=True))
+    finally:
+        engine.shutdown(grace_s=0.2)
+    final = done["long"][-1]
+    assert final.finished and isinstance(final.error, RequestAbortedError)
+    assert final.sequences[0].finish_reason == "abort"
+    assert [o.finished for o in done["long"]].count(True) == 1
+    assert engine.stats.snapshot().num_running == 0

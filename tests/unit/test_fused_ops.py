@@ -7,9 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from paged_llm.models.decoder import RotaryEmbedding
-from paged_llm.models.hf_config import RopeSpec
-from paged_llm.runner.fused_ops import (
+from paged_llm.layers.fused_ops import (
     qk_norm_rope_torch,
     qk_norm_rope_triton,
     rms_norm_torch,
@@ -17,6 +15,8 @@ from paged_llm.runner.fused_ops import (
     silu_and_mul_torch,
     silu_and_mul_triton,
 )
+from paged_llm.models.decoder import RotaryEmbedding
+from paged_llm.models.hf_config import RopeSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter has no bfloat16 arithmetic; bf16 runs where the kernels really compile.

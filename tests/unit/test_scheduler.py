@@ -2,8 +2,8 @@
 stop conditions, aborts and prefix-cache hits, driven step by step with a fake model; plus a
 property-based test of random workloads on a tiny KV pool.
 
-The fake model samples `model_token(request_id, index)` where index = len(output_token_ids) at sampling
-time. It depends on nothing else, so a request recomputed after preemption must end with exactly the
+The fake model samples `model_token(seq_id, index)` where index = len(output_token_ids) at sampling
+time. It depends on nothing else, so a sequence recomputed after preemption must end with exactly the
 tokens it would have produced without preemption: a duplicated or dropped token changes the sequence.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,51 +22,51 @@ from hypothesis import strategies as st
 
 from paged_llm.config import SchedulerConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import Scheduler, SchedulerOutput
-from paged_llm.request import Request, RequestStatus
+from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
 
-Model = Callable[[Request], int]
-StepSummary = list[tuple[str, int, int, bool]]  # (request_id, start, num_new_tokens, needs_sample)
+Model = Callable[[Sequence], int]
+StepSummary = list[tuple[str, int, int, bool]]  # (seq_id, start, num_new_tokens, needs_sample)
 
 
-def model_token(request_id: str, index: int, vocab: int = 1000) -> int:
-    """The fake model's output: a fixed function of the request and the output index (>= 5000 by
+def model_token(seq_id: str, index: int, vocab: int = 1000) -> int:
+    """The fake model's output: a fixed function of the sequence and the output index (>= 5000 by
     default so it never collides with the small EOS / stop ids the tests script)."""
-    return zlib.crc32(f"{request_id}:{index}".encode()) % vocab + (5000 if vocab == 1000 else 0)
+    return zlib.crc32(f"{seq_id}:{index}".encode()) % vocab + (5000 if vocab == 1000 else 0)
 
 
-def fake_model(request: Request) -> int:
-    return model_token(request.request_id, request.num_output_tokens)
+def fake_model(seq: Sequence) -> int:
+    return model_token(seq.seq_id, seq.num_output_tokens)
 
 
 def scripted_model(script: dict[int, int]) -> Model:
     """Emits script[index] at the given output indices and the fake model's token elsewhere."""
 
-    def model(request: Request) -> int:
-        return script.get(request.num_output_tokens, fake_model(request))
+    def model(seq: Sequence) -> int:
+        return script.get(seq.num_output_tokens, fake_model(seq))
 
     return model
 
 
-def prompt_tokens(request_id: str, length: int) -> list[int]:
-    """Distinct per request, so tests get prefix-cache hits only where they ask for them."""
-    return [zlib.crc32(f"{request_id}/{i}".encode()) % 30000 + 100 for i in range(length)]
+def prompt_tokens(seq_id: str, length: int) -> list[int]:
+    """Distinct per sequence, so tests get prefix-cache hits only where they ask for them."""
+    return [zlib.crc32(f"{seq_id}/{i}".encode()) % 30000 + 100 for i in range(length)]
 
 
-def make_request(
-    request_id: str,
-    prompt: int | Sequence[int],
+def make_sequence(
+    seq_id: str,
+    prompt: int | abc.Sequence[int],
     *,
-    eos: Sequence[int] = (),
+    eos: abc.Sequence[int] = (),
     **params: Any,
-) -> Request:
-    tokens = prompt_tokens(request_id, prompt) if isinstance(prompt, int) else list(prompt)
+) -> Sequence:
+    tokens = prompt_tokens(seq_id, prompt) if isinstance(prompt, int) else list(prompt)
     params.setdefault("max_tokens", 4)
-    return Request(
-        request_id=request_id,
+    return Sequence(
+        seq_id=seq_id,
         prompt_token_ids=tokens,
         sampling_params=SamplingParams(**params),
         seed=0,
@@ -91,7 +92,7 @@ def make_scheduler(
 
 
 def summary(output: SchedulerOutput) -> StepSummary:
-    return [(s.request_id, s.num_computed_tokens, s.num_new_tokens, s.needs_sample) for s in output.scheduled]
+    return [(s.seq_id, s.num_computed_tokens, s.num_new_tokens, s.needs_sample) for s in output.scheduled]
 
 
 def schedule(sched: Scheduler) -> SchedulerOutput:
@@ -102,11 +103,11 @@ def schedule(sched: Scheduler) -> SchedulerOutput:
     return output
 
 
-Updates = list[tuple[Request, int | None]]
+Updates = list[SequenceUpdate]
 
 
 def apply(sched: Scheduler, output: SchedulerOutput, model: Model = fake_model) -> Updates:
-    sampled = {s.request_id: model(s.request) for s in output.scheduled if s.needs_sample}
+    sampled = {s.seq_id: model(s.seq) for s in output.scheduled if s.needs_sample}
     updates = sched.update_from_output(output, sampled)
     sched.check_integrity()
     return updates
@@ -119,37 +120,37 @@ def step(sched: Scheduler, model: Model = fake_model) -> SchedulerOutput:
 
 
 def run(sched: Scheduler, model: Model = fake_model, max_steps: int = 500) -> list[StepSummary]:
-    """Steps until every request finished; returns each step's summary."""
+    """Steps until every sequence finished; returns each step's summary."""
     steps = []
-    while sched.has_unfinished_requests():
+    while sched.has_unfinished_sequences():
         assert len(steps) < max_steps, "no progress"
         steps.append(summary(step(sched, model)))
     return steps
 
 
-def expected_outputs(request_id: str, count: int) -> list[int]:
-    return [model_token(request_id, i) for i in range(count)]
+def expected_outputs(seq_id: str, count: int) -> list[int]:
+    return [model_token(seq_id, i) for i in range(count)]
 
 
 def assert_all_freed(sched: Scheduler) -> None:
     kv = sched.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
-    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
-    assert sched.requests == {} and sched.running == [] and sched.waiting == []
+    assert kv.seq_to_blocks == {} and kv.num_cached_blocks == {}
+    assert sched.sequences == {} and sched.running == [] and sched.waiting == []
 
 
 # ------------------------------------------------------------------------------------- admission
 def test_fcfs_admission_within_max_num_seqs() -> None:
     sched = make_scheduler(max_num_seqs=2)
-    a, b, c = (make_request(rid, 4, max_tokens=2) for rid in "abc")
-    for request in (a, b, c):
-        sched.add_request(request)
+    a, b, c = (make_sequence(rid, 4, max_tokens=2) for rid in "abc")
+    for seq in (a, b, c):
+        sched.add_sequence(seq)
     assert [r.arrival_seq for r in (a, b, c)] == [0, 1, 2]
 
     assert summary(step(sched)) == [("a", 0, 4, True), ("b", 0, 4, True)]
-    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert [r.seq_id for r in sched.waiting] == ["c"]
     assert summary(step(sched)) == [("a", 4, 1, True), ("b", 4, 1, True)]  # both reach max_tokens=2
-    assert a.status is b.status is RequestStatus.FINISHED_LENGTH
+    assert a.status is b.status is SequenceStatus.FINISHED_LENGTH
     assert summary(step(sched)) == [("c", 0, 4, True)]
     assert run(sched) == [[("c", 4, 1, True)]]
     assert a.output_token_ids == expected_outputs("a", 2)
@@ -158,13 +159,13 @@ def test_fcfs_admission_within_max_num_seqs() -> None:
 
 def test_waiting_head_is_not_overtaken_when_it_does_not_fit() -> None:
     sched = make_scheduler(num_blocks=8)  # 32 tokens
-    big = make_request("big", 20, max_tokens=2)  # 5 blocks (6 with its outputs)
-    blocked = make_request("blocked", 16)  # 4 blocks: only 3 left
-    small = make_request("small", 4)  # 1 block: would fit, but arrived later
-    for request in (big, blocked, small):
-        sched.add_request(request)
+    big = make_sequence("big", 20, max_tokens=2)  # 5 blocks (6 with its outputs)
+    blocked = make_sequence("blocked", 16)  # 4 blocks: only 3 left
+    small = make_sequence("small", 4)  # 1 block: would fit, but arrived later
+    for seq in (big, blocked, small):
+        sched.add_sequence(seq)
     assert summary(step(sched)) == [("big", 0, 20, True)]
-    assert [r.request_id for r in sched.waiting] == ["blocked", "small"]
+    assert [r.seq_id for r in sched.waiting] == ["blocked", "small"]
     assert summary(step(sched)) == [("big", 20, 1, True)]  # finishes
     assert summary(step(sched)) == [("blocked", 0, 16, True), ("small", 0, 4, True)]
 
@@ -172,13 +173,13 @@ def test_waiting_head_is_not_overtaken_when_it_does_not_fit() -> None:
 def test_max_num_seqs_caps_the_batch() -> None:
     sched = make_scheduler(max_num_seqs=3)
     for rid in "abcde":
-        sched.add_request(make_request(rid, 3, max_tokens=3))
+        sched.add_sequence(make_sequence(rid, 3, max_tokens=3))
     first_seen: list[str] = []
-    while sched.has_unfinished_requests():
+    while sched.has_unfinished_sequences():
         output = step(sched)
         assert len(output.scheduled) <= 3
         assert len(sched.running) <= 3
-        first_seen += [s.request_id for s in output.scheduled if s.request_id not in first_seen]
+        first_seen += [s.seq_id for s in output.scheduled if s.seq_id not in first_seen]
     assert first_seen == list("abcde")
     assert_all_freed(sched)
 
@@ -186,13 +187,13 @@ def test_max_num_seqs_caps_the_batch() -> None:
 # ------------------------------------------------------------------------ budget, chunked prefill
 def test_chunked_prefill_splits_a_long_prompt_across_steps() -> None:
     sched = make_scheduler(budget=8)
-    request = make_request("a", 20, max_tokens=2)
-    sched.add_request(request)
+    seq = make_sequence("a", 20, max_tokens=2)
+    sched.add_sequence(seq)
 
     first = step(sched)
     assert summary(first) == [("a", 0, 8, False)]
     assert first.scheduled[0].block_ids == [0, 1]
-    assert request.num_computed_tokens == 8 and request.output_token_ids == []
+    assert seq.num_computed_tokens == 8 and seq.output_token_ids == []
 
     second = step(sched)
     assert summary(second) == [("a", 8, 8, False)]
@@ -202,29 +203,29 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps() -> None:
     assert summary(third) == [("a", 16, 4, True)]  # the last chunk samples the first token
     assert third.num_batched_tokens == 4
     assert third.scheduled[0].block_ids == [0, 1, 2, 3, 4]
-    assert apply(sched, third) == [(request, model_token("a", 0))]
+    assert apply(sched, third) == [SequenceUpdate(seq, model_token("a", 0))]
 
     fourth = step(sched)
     assert summary(fourth) == [("a", 20, 1, True)]
     assert fourth.scheduled[0].block_ids == [0, 1, 2, 3, 4, 5]  # token 20 opens block 5
-    assert request.status is RequestStatus.FINISHED_LENGTH
-    assert request.output_token_ids == expected_outputs("a", 2)
+    assert seq.status is SequenceStatus.FINISHED_LENGTH
+    assert seq.output_token_ids == expected_outputs("a", 2)
     assert_all_freed(sched)
 
 
 def test_chunk_updates_report_no_token() -> None:
     sched = make_scheduler(budget=5)
-    request = make_request("a", 7)
-    sched.add_request(request)
-    assert apply(sched, schedule(sched)) == [(request, None)]
+    seq = make_sequence("a", 7)
+    sched.add_sequence(seq)
+    assert apply(sched, schedule(sched)) == [SequenceUpdate(seq, None)]
 
 
 def test_decodes_and_prefill_chunks_share_a_step() -> None:
     sched = make_scheduler(budget=8)
-    sched.add_request(make_request("a", 3, max_tokens=10))
+    sched.add_sequence(make_sequence("a", 3, max_tokens=10))
     assert summary(step(sched)) == [("a", 0, 3, True)]
-    sched.add_request(make_request("b", 20, max_tokens=1))
-    # Running requests are served first, then the newcomer fills the rest of the budget.
+    sched.add_sequence(make_sequence("b", 20, max_tokens=1))
+    # Running sequences are served first, then the newcomer fills the rest of the budget.
     assert summary(step(sched)) == [("a", 3, 1, True), ("b", 0, 7, False)]
     assert summary(step(sched)) == [("a", 4, 1, True), ("b", 7, 7, False)]
     output = step(sched)
@@ -235,18 +236,18 @@ def test_decodes_and_prefill_chunks_share_a_step() -> None:
 def test_budget_exhausted_by_running_requests_admits_nobody() -> None:
     sched = make_scheduler(budget=2)
     for rid in "ab":
-        sched.add_request(make_request(rid, 1, max_tokens=5))
+        sched.add_sequence(make_sequence(rid, 1, max_tokens=5))
     assert summary(step(sched)) == [("a", 0, 1, True), ("b", 0, 1, True)]
-    sched.add_request(make_request("c", 1))
+    sched.add_sequence(make_sequence("c", 1))
     assert summary(step(sched)) == [("a", 1, 1, True), ("b", 1, 1, True)]
-    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert [r.seq_id for r in sched.waiting] == ["c"]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_fits_it_whole() -> None:
     sched = make_scheduler(budget=8, chunked=False, max_model_len=8)
-    sched.add_request(make_request("a", 3, max_tokens=3))
+    sched.add_sequence(make_sequence("a", 3, max_tokens=3))
     assert summary(step(sched)) == [("a", 0, 3, True)]
-    sched.add_request(make_request("b", 8, max_tokens=1))
+    sched.add_sequence(make_sequence("b", 8, max_tokens=1))
     assert summary(step(sched)) == [("a", 3, 1, True)]  # 1 + 8 > 8: b is not chunked
     assert summary(step(sched)) == [("a", 4, 1, True)]  # a finishes
     assert summary(step(sched)) == [("b", 0, 8, True)]
@@ -254,13 +255,13 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_fits_it_whole(
 
 def run_bounded(sched: Scheduler, max_steps: int) -> None:
     for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
+        if not sched.has_unfinished_sequences():
             return
         step(sched)
 
 
 def test_without_chunked_prefill_a_budget_below_max_model_len_is_refused() -> None:
-    # Without chunking, a prompt (or a preempted request's prompt + output) longer than the budget
+    # Without chunking, a prompt (or a preempted sequence's prompt + output) longer than the budget
     # could never be scheduled and, as the FCFS head, would block the queue forever.
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_model_len \(32\)"):
         make_scheduler(budget=8, chunked=False, max_model_len=32)
@@ -268,14 +269,14 @@ def test_without_chunked_prefill_a_budget_below_max_model_len_is_refused() -> No
 
 def test_without_chunked_prefill_a_preempted_request_resumes() -> None:
     sched = make_scheduler(num_blocks=4, budget=16, chunked=False, caching=False, max_model_len=16)
-    a = make_request("a", 6, max_tokens=4)
-    b = make_request("b", 6, max_tokens=4)
-    sched.add_request(a)
-    sched.add_request(b)
+    a = make_sequence("a", 6, max_tokens=4)
+    b = make_sequence("b", 6, max_tokens=4)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     run_bounded(sched, 4)
     assert b.num_preemptions == 1
     run_bounded(sched, 100)
-    assert not sched.has_unfinished_requests()
+    assert not sched.has_unfinished_sequences()
     assert b.output_token_ids == expected_outputs("b", 4)
     assert a.output_token_ids == expected_outputs("a", 4)
 
@@ -285,25 +286,25 @@ def test_waiting_queue_is_ordered_by_priority_then_arrival() -> None:
     sched = make_scheduler(max_num_seqs=1)
     specs = [("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)]
     for rid, priority in specs:
-        sched.add_request(make_request(rid, 2, max_tokens=1, priority=priority))
-    assert [r.request_id for r in sched.waiting] == ["d", "b", "e", "a", "c"]
+        sched.add_sequence(make_sequence(rid, 2, max_tokens=1, priority=priority))
+    assert [r.seq_id for r in sched.waiting] == ["d", "b", "e", "a", "c"]
     order = [s[0][0] for s in run(sched)]
     assert order == ["d", "b", "e", "a", "c"]
 
 
 def test_running_batch_is_served_in_priority_order() -> None:
     sched = make_scheduler()
-    sched.add_request(make_request("low", 2, max_tokens=5, priority=1))
+    sched.add_sequence(make_sequence("low", 2, max_tokens=5, priority=1))
     assert summary(step(sched)) == [("low", 0, 2, True)]
-    sched.add_request(make_request("high", 2, max_tokens=5, priority=0))
+    sched.add_sequence(make_sequence("high", 2, max_tokens=5, priority=0))
     assert summary(step(sched)) == [("low", 2, 1, True), ("high", 0, 2, True)]
     assert summary(step(sched)) == [("high", 2, 1, True), ("low", 3, 1, True)]
 
 
 def test_priority_decides_who_gets_a_small_budget() -> None:
     sched = make_scheduler(budget=1)
-    sched.add_request(make_request("late", 1, max_tokens=3, priority=2))
-    sched.add_request(make_request("urgent", 1, max_tokens=3, priority=-3))
+    sched.add_sequence(make_sequence("late", 1, max_tokens=3, priority=2))
+    sched.add_sequence(make_sequence("urgent", 1, max_tokens=3, priority=-3))
     steps = run(sched)
     assert [s[0][0] for s in steps] == ["urgent"] * 3 + ["late"] * 3
 
@@ -311,15 +312,15 @@ def test_priority_decides_who_gets_a_small_budget() -> None:
 # ------------------------------------------------------------------------------------- preemption
 def test_preemption_frees_the_worst_request_and_resumes_it_without_losing_tokens() -> None:
     sched = make_scheduler(num_blocks=4, caching=False)
-    a = make_request("a", 6, max_tokens=4)
-    b = make_request("b", 6, max_tokens=4)
-    sched.add_request(a)
-    sched.add_request(b)
+    a = make_sequence("a", 6, max_tokens=4)
+    b = make_sequence("b", 6, max_tokens=4)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     calls: list[tuple[str, int]] = []
 
-    def model(request: Request) -> int:
-        calls.append((request.request_id, request.num_output_tokens))
-        return fake_model(request)
+    def model(seq: Sequence) -> int:
+        calls.append((seq.seq_id, seq.num_output_tokens))
+        return fake_model(seq)
 
     assert summary(step(sched, model)) == [("a", 0, 6, True), ("b", 0, 6, True)]
     assert sched.kv_cache.get_block_ids("b") == [2, 3]
@@ -331,18 +332,18 @@ def test_preemption_frees_the_worst_request_and_resumes_it_without_losing_tokens
     output = schedule(sched)
     assert summary(output) == [("a", 8, 1, True)]
     assert output.preempted == [b]
-    assert b.status is RequestStatus.PREEMPTED
+    assert b.status is SequenceStatus.PREEMPTED
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert "b" not in sched.kv_cache.req_to_blocks
+    assert "b" not in sched.kv_cache.seq_to_blocks
     assert b.output_token_ids == expected_outputs("b", 3)  # kept across preemption
     assert sched.waiting == [b] and sched.running == [a]
     assert output.scheduled[0].block_ids == [0, 1, 3]  # b's tail block, freed last-first, went first
     apply(sched, output, model)
-    assert a.status is RequestStatus.FINISHED_LENGTH
+    assert a.status is SequenceStatus.FINISHED_LENGTH
 
     # b resumes: recomputes prompt + its 3 outputs in one chunk and samples output index 3.
     assert summary(step(sched, model)) == [("b", 0, 9, True)]
-    assert b.status is RequestStatus.FINISHED_LENGTH
+    assert b.status is SequenceStatus.FINISHED_LENGTH
     assert b.output_token_ids == expected_outputs("b", 4)
     assert sorted(c for c in calls if c[0] == "b") == [("b", i) for i in range(4)]  # each index once
     assert sched.num_preemptions_total == 1
@@ -352,10 +353,10 @@ def test_preemption_frees_the_worst_request_and_resumes_it_without_losing_tokens
 
 def test_preempted_request_resumes_from_its_cached_prefix() -> None:
     sched = make_scheduler(num_blocks=4, caching=True)
-    a = make_request("a", 6, max_tokens=4)
-    b = make_request("b", 6, max_tokens=4)
-    sched.add_request(a)
-    sched.add_request(b)
+    a = make_sequence("a", 6, max_tokens=4)
+    b = make_sequence("b", 6, max_tokens=4)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     for _ in range(3):
         step(sched)
     output = step(sched)  # preempts b, whose 2 computed full blocks (tokens 0..7) were cached
@@ -369,10 +370,10 @@ def test_preempted_request_resumes_from_its_cached_prefix() -> None:
 
 def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_worst() -> None:
     sched = make_scheduler(num_blocks=4, caching=False)
-    a = make_request("a", 3, max_tokens=5)  # 1 block
-    b = make_request("b", 12, max_tokens=3)  # 3 blocks; its first decode needs a 4th
-    sched.add_request(a)
-    sched.add_request(b)
+    a = make_sequence("a", 3, max_tokens=5)  # 1 block
+    b = make_sequence("b", 12, max_tokens=3)  # 3 blocks; its first decode needs a 4th
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     assert summary(step(sched)) == [("a", 0, 3, True), ("b", 0, 12, True)]
     output = step(sched)
     assert summary(output) == [("a", 3, 1, True)]
@@ -389,10 +390,10 @@ def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_worst() -> No
 
 def test_preemption_victim_is_the_lowest_priority_not_the_latest_arrival() -> None:
     sched = make_scheduler(num_blocks=4, caching=False)
-    background = make_request("background", 3, max_tokens=5, priority=1)  # arrives first
-    urgent = make_request("urgent", 12, max_tokens=3, priority=0)
-    sched.add_request(background)
-    sched.add_request(urgent)
+    background = make_sequence("background", 3, max_tokens=5, priority=1)  # arrives first
+    urgent = make_sequence("urgent", 12, max_tokens=3, priority=0)
+    sched.add_sequence(background)
+    sched.add_sequence(urgent)
     assert summary(step(sched)) == [("urgent", 0, 12, True), ("background", 0, 3, True)]
     output = step(sched)
     assert output.preempted == [background]
@@ -404,134 +405,134 @@ def test_preemption_victim_is_the_lowest_priority_not_the_latest_arrival() -> No
 
 def test_no_admission_in_a_step_that_preempted() -> None:
     sched = make_scheduler(num_blocks=4, caching=False)
-    sched.add_request(make_request("a", 3, max_tokens=5))
-    sched.add_request(make_request("b", 12, max_tokens=3))
+    sched.add_sequence(make_sequence("a", 3, max_tokens=5))
+    sched.add_sequence(make_sequence("b", 12, max_tokens=3))
     step(sched)
-    sched.add_request(make_request("vip", 1, max_tokens=1, priority=-1))  # fits in one block
+    sched.add_sequence(make_sequence("vip", 1, max_tokens=1, priority=-1))  # fits in one block
     output = step(sched)
-    assert [r.request_id for r in output.preempted] == ["b"]
+    assert [r.seq_id for r in output.preempted] == ["b"]
     assert summary(output) == [("a", 3, 1, True)]  # vip was not admitted despite free blocks
     assert summary(step(sched)) == [("a", 4, 1, True), ("vip", 0, 1, True)]
 
 
 def test_preempted_request_keeps_its_arrival_order_in_the_waiting_queue() -> None:
     sched = make_scheduler(num_blocks=4, caching=False, max_num_seqs=2)
-    a = make_request("a", 6, max_tokens=4)
-    b = make_request("b", 6, max_tokens=4)
-    c = make_request("c", 1, max_tokens=1)
-    for request in (a, b, c):
-        sched.add_request(request)
+    a = make_sequence("a", 6, max_tokens=4)
+    b = make_sequence("b", 6, max_tokens=4)
+    c = make_sequence("c", 1, max_tokens=1)
+    for seq in (a, b, c):
+        sched.add_sequence(seq)
     for _ in range(4):
         step(sched)
     assert b.num_preemptions == 1
     # c arrived after b, so b (arrival 1) is ahead of c (arrival 2) although it was preempted later.
-    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert [r.seq_id for r in sched.waiting] == ["b", "c"]
     assert b.arrival_seq == 1
 
 
 # ------------------------------------------------------------------------------- stop conditions
-def run_single(request: Request, model: Model = fake_model, **sched_args: Any) -> Scheduler:
+def run_single(seq: Sequence, model: Model = fake_model, **sched_args: Any) -> Scheduler:
     sched = make_scheduler(**sched_args)
-    sched.add_request(request)
+    sched.add_sequence(seq)
     run(sched, model)
     assert_all_freed(sched)
     return sched
 
 
 def test_finish_on_eos() -> None:
-    request = make_request("a", 5, eos=[7, 8], max_tokens=10)
-    run_single(request, scripted_model({2: 8}))
-    assert request.output_token_ids == [*expected_outputs("a", 2), 8]
-    assert request.status is RequestStatus.FINISHED_STOPPED
-    assert request.status.finish_reason == "stop"
-    assert request.stop_reason == 8
+    seq = make_sequence("a", 5, eos=[7, 8], max_tokens=10)
+    run_single(seq, scripted_model({2: 8}))
+    assert seq.output_token_ids == [*expected_outputs("a", 2), 8]
+    assert seq.status is SequenceStatus.FINISHED_STOPPED
+    assert seq.status.finish_reason == "stop"
+    assert seq.stop_reason == 8
 
 
 def test_finish_on_stop_token_id() -> None:
-    request = make_request("a", 5, stop_token_ids=(9,), max_tokens=10)
-    run_single(request, scripted_model({0: 3, 1: 9}))
-    assert request.output_token_ids == [3, 9]
-    assert request.status is RequestStatus.FINISHED_STOPPED
-    assert request.stop_reason == 9
+    seq = make_sequence("a", 5, stop_token_ids=(9,), max_tokens=10)
+    run_single(seq, scripted_model({0: 3, 1: 9}))
+    assert seq.output_token_ids == [3, 9]
+    assert seq.status is SequenceStatus.FINISHED_STOPPED
+    assert seq.stop_reason == 9
 
 
 def test_ignore_eos_keeps_generating_but_honours_stop_token_ids() -> None:
-    request = make_request("a", 5, eos=[7], ignore_eos=True, max_tokens=4)
-    run_single(request, scripted_model({1: 7}))
-    assert request.output_token_ids == [model_token("a", 0), 7, *[model_token("a", i) for i in (2, 3)]]
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    seq = make_sequence("a", 5, eos=[7], ignore_eos=True, max_tokens=4)
+    run_single(seq, scripted_model({1: 7}))
+    assert seq.output_token_ids == [model_token("a", 0), 7, *[model_token("a", i) for i in (2, 3)]]
+    assert seq.status is SequenceStatus.FINISHED_LENGTH
 
-    stopped = make_request("b", 5, eos=[7], ignore_eos=True, stop_token_ids=(7,), max_tokens=4)
+    stopped = make_sequence("b", 5, eos=[7], ignore_eos=True, stop_token_ids=(7,), max_tokens=4)
     run_single(stopped, scripted_model({1: 7}))
     assert stopped.num_output_tokens == 2
-    assert stopped.status is RequestStatus.FINISHED_STOPPED
+    assert stopped.status is SequenceStatus.FINISHED_STOPPED
 
 
 def test_finish_on_max_tokens() -> None:
-    request = make_request("a", 5, eos=[7], max_tokens=3)
-    run_single(request)
-    assert request.output_token_ids == expected_outputs("a", 3)
-    assert request.status is RequestStatus.FINISHED_LENGTH
-    assert request.status.finish_reason == "length"
-    assert request.stop_reason is None
+    seq = make_sequence("a", 5, eos=[7], max_tokens=3)
+    run_single(seq)
+    assert seq.output_token_ids == expected_outputs("a", 3)
+    assert seq.status is SequenceStatus.FINISHED_LENGTH
+    assert seq.status.finish_reason == "length"
+    assert seq.stop_reason is None
 
 
 def test_stop_token_on_the_last_allowed_token_reports_stop() -> None:
-    request = make_request("a", 5, eos=[7], max_tokens=3)
-    run_single(request, scripted_model({2: 7}))
-    assert request.num_output_tokens == 3
-    assert request.status is RequestStatus.FINISHED_STOPPED
+    seq = make_sequence("a", 5, eos=[7], max_tokens=3)
+    run_single(seq, scripted_model({2: 7}))
+    assert seq.num_output_tokens == 3
+    assert seq.status is SequenceStatus.FINISHED_STOPPED
 
 
 @pytest.mark.parametrize("max_tokens", [None, 100])
 def test_finish_on_max_model_len(max_tokens: int | None) -> None:
-    request = make_request("a", 10, max_tokens=max_tokens)
-    sched = run_single(request, max_model_len=16)
-    assert request.num_tokens == 16 == sched.max_model_len
-    assert request.output_token_ids == expected_outputs("a", 6)
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    seq = make_sequence("a", 10, max_tokens=max_tokens)
+    sched = run_single(seq, max_model_len=16)
+    assert seq.num_tokens == 16 == sched.max_model_len
+    assert seq.output_token_ids == expected_outputs("a", 6)
+    assert seq.status is SequenceStatus.FINISHED_LENGTH
 
 
 def test_prompt_one_short_of_max_model_len_gets_one_token() -> None:
-    request = make_request("a", 15, max_tokens=None)
-    run_single(request, max_model_len=16)
-    assert request.num_output_tokens == 1
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    seq = make_sequence("a", 15, max_tokens=None)
+    run_single(seq, max_model_len=16)
+    assert seq.num_output_tokens == 1
+    assert seq.status is SequenceStatus.FINISHED_LENGTH
 
 
 def test_add_request_rejects_a_prompt_longer_than_max_model_len() -> None:
     sched = make_scheduler(max_model_len=16)
     with pytest.raises(AssertionError):
-        sched.add_request(make_request("a", 17))
+        sched.add_sequence(make_sequence("a", 17))
     with pytest.raises(AssertionError):
-        sched.add_request(make_request("empty", []))
-    sched.add_request(make_request("b", 3))
+        sched.add_sequence(make_sequence("empty", []))
+    sched.add_sequence(make_sequence("b", 3))
     with pytest.raises(AssertionError, match="duplicate"):
-        sched.add_request(make_request("b", 3))
+        sched.add_sequence(make_sequence("b", 3))
 
 
 def test_min_tokens_suppresses_eos_and_stop_tokens() -> None:
-    always_eos = make_request("a", 5, eos=[7], min_tokens=3, max_tokens=10)
-    run_single(always_eos, lambda request: 7)
+    always_eos = make_sequence("a", 5, eos=[7], min_tokens=3, max_tokens=10)
+    run_single(always_eos, lambda seq: 7)
     # Indexes 0..2 are below min_tokens (the sampler would suppress EOS there): the first EOS that
     # counts is the 4th token.
     assert always_eos.output_token_ids == [7, 7, 7, 7]
-    assert always_eos.status is RequestStatus.FINISHED_STOPPED
+    assert always_eos.status is SequenceStatus.FINISHED_STOPPED
 
-    always_stop = make_request("b", 5, stop_token_ids=(9,), min_tokens=2, max_tokens=10)
-    run_single(always_stop, lambda request: 9)
+    always_stop = make_sequence("b", 5, stop_token_ids=(9,), min_tokens=2, max_tokens=10)
+    run_single(always_stop, lambda seq: 9)
     assert always_stop.output_token_ids == [9, 9, 9]
-    assert always_stop.status is RequestStatus.FINISHED_STOPPED
+    assert always_stop.status is SequenceStatus.FINISHED_STOPPED
 
 
 def test_finished_request_is_freed_and_forgotten_in_the_same_update() -> None:
     sched = make_scheduler()
-    request = make_request("a", 5, eos=[7], max_tokens=10)
-    sched.add_request(request)
+    seq = make_sequence("a", 5, eos=[7], max_tokens=10)
+    sched.add_sequence(seq)
     output = schedule(sched)
     assert sched.kv_cache.get_block_ids("a") == [0, 1]
-    assert apply(sched, output, lambda r: 7) == [(request, 7)]
-    assert request.is_finished
+    assert apply(sched, output, lambda r: 7) == [SequenceUpdate(seq, 7)]
+    assert seq.is_finished
     assert_all_freed(sched)
     assert schedule(sched).is_empty
 
@@ -539,14 +540,14 @@ def test_finished_request_is_freed_and_forgotten_in_the_same_update() -> None:
 # ---------------------------------------------------------------------------------------- aborts
 def test_abort_waiting_request() -> None:
     sched = make_scheduler(max_num_seqs=1)
-    a, b = make_request("a", 5), make_request("b", 5)
-    sched.add_request(a)
-    sched.add_request(b)
+    a, b = make_sequence("a", 5), make_sequence("b", 5)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     step(sched)
-    assert sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED) == [b]
-    assert b.status is RequestStatus.FINISHED_ABORTED
+    assert sched.finish_sequences(["b"], SequenceStatus.FINISHED_ABORTED) == [b]
+    assert b.status is SequenceStatus.FINISHED_ABORTED
     assert b.status.finish_reason == "abort"
-    assert sched.waiting == [] and "b" not in sched.requests
+    assert sched.waiting == [] and "b" not in sched.sequences
     sched.check_integrity()
     run(sched)
     assert b.output_token_ids == []
@@ -555,14 +556,14 @@ def test_abort_waiting_request() -> None:
 
 def test_abort_running_request_frees_its_blocks() -> None:
     sched = make_scheduler(num_blocks=8)
-    a, b = make_request("a", 10, max_tokens=20), make_request("b", 5)
-    sched.add_request(a)
-    sched.add_request(b)
+    a, b = make_sequence("a", 10, max_tokens=20), make_sequence("b", 5)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     step(sched)
     assert sched.kv_cache.get_block_ids("a") == [0, 1, 2]
-    assert sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == [a]
-    assert a not in sched.running and "a" not in sched.requests
-    assert "a" not in sched.kv_cache.req_to_blocks and "a" not in sched.kv_cache.num_cached_blocks
+    assert sched.finish_sequences(["a"], SequenceStatus.FINISHED_ABORTED) == [a]
+    assert a not in sched.running and "a" not in sched.sequences
+    assert "a" not in sched.kv_cache.seq_to_blocks and "a" not in sched.kv_cache.num_cached_blocks
     assert sched.kv_cache.num_free_blocks == 8 - 2
     sched.check_integrity()
     assert [s[0][0] for s in run(sched)] == ["b"] * 3
@@ -571,14 +572,14 @@ def test_abort_running_request_frees_its_blocks() -> None:
 
 def test_abort_preempted_request() -> None:
     sched = make_scheduler(num_blocks=4, caching=False)
-    sched.add_request(make_request("a", 3, max_tokens=5))
-    b = make_request("b", 12, max_tokens=3)
-    sched.add_request(b)
+    sched.add_sequence(make_sequence("a", 3, max_tokens=5))
+    b = make_sequence("b", 12, max_tokens=3)
+    sched.add_sequence(b)
     step(sched)
     step(sched)
-    assert b.status is RequestStatus.PREEMPTED
-    assert sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED) == [b]
-    assert b.status is RequestStatus.FINISHED_ABORTED and sched.waiting == []
+    assert b.status is SequenceStatus.PREEMPTED
+    assert sched.finish_sequences(["b"], SequenceStatus.FINISHED_ABORTED) == [b]
+    assert b.status is SequenceStatus.FINISHED_ABORTED and sched.waiting == []
     sched.check_integrity()
     run(sched)
     assert_all_freed(sched)
@@ -586,14 +587,14 @@ def test_abort_preempted_request() -> None:
 
 def test_abort_between_schedule_and_update_drops_the_step_result() -> None:
     sched = make_scheduler()
-    a, b = make_request("a", 5, max_tokens=3), make_request("b", 5, max_tokens=3)
-    sched.add_request(a)
-    sched.add_request(b)
+    a, b = make_sequence("a", 5, max_tokens=3), make_sequence("b", 5, max_tokens=3)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
     step(sched)
     output = schedule(sched)
-    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.finish_sequences(["a"], SequenceStatus.FINISHED_ABORTED)
     updates = apply(sched, output)  # the model still returned a token for a
-    assert updates == [(b, model_token("b", 1))]
+    assert updates == [SequenceUpdate(b, model_token("b", 1))]
     assert a.output_token_ids == expected_outputs("a", 1)
     assert a.num_computed_tokens == 5  # not advanced for a step that no longer counts
     run(sched)
@@ -603,26 +604,26 @@ def test_abort_between_schedule_and_update_drops_the_step_result() -> None:
 
 def test_finish_requests_ignores_unknown_and_finished_ids() -> None:
     sched = make_scheduler()
-    a = make_request("a", 3, max_tokens=1)
-    sched.add_request(a)
+    a = make_sequence("a", 3, max_tokens=1)
+    sched.add_sequence(a)
     run(sched)
-    assert sched.finish_requests(["a", "nobody"], RequestStatus.FINISHED_ABORTED) == []
-    assert a.status is RequestStatus.FINISHED_LENGTH  # an abort after the fact changes nothing
+    assert sched.finish_sequences(["a", "nobody"], SequenceStatus.FINISHED_ABORTED) == []
+    assert a.status is SequenceStatus.FINISHED_LENGTH  # an abort after the fact changes nothing
     with pytest.raises(AssertionError):
-        sched.finish_requests(["a"], RequestStatus.RUNNING)
+        sched.finish_sequences(["a"], SequenceStatus.RUNNING)
 
 
 # ---------------------------------------------------------------------------------- prefix cache
 def test_full_prefix_hit_still_schedules_the_last_token() -> None:
     sched = make_scheduler()
     prompt = prompt_tokens("shared", 9)
-    first = make_request("first", prompt, max_tokens=1)
-    sched.add_request(first)
+    first = make_sequence("first", prompt, max_tokens=1)
+    sched.add_sequence(first)
     first_blocks = step(sched).scheduled[0].block_ids
     assert first.is_finished  # its two full blocks stay cached in the free queue
 
-    second = make_request("second", prompt, max_tokens=1)
-    sched.add_request(second)
+    second = make_sequence("second", prompt, max_tokens=1)
+    sched.add_sequence(second)
     output = step(sched)
     assert summary(output) == [("second", 8, 1, True)]
     assert output.scheduled[0].block_ids[:2] == first_blocks[:2]
@@ -634,20 +635,20 @@ def test_full_prefix_hit_still_schedules_the_last_token() -> None:
 def test_block_aligned_prompt_recomputes_its_last_block() -> None:
     sched = make_scheduler()
     prompt = prompt_tokens("shared", 8)
-    sched.add_request(make_request("first", prompt, max_tokens=1))
+    sched.add_sequence(make_sequence("first", prompt, max_tokens=1))
     run(sched)
-    sched.add_request(make_request("second", prompt, max_tokens=1))
+    sched.add_sequence(make_sequence("second", prompt, max_tokens=1))
     assert summary(step(sched)) == [("second", 4, 4, True)]
 
 
 def test_prefix_shared_with_a_running_request() -> None:
     sched = make_scheduler(budget=64)
     prefix = prompt_tokens("sys", 8)
-    a = make_request("a", [*prefix, 1, 2], max_tokens=3)
-    sched.add_request(a)
+    a = make_sequence("a", [*prefix, 1, 2], max_tokens=3)
+    sched.add_sequence(a)
     step(sched)
-    b = make_request("b", [*prefix, 3], max_tokens=3)
-    sched.add_request(b)
+    b = make_sequence("b", [*prefix, 3], max_tokens=3)
+    sched.add_sequence(b)
     output = step(sched)
     assert summary(output) == [("a", 10, 1, True), ("b", 8, 1, True)]
     a_blocks, b_blocks = (s.block_ids for s in output.scheduled)
@@ -660,8 +661,8 @@ def test_prefix_shared_with_a_running_request() -> None:
 
 def test_stats_snapshot() -> None:
     sched = make_scheduler(num_blocks=10, max_num_seqs=1)
-    sched.add_request(make_request("a", 8))
-    sched.add_request(make_request("b", 8))
+    sched.add_sequence(make_sequence("a", 8))
+    sched.add_sequence(make_sequence("b", 8))
     step(sched)
     stats = sched.stats()
     assert (stats.num_running, stats.num_waiting) == (1, 1)
@@ -676,7 +677,7 @@ VOCAB = 24  # small, so EOS / stop ids are hit now and then and shared prefixes 
 
 @dataclass
 class Spec:
-    request_id: str
+    seq_id: str
     arrival_step: int
     prompt: list[int]
     max_tokens: int | None
@@ -703,13 +704,13 @@ class Workload:
 
 @st.composite
 def workloads(draw: st.DrawFn) -> Workload:
-    # Mostly small pools, so that concurrent requests run out of blocks and get preempted.
+    # Mostly small pools, so that concurrent sequences run out of blocks and get preempted.
     block_size = draw(st.sampled_from([1, 2, 3, 4, 4, 4, 8]))
     num_blocks = draw(st.one_of(st.integers(8, 16), st.integers(8, 40)))
-    # max_model_len fits in the pool, so a request alone always fits: anything else could livelock.
+    # max_model_len fits in the pool, so a sequence alone always fits: anything else could livelock.
     max_model_len = draw(st.integers(2, min(num_blocks * block_size, 96)))
     chunked = draw(st.booleans())
-    # Without chunked prefill a resumed request must be recomputed in one step: the budget has to
+    # Without chunked prefill a resumed sequence must be recomputed in one step: the budget has to
     # cover max_model_len, or the scheduler would (legitimately) wait forever.
     budget = draw(st.integers(1, 24)) if chunked else draw(st.integers(max_model_len, max_model_len + 8))
     shared = random.Random(draw(st.integers(0, 1 << 16))).choices(range(VOCAB), k=40)
@@ -723,7 +724,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         abort = draw(st.one_of(st.none(), st.tuples(st.integers(0, 60), st.booleans())))
         specs.append(
             Spec(
-                request_id=f"r{index}",
+                seq_id=f"r{index}",
                 arrival_step=draw(st.integers(0, 20)),
                 prompt=shared[:prefix_len] + suffix,
                 max_tokens=max_tokens,
@@ -748,28 +749,28 @@ def workloads(draw: st.DrawFn) -> Workload:
     )
 
 
-def oracle(spec: Spec, max_model_len: int) -> tuple[list[int], RequestStatus]:
-    """What the request must produce without interference: the fake model's tokens up to the first
+def oracle(spec: Spec, max_model_len: int) -> tuple[list[int], SequenceStatus]:
+    """What the sequence must produce without interference: the fake model's tokens up to the first
     stop condition (a stop token counts only at output index >= min_tokens, as the sampler suppresses
     it before; a stop beats a length limit)."""
     outputs: list[int] = []
     while True:
-        token = model_token(spec.request_id, len(outputs), VOCAB)
+        token = model_token(spec.seq_id, len(outputs), VOCAB)
         outputs.append(token)
         if len(outputs) > spec.min_tokens and (
             (token in spec.eos and not spec.ignore_eos) or token in spec.stop_token_ids
         ):
-            return outputs, RequestStatus.FINISHED_STOPPED
+            return outputs, SequenceStatus.FINISHED_STOPPED
         if spec.max_tokens is not None and len(outputs) >= spec.max_tokens:
-            return outputs, RequestStatus.FINISHED_LENGTH
+            return outputs, SequenceStatus.FINISHED_LENGTH
         if len(spec.prompt) + len(outputs) >= max_model_len:
-            return outputs, RequestStatus.FINISHED_LENGTH
+            return outputs, SequenceStatus.FINISHED_LENGTH
 
 
 class ShadowKV:
     """The token each KV slot holds, written as the fake model would: a step that computes positions
-    [start, start + n) of a request writes those tokens into its blocks. Every position a step relies
-    on (< start) must hold the request's own token, whether it was computed or came from the cache."""
+    [start, start + n) of a sequence writes those tokens into its blocks. Every position a step relies
+    on (< start) must hold the sequence's own token, whether it was computed or came from the cache."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -778,50 +779,50 @@ class ShadowKV:
     def run_step(self, sched: Scheduler, output: SchedulerOutput) -> None:
         pool, size = sched.kv_cache.pool, self.block_size
         for scheduled in output.scheduled:
-            tokens = scheduled.request.all_token_ids
+            tokens = scheduled.seq.all_token_ids
             table = scheduled.block_ids
             for pos in range(scheduled.num_computed_tokens):
                 slot = (table[pos // size], pos % size)
-                assert self.slots.get(slot) == tokens[pos], f"{scheduled.request_id} reads stale KV at {pos}"
+                assert self.slots.get(slot) == tokens[pos], f"{scheduled.seq_id} reads stale KV at {pos}"
             start = scheduled.num_computed_tokens
             for pos in range(start, start + scheduled.num_new_tokens):
                 block_id = table[pos // size]
-                # Writing into a block another request also reads would corrupt its KV.
+                # Writing into a block another sequence also reads would corrupt its KV.
                 assert pool.blocks[block_id].ref_count == 1, f"write into shared block {block_id}"
                 self.slots[(block_id, pos % size)] = tokens[pos]
 
 
 def check_step(
-    sched: Scheduler, output: SchedulerOutput, running_before: list[Request], waiting_before: list[Request]
+    sched: Scheduler, output: SchedulerOutput, running_before: list[Sequence], waiting_before: list[Sequence]
 ) -> None:
     """Per-step invariants of one schedule() result (before update_from_output)."""
-    ids = [s.request_id for s in output.scheduled]
+    ids = [s.seq_id for s in output.scheduled]
     assert len(ids) == len(set(ids))
     assert len(output.scheduled) <= sched.config.max_num_seqs
     assert len(sched.running) <= sched.config.max_num_seqs
     for scheduled in output.scheduled:
-        request = scheduled.request
-        assert request.status is RequestStatus.RUNNING
+        seq = scheduled.seq
+        assert seq.status is SequenceStatus.RUNNING
         assert scheduled.num_new_tokens >= 1
-        assert scheduled.num_computed_tokens == request.num_computed_tokens  # not advanced yet
+        assert scheduled.num_computed_tokens == seq.num_computed_tokens  # not advanced yet
         end = scheduled.num_computed_tokens + scheduled.num_new_tokens
-        assert end <= request.num_tokens
-        assert scheduled.needs_sample == (end == request.num_tokens)
-        assert scheduled.block_ids == sched.kv_cache.get_block_ids(request.request_id)
+        assert end <= seq.num_tokens
+        assert scheduled.needs_sample == (end == seq.num_tokens)
+        assert scheduled.block_ids == sched.kv_cache.get_block_ids(seq.seq_id)
         assert len(scheduled.block_ids) >= sched.kv_cache.num_blocks_for_tokens(end)
     for victim in output.preempted:
-        assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
-        assert victim in running_before and victim.request_id not in ids
-        assert victim.request_id not in sched.kv_cache.req_to_blocks
-    # Previously running requests come first, best first; admissions follow in waiting-queue order.
-    resumed = [s.request for s in output.scheduled if s.request in running_before]
-    admitted = [s.request for s in output.scheduled if s.request not in running_before]
-    assert [s.request for s in output.scheduled] == resumed + admitted
+        assert victim.status is SequenceStatus.PREEMPTED and victim.num_computed_tokens == 0
+        assert victim in running_before and victim.seq_id not in ids
+        assert victim.seq_id not in sched.kv_cache.seq_to_blocks
+    # Previously running sequences come first, best first; admissions follow in waiting-queue order.
+    resumed = [s.seq for s in output.scheduled if s.seq in running_before]
+    admitted = [s.seq for s in output.scheduled if s.seq not in running_before]
+    assert [s.seq for s in output.scheduled] == resumed + admitted
     assert [r.schedule_key for r in resumed] == sorted(r.schedule_key for r in resumed)
     assert admitted == waiting_before[: len(admitted)]
     if output.preempted and admitted:
         # Pool-shortage preemption stops admission; admissions next to preemptions only happen
-        # when the admitted requests outrank the victims (priority preemption).
+        # when the admitted sequences outrank the victims (priority preemption).
         best_admitted = min(r.priority for r in admitted)
         assert all(v.priority > best_admitted for v in output.preempted), "admitted after preempting"
     if output.preempted:
@@ -845,9 +846,9 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
         block_size=workload.block_size,
     )
     kv = sched.kv_cache
-    requests = {
-        spec.request_id: make_request(
-            spec.request_id,
+    seqs = {
+        spec.seq_id: make_sequence(
+            spec.seq_id,
             spec.prompt,
             eos=sorted(spec.eos),
             max_tokens=spec.max_tokens,
@@ -858,8 +859,8 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
         )
         for spec in workload.specs
     }
-    specs = {spec.request_id: spec for spec in workload.specs}
-    sampled_indices: dict[str, list[int]] = {rid: [] for rid in requests}
+    specs = {spec.seq_id: spec for spec in workload.specs}
+    sampled_indices: dict[str, list[int]] = {rid: [] for rid in seqs}
     aborted: set[str] = set()
     not_arrived = sorted(workload.specs, key=lambda spec: spec.arrival_step)
     shadow = ShadowKV(workload.block_size)
@@ -867,70 +868,70 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
     def abort(step_index: int, mid_step: bool) -> None:
         for spec in workload.specs:
             if spec.abort_step == step_index and spec.abort_mid_step == mid_step:
-                done = sched.finish_requests([spec.request_id], RequestStatus.FINISHED_ABORTED)
-                aborted.update(r.request_id for r in done)
+                done = sched.finish_sequences([spec.seq_id], SequenceStatus.FINISHED_ABORTED)
+                aborted.update(r.seq_id for r in done)
                 sched.check_integrity()
 
     step_index = 0
-    while not_arrived or sched.has_unfinished_requests():
-        assert step_index < MAX_STEPS, "livelock: requests never finish"
+    while not_arrived or sched.has_unfinished_sequences():
+        assert step_index < MAX_STEPS, "livelock: sequences never finish"
         while not_arrived and not_arrived[0].arrival_step <= step_index:
-            sched.add_request(requests[not_arrived.pop(0).request_id])
+            sched.add_sequence(seqs[not_arrived.pop(0).seq_id])
         abort(step_index, mid_step=False)
 
         running_before, waiting_before = list(sched.running), list(sched.waiting)
         output = sched.schedule()
         sched.check_integrity()
         check_step(sched, output, running_before, waiting_before)
-        if sched.has_unfinished_requests():
-            assert not output.is_empty, "a step with unfinished requests scheduled nothing"
+        if sched.has_unfinished_sequences():
+            assert not output.is_empty, "a step with unfinished sequences scheduled nothing"
         shadow.run_step(sched, output)
 
         sampled = {}
         for scheduled in output.scheduled:
             if scheduled.needs_sample:
-                index = scheduled.request.num_output_tokens
-                sampled_indices[scheduled.request_id].append(index)
-                sampled[scheduled.request_id] = model_token(scheduled.request_id, index, VOCAB)
+                index = scheduled.seq.num_output_tokens
+                sampled_indices[scheduled.seq_id].append(index)
+                sampled[scheduled.seq_id] = model_token(scheduled.seq_id, index, VOCAB)
         abort(step_index, mid_step=True)
         sched.update_from_output(output, sampled)
         sched.check_integrity()
         step_index += 1
 
-    for rid, request in requests.items():
+    for rid, seq in seqs.items():
         expected, status = oracle(specs[rid], workload.max_model_len)
-        assert request.is_finished
+        assert seq.is_finished
         if rid in aborted:
-            assert request.status is RequestStatus.FINISHED_ABORTED
-            assert request.output_token_ids == expected[: request.num_output_tokens]
+            assert seq.status is SequenceStatus.FINISHED_ABORTED
+            assert seq.output_token_ids == expected[: seq.num_output_tokens]
             # The model may have run once more for a step whose result the abort discarded.
             assert sampled_indices[rid] in (
-                list(range(request.num_output_tokens)),
-                list(range(request.num_output_tokens + 1)),
+                list(range(seq.num_output_tokens)),
+                list(range(seq.num_output_tokens + 1)),
             )
         else:
-            assert request.output_token_ids == expected
-            assert request.status is status
+            assert seq.output_token_ids == expected
+            assert seq.status is status
             assert sampled_indices[rid] == list(range(len(expected)))  # no index sampled twice
-    assert sum(r.num_preemptions for r in requests.values()) == sched.num_preemptions_total
+    assert sum(r.num_preemptions for r in seqs.values()) == sched.num_preemptions_total
     assert kv.num_free_blocks == kv.num_blocks
-    assert sched.requests == {} and sched.running == [] and sched.waiting == []
-    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
+    assert sched.sequences == {} and sched.running == [] and sched.waiting == []
+    assert kv.seq_to_blocks == {} and kv.num_cached_blocks == {}
     kv.check_integrity()
 
 
 # ---------------------------------------------------------------------------- priority preemption
 def test_a_waiting_request_that_outranks_a_running_one_preempts_it() -> None:
     sched = make_scheduler(max_num_seqs=1)
-    low = make_request("low", 4, max_tokens=6, priority=5)
-    sched.add_request(low)
+    low = make_sequence("low", 4, max_tokens=6, priority=5)
+    sched.add_sequence(low)
     step(sched)
     step(sched)
     assert low.num_output_tokens == 2
-    high = make_request("high", 3, max_tokens=2, priority=-1)
-    sched.add_request(high)
+    high = make_sequence("high", 3, max_tokens=2, priority=-1)
+    sched.add_sequence(high)
     output = schedule(sched)
-    assert output.preempted == [low] and low.status is RequestStatus.PREEMPTED
+    assert output.preempted == [low] and low.status is SequenceStatus.PREEMPTED
     assert summary(output) == [("high", 0, 3, True)]
     apply(sched, output)
     run(sched)
@@ -942,9 +943,9 @@ def test_a_waiting_request_that_outranks_a_running_one_preempts_it() -> None:
 
 def test_equal_priority_never_preempts_for_admission() -> None:
     sched = make_scheduler(max_num_seqs=1)
-    first = make_request("first", 4, max_tokens=3)
-    sched.add_request(first)
+    first = make_sequence("first", 4, max_tokens=3)
+    sched.add_sequence(first)
     step(sched)
-    sched.add_request(make_request("second", 4, max_tokens=3))
+    sched.add_sequence(make_sequence("second", 4, max_tokens=3))
     output = schedule(sched)
     assert not output.preempted and summary(output) == [("first", 4, 1, True)]

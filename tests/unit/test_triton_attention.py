@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from paged_llm.runner.attention.metadata import AttentionMetadata
-from paged_llm.runner.attention.portable import PortableAttention
-from paged_llm.runner.attention.triton_backend import TritonAttention, choose_num_splits
+from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.portable import PortableAttention
+from paged_llm.layers.attention.triton_backend import TritonAttention, choose_num_splits
 from paged_llm.runner.input_buffers import InputBuffers
 
 NUM_BLOCKS = 128
@@ -41,7 +41,7 @@ def build_metadata(
         num_blocks = -(-(computed + new) // block_size)
         scheduled.append(
             SimpleNamespace(
-                request=SimpleNamespace(all_token_ids=[0] * (computed + new)),
+                seq=SimpleNamespace(all_token_ids=[0] * (computed + new)),
                 num_computed_tokens=computed,
                 num_new_tokens=new,
                 block_ids=[free.pop() for _ in range(num_blocks)],

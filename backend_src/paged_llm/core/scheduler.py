@@ -1,14 +1,14 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
 
 Each step:
-  1. Running requests, best (priority, arrival) first, get what they still lack
+  1. Running sequences, best (priority, arrival) first, get what they still lack
      (`num_tokens - num_computed_tokens`: 1 for a decode, the rest of the prompt for a chunked prefill),
-     capped by the remaining token budget. When the pool is short, the worst running request that
+     capped by the remaining token budget. When the pool is short, the worst running sequence that
      has not been scheduled this step is preempted (its blocks freed; it is recomputed on resume).
-  2. If nothing was preempted, waiting requests are admitted in (priority, arrival) order, served
+  2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order, served
      first from the prefix cache, while the budget, `max_num_seqs` and the pool allow.
 After the runner executed the step, `update_from_output` advances `num_computed_tokens`, registers
-newly full blocks in the prefix cache, appends sampled tokens and finishes requests.
+newly full blocks in the prefix cache, appends sampled tokens and finishes sequences.
 """
 
 from __future__ import annotations
@@ -20,27 +20,27 @@ from dataclasses import dataclass, field
 
 from paged_llm.config import SchedulerConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.request import Request, RequestStatus
+from paged_llm.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request  # the live request (the runner reads its tokens and sampling params)
+class ScheduledSequence:
+    seq: Sequence  # the live sequence (the runner reads its tokens and sampling params)
     num_computed_tokens: int  # tokens with KV before this step = position of the first new token
     num_new_tokens: int  # tokens computed this step: all_token_ids[start : start + num_new_tokens]
-    block_ids: list[int]  # the request's whole block table (live view; read before the next schedule)
+    block_ids: list[int]  # the sequence's whole block table (live view; read before the next schedule)
     needs_sample: bool  # this chunk reaches the last known token, so the step samples a new one
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def seq_id(self) -> str:
+        return self.seq.seq_id
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # in batch order
     num_batched_tokens: int = 0  # sum of num_new_tokens
-    preempted: list[Request] = field(default_factory=list)  # preempted during this schedule()
+    preempted: list[Sequence] = field(default_factory=list)  # preempted during this schedule()
 
     @property
     def is_empty(self) -> bool:
@@ -49,19 +49,27 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks held by requests
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences waiting (queued or preempted)
+    kv_usage: float  # fraction of KV blocks held by sequences
     num_preemptions_total: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
+    prefix_cache_queried_tokens: int  # prompt tokens looked up at admission
+    prefix_cache_hit_tokens: int  # of those, served from the prefix cache
+
+
+@dataclass
+class SequenceUpdate:
+    """What a finished step did to one scheduled sequence."""
+
+    seq: Sequence
+    new_token_id: int | None  # the sampled token; None for a prefill chunk that sampled nothing
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # Without chunking a sequence must be (re)computed in one step: a prompt, or a preempted
-            # request's prompt + output, longer than the budget could never be scheduled.
+            # sequence's prompt + output, longer than the budget could never be scheduled.
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({max_model_len}) when chunked prefill is disabled"
@@ -69,50 +77,50 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.waiting: list[Request] = []  # sorted by schedule_key
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting: list[Sequence] = []  # sorted by schedule_key
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
         self._next_arrival_seq = 0
         self.num_preemptions_total = 0
 
-    # ----------------------------------------------------------------------------------- requests
-    def add_request(self, request: Request) -> None:
-        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
-        assert request.num_prompt_tokens >= 1 and request.num_tokens <= self.max_model_len
-        if request.arrival_seq < 0:
-            request.arrival_seq = self._next_arrival_seq
+    # ----------------------------------------------------------------------------------- sequences
+    def add_sequence(self, seq: Sequence) -> None:
+        assert seq.seq_id not in self.sequences, f"duplicate seq id {seq.seq_id}"
+        assert seq.num_prompt_tokens >= 1 and seq.num_tokens <= self.max_model_len
+        if seq.arrival_seq < 0:
+            seq.arrival_seq = self._next_arrival_seq
             self._next_arrival_seq += 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
+        seq.status = SequenceStatus.WAITING
+        self.sequences[seq.seq_id] = seq
+        self._enqueue_waiting(seq)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+    def has_unfinished_sequences(self) -> bool:
+        return bool(self.sequences)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Ends requests (abort, stop string, timeout, error): frees their blocks, forgets them."""
+    def finish_sequences(self, seq_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
+        """Ends sequences (abort, stop string, timeout, error): frees their blocks, forgets them."""
         assert status.is_finished
         finished = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None:
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is None:
                 continue
-            if request.status is RequestStatus.RUNNING:
-                self.running.remove(request)
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
             else:
-                self._remove_waiting(request)
-            self._finish(request, status)
-            finished.append(request)
+                self._remove_waiting(seq)
+            self._finish(seq, status)
+            finished.append(seq)
         return finished
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.status = status
-        self.kv_cache.free(request)
-        del self.requests[request.request_id]
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        self.kv_cache.free(seq)
+        del self.sequences[seq.seq_id]
 
     # ----------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -122,19 +130,19 @@ class Scheduler:
 
         index = 0
         while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            while self.kv_cache.allocate_slots(request, num_new) is None:
-                # Worst request not yet scheduled this step: running[index:] is sorted best first.
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
+            while self.kv_cache.allocate_slots(seq, num_new) is None:
+                # Worst sequence not yet scheduled this step: running[index:] is sorted best first.
                 victim = self.running[-1]
                 self._preempt(victim)
                 output.preempted.append(victim)
-                if victim is request:
+                if victim is seq:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted itself; running[index] is now the next request
-            self._add_scheduled(output, request, request.num_computed_tokens, num_new)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted itself; running[index] is now the next seq
+            self._add_scheduled(output, seq, seq.num_computed_tokens, num_new)
             budget -= num_new
             index += 1
 
@@ -145,52 +153,52 @@ class Scheduler:
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0:
-            request = self.waiting[0]
-            if request in output.preempted:
+            seq = self.waiting[0]
+            if seq in output.preempted:
                 break  # preempted this very step to make room: resuming it now would only thrash
             if len(self.running) >= self.config.max_num_seqs:
-                budget, made_room = self._preempt_lower_priority(request, output, budget)
+                budget, made_room = self._preempt_lower_priority(seq, output, budget)
                 if not made_room:
                     break
                 continue
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(seq)
+            num_new = seq.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+            if self.kv_cache.allocate_slots(seq, num_new, hit_blocks) is None:
                 # FCFS: the head waits for blocks rather than being overtaken, unless it outranks a
-                # running request.
-                budget, made_room = self._preempt_lower_priority(request, output, budget)
+                # running seq.
+                budget, made_room = self._preempt_lower_priority(seq, output, budget)
                 if not made_room:
                     break
                 continue
             self.waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_prompt_tokens = num_hit_tokens
-            self.running.append(request)
-            self._add_scheduled(output, request, num_hit_tokens, num_new)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_hit_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_prompt_tokens = num_hit_tokens
+            self.running.append(seq)
+            self._add_scheduled(output, seq, num_hit_tokens, num_new)
             budget -= num_new
         return budget
 
     def _preempt_lower_priority(
-        self, request: Request, output: SchedulerOutput, budget: int
+        self, seq: Sequence, output: SchedulerOutput, budget: int
     ) -> tuple[int, bool]:
-        """Preempts the worst running request if `request` strictly outranks it (lower priority value).
+        """Preempts the worst running sequence if `seq` strictly outranks it (lower priority value).
 
         The victim may already be scheduled in this step: it is taken out of the step and its tokens
         go back to the budget. (Its blocks hold no cache entries yet for this step's tokens: those are
         registered only after a step ran.) Returns the new budget and whether room was made.
         """
-        candidates = [r for r in self.running if r.priority > request.priority]
+        candidates = [r for r in self.running if r.priority > seq.priority]
         if not candidates:
             return budget, False
         victim = max(candidates, key=lambda r: r.schedule_key)
         for position, item in enumerate(output.scheduled):
-            if item.request is victim:
+            if item.seq is victim:
                 budget += item.num_new_tokens
                 del output.scheduled[position]
                 break
@@ -198,76 +206,76 @@ class Scheduler:
         output.preempted.append(victim)
         return budget, True
 
-    def _add_scheduled(self, output: SchedulerOutput, request: Request, start: int, num_new: int) -> None:
+    def _add_scheduled(self, output: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
         output.scheduled.append(
-            ScheduledRequest(
-                request=request,
+            ScheduledSequence(
+                seq=seq,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
-                block_ids=self.kv_cache.block_ids_view(request.request_id),
-                needs_sample=start + num_new == request.num_tokens,
+                block_ids=self.kv_cache.block_ids_view(seq.seq_id),
+                needs_sample=start + num_new == seq.num_tokens,
             )
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free the KV, keep every token, resume from scratch later."""
-        self.running.remove(request)
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._enqueue_waiting(request)
+        self._enqueue_waiting(seq)
 
-    def _enqueue_waiting(self, request: Request) -> None:
+    def _enqueue_waiting(self, seq: Sequence) -> None:
         keys = [r.schedule_key for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, request.schedule_key), request)
+        self.waiting.insert(bisect.bisect_right(keys, seq.schedule_key), seq)
 
-    def _remove_waiting(self, request: Request) -> None:
-        self.waiting.remove(request)
+    def _remove_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
 
     # ------------------------------------------------------------------------------------ update
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
-    ) -> list[tuple[Request, int | None]]:
-        """Applies a finished step: returns (request, new token or None) for each scheduled request.
+    ) -> list[SequenceUpdate]:
+        """Applies a finished step: one update per scheduled sequence still live.
 
-        Requests that finished here (EOS, stop token, max_tokens, max_model_len) are already freed.
+        Sequences that finished here (EOS, stop token, max_tokens, max_model_len) are already freed.
         """
-        updates: list[tuple[Request, int | None]] = []
+        updates: list[SequenceUpdate] = []
         for scheduled in output.scheduled:
-            request = scheduled.request
-            if request.is_finished:
+            seq = scheduled.seq
+            if seq.is_finished:
                 continue  # finished between schedule() and now (abort); nothing to apply
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache.cache_computed_blocks(seq)
             if not scheduled.needs_sample:
-                updates.append((request, None))
+                updates.append(SequenceUpdate(seq, None))
                 continue
-            token_id = sampled_token_ids[request.request_id]
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            token_id = sampled_token_ids[seq.seq_id]
+            seq.append_output_token(token_id)
+            status = self._check_stop(seq, token_id)
             if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-            updates.append((request, token_id))
+                self.running.remove(seq)
+                self._finish(seq, status)
+            updates.append(SequenceUpdate(seq, token_id))
         return updates
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
+    def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.sampling_params
         # The token just appended has index num_output_tokens - 1; stop tokens count from index
         # min_tokens on (the sampler suppresses them before that).
-        if request.num_output_tokens > params.min_tokens:
-            if token_id in request.eos_token_ids and not params.ignore_eos:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+        if seq.num_output_tokens > params.min_tokens:
+            if token_id in seq.eos_token_ids and not params.ignore_eos:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
         return None
 
     # ------------------------------------------------------------------------------------- state
@@ -283,19 +291,19 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
-        running_ids = {r.request_id for r in self.running}
-        waiting_ids = {r.request_id for r in self.waiting}
+        running_ids = {r.seq_id for r in self.running}
+        waiting_ids = {r.seq_id for r in self.waiting}
         assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
-        assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert running_ids | waiting_ids == set(self.requests), "registry out of sync with the queues"
-        assert set(self.kv_cache.req_to_blocks) <= running_ids, "a non-running request holds blocks"
+        assert not running_ids & waiting_ids, "a seq is both running and waiting"
+        assert running_ids | waiting_ids == set(self.sequences), "registry out of sync with the queues"
+        assert set(self.kv_cache.seq_to_blocks) <= running_ids, "a non-running seq holds blocks"
         keys = [r.schedule_key for r in self.waiting]
         assert keys == sorted(keys), "waiting queue out of order"
-        for request in self.running:
-            assert request.status is RequestStatus.RUNNING
-            assert request.num_computed_tokens <= request.num_tokens <= self.max_model_len
-            num_blocks = len(self.kv_cache.req_to_blocks.get(request.request_id, []))
-            assert num_blocks >= self.kv_cache.num_blocks_for_tokens(request.num_computed_tokens)
-        for request in self.waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert request.num_computed_tokens == 0
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING
+            assert seq.num_computed_tokens <= seq.num_tokens <= self.max_model_len
+            num_blocks = len(self.kv_cache.seq_to_blocks.get(seq.seq_id, []))
+            assert num_blocks >= self.kv_cache.num_blocks_for_tokens(seq.num_computed_tokens)
+        for seq in self.waiting:
+            assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            assert seq.num_computed_tokens == 0

@@ -1,7 +1,8 @@
-"""Counters and latency observations the engine records; serving/metrics.py turns them into metrics.
+"""Counters and latency observations of the front end; serving/metrics.py turns them into metrics.
 
-Written by the engine thread only. Readers take `snapshot()` / `drain_observations()`, which copy
-under a lock, so the metrics thread never sees half an update.
+Written by whoever processes engine outputs (the output thread); the metrics thread reads
+`snapshot()` / `drain_observations()`, which copy under a lock, so it never sees half an update.
+Latencies are what a client sees: from the front end's arrival time to the token's processing here.
 """
 
 from __future__ import annotations
@@ -9,13 +10,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from paged_llm.errors import RequestAbortedError
-
-if TYPE_CHECKING:
-    from paged_llm.core.scheduler import SchedulerStats
-    from paged_llm.request import Request
+from paged_llm.core.scheduler import SchedulerStats
 
 
 @dataclass
@@ -23,6 +19,7 @@ class LatencyObservations:
     time_to_first_token_s: list[float] = field(default_factory=list)
     inter_token_latency_s: list[float] = field(default_factory=list)
     e2e_latency_s: list[float] = field(default_factory=list)
+    tokens_per_response: list[int] = field(default_factory=list)  # streamed responses
 
 
 @dataclass
@@ -46,49 +43,43 @@ class EngineStats:
         self.num_generation_tokens_total = 0
         self.num_step_faults = 0
         self.requests_by_outcome: Counter[str] = Counter()
-        self._scheduler: SchedulerStats | None = None
+        self.scheduler: SchedulerStats | None = None  # as of the last core step seen
         self._observations = LatencyObservations()
-        self._last_token_time: dict[str, float] = {}
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         with self._lock:
             self.num_prompt_tokens_total += num_prompt_tokens
 
-    def update_scheduler(self, scheduler_stats: SchedulerStats) -> None:
+    def update_scheduler(self, scheduler_stats: SchedulerStats, num_step_faults: int) -> None:
         with self._lock:
-            self._scheduler = scheduler_stats
+            self.scheduler = scheduler_stats
+            self.num_step_faults = num_step_faults
 
-    def on_token(self, request: Request, now: float, is_first_of_request: bool) -> None:
-        """One generated token; `is_first_of_request`: the client request's first token (of any of
-        its n samples), which is what time-to-first-token measures."""
+    def on_token(
+        self, time_to_first_token_s: float | None, last_token_time: float | None, now: float
+    ) -> None:
+        """One generated token of a sequence; `time_to_first_token_s` is set for the client request's
+        first token (of any of its n samples), `last_token_time` is the sequence's previous token."""
         with self._lock:
             self.num_generation_tokens_total += 1
-            if is_first_of_request:
-                self._observations.time_to_first_token_s.append(now - request.arrival_time)
-            last = self._last_token_time.get(request.request_id)
-            if last is not None:
-                self._observations.inter_token_latency_s.append(now - last)
-            self._last_token_time[request.request_id] = now
-            if request.is_finished:
-                self._last_token_time.pop(request.request_id, None)
+            if time_to_first_token_s is not None:
+                self._observations.time_to_first_token_s.append(time_to_first_token_s)
+            if last_token_time is not None:
+                self._observations.inter_token_latency_s.append(now - last_token_time)
 
-    def on_request_finished(self, group: Any, now: float, error: BaseException | None) -> None:
+    def on_request_finished(self, outcome: str, e2e_latency_s: float) -> None:
+        """`outcome`: stop, length, abort or error."""
         with self._lock:
-            for seq in group.sequences:
-                self._last_token_time.pop(seq.request.request_id, None)
-            if isinstance(error, RequestAbortedError):
-                outcome = "abort"
-            elif error is not None:
-                outcome = "error"
-            else:
-                reasons = {seq.request.status.value for seq in group.sequences}
-                outcome = "abort" if "abort" in reasons else ("stop" if "stop" in reasons else "length")
             self.requests_by_outcome[outcome] += 1
-            self._observations.e2e_latency_s.append(now - group.arrival_time)
+            self._observations.e2e_latency_s.append(e2e_latency_s)
+
+    def on_streamed_response(self, num_tokens: int) -> None:
+        with self._lock:
+            self._observations.tokens_per_response.append(num_tokens)
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
-            sched = self._scheduler
+            sched = self.scheduler
             return StatsSnapshot(
                 num_running=sched.num_running if sched else 0,
                 num_waiting=sched.num_waiting if sched else 0,

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.models.hf_config import ModelSpec, RopeSpec
-from paged_llm.runner.attention.metadata import AttentionMetadata
-from paged_llm.runner.fused_ops import FusedOps
 
 
 class AttentionBackend(Protocol):

@@ -11,9 +11,9 @@ import torch
 from tqdm import tqdm
 
 from paged_llm.config import ConfigError
+from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
-from paged_llm.runner.fused_ops import FusedOps
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF name inside a layer -> (our parameter, slice index within a fused parameter or None)

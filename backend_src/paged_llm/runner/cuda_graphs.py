@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class DecodeGraphs:
     def _metadata(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_tokens=batch_size,
+            num_seqs=batch_size,
             slot_mapping=self.slot_mapping[:batch_size],
             query_start_loc=self.query_start_loc[: batch_size + 1],
             seq_lens=self.seq_lens[:batch_size],

@@ -125,6 +125,12 @@ class Device:
         with self._module().stream(stream):
             yield
 
+    def num_multiprocessors(self) -> int | None:
+        """Streaming multiprocessors of a CUDA device (kernels size their grids by it); else None."""
+        if self.kind != "cuda":
+            return None
+        return int(torch.cuda.get_device_properties(self.torch_device).multi_processor_count)
+
     def describe(self) -> str:
         if self.is_accelerator:
             return f"{self.torch_device} ({self._module().get_device_name(self.torch_device)})"

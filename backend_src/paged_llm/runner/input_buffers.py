@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from paged_llm.core.scheduler import SchedulerOutput
-from paged_llm.request import Request
-from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.sequence import Sequence
 
 
 @dataclass
@@ -28,7 +28,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [S] rows of the hidden states that produce logits
-    sampled_requests: list[Request]  # the S requests sampling this step, in row order
+    sampled_seqs: list[Sequence]  # the S sequences sampling this step, in row order
 
     @property
     def is_decode_only(self) -> bool:
@@ -88,7 +88,7 @@ class InputBuffers:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
-        sampled_requests: list[Request] = []
+        sampled_seqs: list[Sequence] = []
         cursor = 0
         for row, item in enumerate(scheduled):
             start, num_new = item.num_computed_tokens, item.num_new_tokens
@@ -96,11 +96,11 @@ class InputBuffers:
             block_ids = item.block_ids
             tables_np[row, : len(block_ids)] = block_ids
             if num_new == 1:  # decode: plain Python beats numpy for one element
-                ids_np[cursor] = item.request.all_token_ids[start]
+                ids_np[cursor] = item.seq.all_token_ids[start]
                 pos_np[cursor] = start
                 slot_np[cursor] = block_ids[start // block_size] * block_size + start % block_size
             else:
-                ids_np[cursor:end] = item.request.all_token_ids[start : start + num_new]
+                ids_np[cursor:end] = item.seq.all_token_ids[start : start + num_new]
                 table = np.asarray(block_ids, dtype=np.int64)
                 pos = np.arange(start, start + num_new, dtype=np.int64)
                 pos_np[cursor:end] = pos
@@ -110,7 +110,7 @@ class InputBuffers:
             cursor = end
             if item.needs_sample:
                 sample_rows.append(end - 1)
-                sampled_requests.append(item.request)
+                sampled_seqs.append(item.seq)
         assert cursor == num_tokens, f"scheduled {cursor} tokens, output says {num_tokens}"
         query_start = self.host_np["query_start_loc"]
         query_start[0] = 0
@@ -119,6 +119,7 @@ class InputBuffers:
         self.host_np["sample_indices"][: len(sample_rows)] = sample_rows
         block_tables = self._upload("block_tables", num_seqs * width).view(num_seqs, width)
         metadata = AttentionMetadata(
+            num_seqs=num_seqs,
             num_tokens=num_tokens,
             slot_mapping=self._upload("slot_mapping", num_tokens),
             query_start_loc=self._upload("query_start_loc", num_seqs + 1),
@@ -134,5 +135,5 @@ class InputBuffers:
             positions=self._upload("positions", num_tokens),
             metadata=metadata,
             sample_indices=self._upload("sample_indices", len(sample_rows)),
-            sampled_requests=sampled_requests,
+            sampled_seqs=sampled_seqs,
         )

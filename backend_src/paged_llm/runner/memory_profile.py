@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from paged_llm.runner.model_runner import ModelRunner
@@ -43,6 +43,7 @@ def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) ->
     for length in lens:
         starts.append(starts[-1] + length)
     metadata = AttentionMetadata(
+        num_seqs=len(lens),
         num_tokens=num_tokens,
         slot_mapping=torch.cat(
             [

@@ -11,60 +11,53 @@ from pathlib import Path
 import torch
 
 from paged_llm.core.scheduler import SchedulerOutput
+from paged_llm.engine.core_types import TokenLogprobs
+from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.portable import PortableAttention
+from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
-from paged_llm.request import Request
-from paged_llm.runner.attention.metadata import AttentionMetadata
-from paged_llm.runner.attention.portable import PortableAttention
 from paged_llm.runner.cuda_graphs import DecodeGraphs
 from paged_llm.runner.device import Device
-from paged_llm.runner.fused_ops import FusedOps
 from paged_llm.runner.input_buffers import InputBuffers, StepInputs
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from paged_llm.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class TokenLogprobs:
-    sampled_logprob: float  # raw model logprob of the sampled token
-    sampled_rank: int  # 1 = the most likely token
-    top_token_ids: list[int]  # `logprobs` alternatives, most likely first
-    top_logprobs: list[float]
-
-
-@dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only requests that asked
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # sequence id -> new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only sequences that asked
 
 
 @dataclass
 class LaunchedStep:
     """A step whose device work is enqueued; `result()` is the step's one host synchronisation."""
 
-    requests: list[Request]  # the requests that sample a token, in row order
+    seqs: list[Sequence]  # the sequences that sample a token, in row order
     sampled: SamplerOutput | None  # device tensors (None: nothing sampled this step)
 
     def result(self) -> ModelRunnerOutput:
         if self.sampled is None:
             return ModelRunnerOutput()
-        sampled, requests = self.sampled, self.requests
+        sampled, seqs = self.sampled, self.seqs
         token_ids = sampled.sampled_token_ids.tolist()
-        output = ModelRunnerOutput({r.request_id: t for r, t in zip(requests, token_ids)})
+        output = ModelRunnerOutput({r.seq_id: t for r, t in zip(seqs, token_ids)})
         if sampled.sampled_logprobs is None:
             return output
         logprobs = sampled.sampled_logprobs.tolist()
-        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(requests)
+        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(seqs)
         top_ids = sampled.topk_token_ids.tolist() if sampled.topk_token_ids is not None else None
         top_values = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
-        for row, request in enumerate(requests):
-            num_top = request.sampling_params.logprobs
+        for row, seq in enumerate(seqs):
+            num_top = seq.sampling_params.logprobs
             if num_top is None:
                 continue
-            output.logprobs[request.request_id] = TokenLogprobs(
+            output.logprobs[seq.seq_id] = TokenLogprobs(
                 sampled_logprob=float(logprobs[row]),
                 sampled_rank=int(ranks[row]),
                 top_token_ids=top_ids[row][:num_top] if top_ids else [],
@@ -73,12 +66,12 @@ class LaunchedStep:
         return output
 
 
-def suppressed_token_ids(request: Request) -> tuple[int, ...]:
+def suppressed_token_ids(seq: Sequence) -> tuple[int, ...]:
     """Tokens that may not be sampled yet: EOS and stop ids while below min_tokens."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    params = seq.sampling_params
+    if seq.num_output_tokens >= params.min_tokens:
         return ()
-    eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
+    eos = () if params.ignore_eos else tuple(sorted(seq.eos_token_ids))
     return eos + params.stop_token_ids
 
 
@@ -175,34 +168,34 @@ class ModelRunner:
         assert self.model is not None, "load() first"
         inputs = self.prepare_inputs(scheduler_output)
         metadata = inputs.metadata
-        if not inputs.sampled_requests:  # only prefill chunks that do not reach their last token
+        if not inputs.sampled_seqs:  # only prefill chunks that do not reach their last token
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             return LaunchedStep([], None)
         if self.graphs is not None and inputs.is_decode_only and self.graphs.bucket(metadata.num_seqs):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
-            if len(inputs.sampled_requests) != metadata.num_seqs:  # a 1-token prefill chunk among decodes
+            if len(inputs.sampled_seqs) != metadata.num_seqs:  # a 1-token prefill chunk among decodes
                 logits = logits.index_select(0, inputs.sample_indices)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        return LaunchedStep(inputs.sampled_requests, self._sample(logits, inputs.sampled_requests))
+        return LaunchedStep(inputs.sampled_seqs, self._sample(logits, inputs.sampled_seqs))
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if all(
             r.sampling_params.is_plain_greedy and r.num_output_tokens >= r.sampling_params.min_tokens
-            for r in requests
+            for r in seqs
         ):
             # The common benchmark/greedy case: skip building per-row sampling metadata.
             return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
         rows = [
             SamplingRow(
-                params=request.sampling_params,
-                seed=request.seed,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                suppressed_token_ids=suppressed_token_ids(request),
+                params=seq.sampling_params,
+                seed=seq.seed,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                suppressed_token_ids=suppressed_token_ids(seq),
             )
-            for request in requests
+            for seq in seqs
         ]
         return self.sampler(logits, SamplingMetadata.build(rows, self.spec.vocab_size, logits.device))
 
@@ -213,7 +206,7 @@ class ModelRunner:
 def default_attention(device: Device) -> AttentionBackend:
     """Triton kernels on CUDA; the portable PyTorch path on CPU and NPU."""
     if device.supports_triton:
-        from paged_llm.runner.attention.triton_backend import TritonAttention
+        from paged_llm.layers.attention.triton_backend import DEFAULT_NUM_SMS, TritonAttention
 
-        return TritonAttention()
+        return TritonAttention(num_sms=device.num_multiprocessors() or DEFAULT_NUM_SMS)
     return PortableAttention()

@@ -189,6 +189,7 @@ class ResponseAccumulator:
         self.finished = False
         self.error: BaseException | None = None
         self._has_news = False
+        self.last_response_num_tokens = 0  # generated tokens in the response take() last returned
 
     def add(self, output: RequestOutput) -> None:
         for delta in output.sequences:
@@ -217,6 +218,7 @@ class ResponseAccumulator:
         if not self._has_news and not self.finished:
             return None
         tensors = self._encode()
+        self.last_response_num_tokens = sum(state.num_new_tokens for state in self.sequences)
         for state in self.sequences:
             if self.parsed.stream:
                 state.text, state.token_ids, state.logprobs = [], [], []

@@ -1,9 +1,11 @@
 """Triton adapter for the paged_llm engine (decoupled Python backend).
 
-Thin on purpose: `execute()` parses and validates each request (errors answered at once), then hands
-it to the engine thread and returns. A response thread turns engine outputs into responses, merging
-whatever piled up for a request since its last send, and sets the FINAL flag exactly once.
-Everything that is not Triton glue lives in the `paged_llm` package.
+Thin on purpose. This stub process is the front end only: `execute()` parses, tokenizes and
+validates each request (errors answered at once) and hands it to AsyncLLM, whose engine core runs in
+its own process (`engine_mode: process`, the default) and owns the device. AsyncLLM's output thread
+detokenizes and calls `_on_outputs`, which sends one response per request per pass (one per engine
+step while we keep up, merged steps when we fall behind) and sets the FINAL flag exactly once.
+A housekeeping thread polls cancellation and refreshes metrics.
 """
 
 from __future__ import annotations
@@ -11,37 +13,47 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import queue
+import os
+import signal
+import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 from paged_llm.config import EngineConfig
-from paged_llm.engine.engine_loop import EngineLoop
-from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.engine.outputs import RequestOutput
 from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.serving.metrics import TritonMetrics
+from paged_llm.serving.server_watch import ServerShutdownWatch, endpoint_of_process, exit_when_server_dies
 from paged_llm.serving.triton_codec import INPUT_NAMES, ResponseAccumulator, parse_request, read_inputs
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_WAKE_INTERVAL_S = 0.02  # the response thread wakes at least this often
-_CANCEL_POLL_INTERVAL_S = 0.05  # how often in-flight requests are asked whether they were cancelled
+_HOUSEKEEPING_INTERVAL_S = 0.05
+_MIN_CANCEL_POLL_INTERVAL_S = 0.05  # each in-flight request is asked at most this often
+_CANCEL_POLL_DUTY = 0.05  # cancellation polling may take at most this share of one thread's time
 _METRICS_INTERVAL_S = 0.5
-_SHUTDOWN_GRACE_S = 5.0  # finalize(): in-flight requests get this long, then they are cancelled
+logger = logging.getLogger("paged_llm")
 
 
 class _TritonLogHandler(logging.Handler):
-    """Routes the package's `logging` records into Triton's log."""
+    """Routes the package's `logging` records into Triton's log, or to stderr once the server is
+    gone: a pb_utils.Logger call then blocks forever holding the GIL, and the stub cannot exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._server_pid = os.getppid()
 
     def emit(self, record: logging.LogRecord) -> None:
         message = self.format(record)
-        if record.levelno >= logging.ERROR:
+        if os.getppid() != self._server_pid:
+            print(f"paged_llm: {message}", file=sys.stderr, flush=True)
+        elif record.levelno >= logging.ERROR:
             pb_utils.Logger.log_error(message)
         elif record.levelno >= logging.WARNING:
             pb_utils.Logger.log_warn(message)
@@ -57,25 +69,40 @@ def _error_code(error: BaseException) -> tuple[Any, str]:
         return pb_utils.TritonError.UNAVAILABLE, "unavailable"
     if isinstance(error, RequestAbortedError):
         return pb_utils.TritonError.CANCELLED, "cancelled"
-    return pb_utils.TritonError.INTERNAL, "internal"
+    return pb_utils.TritonError.INTERNAL, "internal"  # EngineStepError (a model fault, a dead core)
 
 
 @dataclass
 class _Stream:
-    """One in-flight Triton request."""
+    """One in-flight Triton request. Its sender is used under `lock` only, and never once `closed`:
+    Triton frees the request's response factory with the FINAL response, and an is_cancelled() on it
+    after that crashes tritonserver (TRITONBACKEND_ResponseFactoryIsCancelled, seen with 2.51)."""
 
     request_id: str
     sender: Any  # pb_utils.InferenceResponseSender
     accumulator: ResponseAccumulator
     cancelled: bool = False  # the client cancelled: no more data, one CANCELLED final
+    closed: bool = False  # the FINAL response went out
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _ignore_ctrl_c() -> None:
+    """Ctrl-C on `make serve` sends SIGINT to the whole process group. tritonserver handles it by
+    unloading its models, which calls finalize(); a KeyboardInterrupt raised in this stub at the
+    same time would break that unload (the server then gives up on the model and crashes on exit),
+    so the stub leaves SIGINT to the server. (The engine core process ignores it too.)"""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing raises KeyboardInterrupt here then either
+        logger.info("initialize() does not run on the stub's main thread; SIGINT left as it is")
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        package_logger = logging.getLogger("paged_llm")
-        if not package_logger.handlers:
-            package_logger.addHandler(_TritonLogHandler())
-            package_logger.setLevel(logging.INFO)
+        if not any(isinstance(h, _TritonLogHandler) for h in logger.handlers):
+            logger.addHandler(_TritonLogHandler())
+            logger.setLevel(logging.INFO)
+        _ignore_ctrl_c()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
@@ -84,20 +111,26 @@ class TritonPythonModel:
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         config = EngineConfig.from_parameters(parameters)
         model_dir = resolve_model_dir(config.model.model, Path(args["model_repository"]))
-        config = replace(config, model=replace(config.model, model=str(model_dir)))
-        self.engine = LLMEngine(config, show_progress=False)
-        self.metrics = TritonMetrics(pb_utils, self.engine.stats, args["model_name"], args["model_version"])
-        self.loop = EngineLoop(self.engine)
-        self.loop.start()
-        self._ids = itertools.count()
-        self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.config = replace(config, model=replace(config.model, model=str(model_dir)))
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._response_thread = threading.Thread(
-            target=self._respond_loop, name="paged_llm-responses", daemon=True
+        self._ids = itertools.count()
+        self.engine = AsyncLLM(
+            self.config,
+            self._on_outputs,
+            core_mode=self.config.serving.engine_mode,
+            max_merged_steps=self.config.serving.max_merged_steps,
+            watch_pid=os.getppid(),  # tritonserver
         )
-        self._response_thread.start()
+        self.metrics = TritonMetrics(pb_utils, self.engine.stats, args["model_name"], args["model_version"])
+        self._server_watch = ServerShutdownWatch(endpoint_of_process(os.getppid()))
+        exit_when_server_dies(os.getppid())
+        self._stopping = threading.Event()
+        self._finalized = threading.Event()
+        self._housekeeping = threading.Thread(
+            target=self._housekeeping_loop, name="paged_llm-housekeeping", daemon=True
+        )
+        self._housekeeping.start()
 
     # ------------------------------------------------------------------------------ Triton threads
     def execute(self, requests: list[Any]) -> None:
@@ -106,16 +139,16 @@ class TritonPythonModel:
         return None
 
     def _accept(self, request: Any) -> None:
+        self._server_watch.mark_open()
         sender = request.get_response_sender()
         try:
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
-            parsed = parse_request(inputs, request.parameters(), self.engine.config.limits)
+            parsed = parse_request(inputs, request.parameters(), self.config.limits)
             if parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
                 prompt_ids = self.engine.tokenize(parsed.prompt_text or "")
-            self.engine.validate_prompt(prompt_ids)
-            self.engine.validate_params(parsed.params)
+            self.engine.validate(prompt_ids, parsed.params)
         except InvalidRequestError as error:
             self._send_error(sender, error)
             return
@@ -133,11 +166,11 @@ class TritonPythonModel:
         with self._streams_lock:
             self._streams[request_id] = stream
         try:
-            self.loop.submit(request_id, prompt_ids, parsed.params, self._outputs.put, deadline)
-        except EngineDeadError as error:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
-            self._send_error(sender, error)
+            self.engine.add_request(request_id, prompt_ids, parsed.params, deadline)
+        except (InvalidRequestError, EngineDeadError) as error:
+            with stream.lock:
+                self._close(stream)
+                self._send_error(sender, error)
 
     def _send_error(self, sender: Any, error: BaseException) -> None:
         code, label = _error_code(error)
@@ -146,56 +179,26 @@ class TritonPythonModel:
         try:
             sender.send(response, flags=_FINAL)
         except Exception as send_error:  # the client may be gone already
-            logging.getLogger("paged_llm").info("could not send an error response: %s", send_error)
+            logger.info("could not send an error response: %s", send_error)
 
-    # ----------------------------------------------------------------------------- response thread
-    def _respond_loop(self) -> None:
-        next_cancel_poll = next_metrics = time.monotonic()
-        while True:
-            try:
-                first: RequestOutput | None = self._outputs.get(timeout=_WAKE_INTERVAL_S)
-            except queue.Empty:
-                first = None
-            touched: dict[str, _Stream] = {}
-            output = first
-            while output is not None:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.accumulator.add(output)
-                    touched[output.request_id] = stream
-                try:
-                    output = self._outputs.get_nowait()
-                except queue.Empty:
-                    output = None
-            for stream in touched.values():
-                self._send(stream)
-            now = time.monotonic()
-            if now >= next_cancel_poll:
-                self._poll_cancellations()
-                next_cancel_poll = now + _CANCEL_POLL_INTERVAL_S
-            if now >= next_metrics:
-                self.metrics.update()
-                next_metrics = now + _METRICS_INTERVAL_S
-            if first is None and self._stopping.is_set() and not self._streams:
-                self.metrics.update()
-                return
-
-    def _poll_cancellations(self) -> None:
-        with self._streams_lock:
-            streams = [s for s in self._streams.values() if not s.cancelled]
-        for stream in streams:
-            try:
-                cancelled = stream.sender.is_cancelled()
-            except Exception:  # a sender that cannot answer belongs to a request Triton already dropped
-                cancelled = True
-            if cancelled:
-                stream.cancelled = True
-                self.loop.abort(stream.request_id, "cancelled by the client")
+    # ------------------------------------------------------------------------------- output thread
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.accumulator.add(output)
+            self._send(stream)
 
     def _send(self, stream: _Stream) -> None:
+        with stream.lock:
+            if not stream.closed:
+                self._send_locked(stream)
+
+    def _send_locked(self, stream: _Stream) -> None:
         accumulator = stream.accumulator
         if accumulator.finished and accumulator.error is not None:
-            self._forget(stream)
+            self._close(stream)
             self._send_error(stream.sender, accumulator.error)
             return
         if stream.cancelled and not accumulator.finished:
@@ -207,7 +210,7 @@ class TritonPythonModel:
             output_tensors=[pb_utils.Tensor(name, array) for name, array in tensors.items()]
         )
         if accumulator.finished:
-            self._forget(stream)
+            self._close(stream)
             if stream.cancelled:
                 # Finished on its own before the abort landed: the client still asked to cancel.
                 self._send_error(stream.sender, RequestAbortedError("cancelled by the client"))
@@ -215,27 +218,90 @@ class TritonPythonModel:
             self.metrics.count_final("success")
         try:
             stream.sender.send(response, flags=_FINAL if accumulator.finished else 0)
+            if accumulator.parsed.stream and accumulator.last_response_num_tokens:
+                self.engine.stats.on_streamed_response(accumulator.last_response_num_tokens)
         except Exception as error:  # the client went away: stop generating for it
-            logging.getLogger("paged_llm").info(
-                "request %s: send failed (%s); aborting", stream.request_id, error
-            )
+            logger.info("request %s: send failed (%s); aborting", stream.request_id, error)
             if not accumulator.finished:
                 stream.cancelled = True
-                self.loop.abort(stream.request_id, f"response could not be sent ({error})")
+                reason = RequestAbortedError(f"response could not be sent ({error})")
+                self.engine.abort(stream.request_id, reason)
 
-    def _forget(self, stream: _Stream) -> None:
+    def _close(self, stream: _Stream) -> None:
+        """The FINAL response is about to go out: the sender must not be touched after it."""
+        stream.closed = True
         with self._streams_lock:
             self._streams.pop(stream.request_id, None)
+
+    # --------------------------------------------------------------------------- housekeeping thread
+    def _housekeeping_loop(self) -> None:
+        next_cancel_poll = next_metrics = time.monotonic()
+        while not self._stopping.wait(_HOUSEKEEPING_INTERVAL_S):
+            now = time.monotonic()
+            if now >= next_cancel_poll:
+                poll_s = self._poll_cancellations()
+                # Each is_cancelled() is a round trip to the server process: at hundreds of streams,
+                # back off so that polling stays under _CANCEL_POLL_DUTY of this thread's time.
+                next_cancel_poll = time.monotonic() + max(
+                    _MIN_CANCEL_POLL_INTERVAL_S, poll_s / _CANCEL_POLL_DUTY
+                )
+            if now >= next_metrics:
+                self.metrics.update()
+                next_metrics = now + _METRICS_INTERVAL_S
+                self._check_server_shutdown()
+        self.metrics.update()
+
+    def _check_server_shutdown(self) -> None:
+        """The server closed its endpoints (SIGINT/SIGTERM): its clients are gone, and it cannot
+        unload us while requests are open, so end them all now, stop the engine core, and leave if
+        Triton never finalizes us (see serving/server_watch.py)."""
+        if not self.engine.is_accepting or not self._server_watch.shutting_down():
+            return
+        count = self.engine.abort_all(RequestAbortedError("the server is shutting down"))
+        logger.info("tritonserver is shutting down (its port closed): ended %d requests", count)
+        threading.Thread(target=self._leave_with_the_server, name="paged_llm-leave", daemon=True).start()
+
+    def _leave_with_the_server(self) -> None:
+        endpoint = self._server_watch.endpoint
+        self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)  # the device memory goes now
+        if self._finalized.wait(endpoint.exit_timeout_s + 2.0 if endpoint else 30.0):
+            return
+        # Triton gave up on unloading us (a client kept its gRPC stream open) and is exiting; no
+        # pb_utils call may block us now (they wait on the server), so write to stderr and go.
+        print(
+            "paged_llm: tritonserver exited without unloading the llm model; the stub exits", file=sys.stderr
+        )
+        os._exit(0)
+
+    def _poll_cancellations(self) -> float:
+        """Asks every in-flight request whether its client cancelled; returns the seconds it took."""
+        start = time.monotonic()
+        with self._streams_lock:
+            streams = [s for s in self._streams.values() if not s.cancelled]
+        for stream in streams:
+            with stream.lock:
+                if stream.closed or stream.cancelled:
+                    continue
+                try:
+                    cancelled = stream.sender.is_cancelled()
+                except Exception:  # a sender that cannot answer belongs to a request Triton dropped
+                    cancelled = True
+                if cancelled:
+                    stream.cancelled = True
+            if cancelled:
+                self.engine.abort(stream.request_id, RequestAbortedError("cancelled by the client"))
+        return time.monotonic() - start
 
     # ---------------------------------------------------------------------------------- shutdown
     def finalize(self) -> None:
         """Stops accepting work, gives in-flight requests a bounded grace period, cancels the rest
-        (each gets its CANCELLED final), then joins the engine and response threads."""
-        self.loop.shutdown(grace_s=_SHUTDOWN_GRACE_S)
+        (each gets its CANCELLED final), then stops the engine core and our threads."""
+        self._finalized.set()
+        self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
         self._stopping.set()
-        self._response_thread.join(timeout=10.0)
-        logging.getLogger("paged_llm").info(
-            "paged_llm finalized: engine thread alive=%s, response thread alive=%s",
-            self.loop.is_alive,
-            self._response_thread.is_alive(),
+        self._housekeeping.join(timeout=10.0)
+        logger.info(
+            "paged_llm finalized: output thread alive=%s, housekeeping thread alive=%s",
+            self.engine.is_alive,
+            self._housekeeping.is_alive(),
         )

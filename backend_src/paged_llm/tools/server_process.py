@@ -1,4 +1,5 @@
-"""A tritonserver child process on fresh ports, for tests, benchmarks and the soak script.
+"""A tritonserver child process on fresh ports, for tests, benchmarks and the soak script, and copies
+of the project's model repository with overridden engine settings.
 
 Started with `start_server` (waits until /v2/health/ready), stopped by pid (`stop`): SIGTERM to its
 process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) keeps restarts fast.
@@ -7,6 +8,7 @@ process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_llm.launch import ServerPorts, server_command, server_env
+from paged_llm.paths import repo_root
+from paged_llm.tools.launch import ServerPorts, server_command, server_env
 
 
 def free_ports(count: int) -> list[int]:
@@ -93,3 +96,42 @@ def start_server(
         time.sleep(0.25)
     server.stop()
     raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n{server.log()[-5000:]}")
+
+
+def make_model_repository(
+    target: Path,
+    parameters: dict[str, str] | None = None,
+    models: tuple[str, ...] = ("llm", "llm_trtllm"),
+    source: Path | None = None,
+) -> Path:
+    """Copies the repository's models into `target`, overriding `parameters` of the llm model."""
+    source = source or repo_root() / "model_repository"
+    for name in models:
+        shutil.copytree(source / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+    if parameters:
+        config_path = target / "llm" / "config.pbtxt"
+        config = config_path.read_text()
+        lines = [line for line in config.splitlines() if not any(f'key: "{k}"' in line for k in parameters)]
+        for key, value in parameters.items():
+            lines.append(f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}')
+        config_path.write_text("\n".join(lines) + "\n")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m paged_llm.tools.server_process make-repository TARGET key=value ...`"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.tools.server_process")
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-repository", help="copy the llm model with overridden parameters")
+    make.add_argument("target", type=Path)
+    make.add_argument("parameters", nargs="*", help="key=value engine settings for config.pbtxt")
+    args = parser.parse_args(argv)
+    parameters = dict(item.split("=", 1) for item in args.parameters)
+    print(make_model_repository(args.target, parameters, models=("llm",)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

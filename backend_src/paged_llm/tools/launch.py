@@ -10,8 +10,8 @@ fixture and the benchmark scripts start it the same way:
 * perf_analyzer's libraries: `libcudart.so.12` from the `nvidia-cuda-runtime-cu12` wheel and, when
   Debian's libb64-0d is missing, the copy of libb64 bundled in the pytriton wheel.
 
-Usage: `python -m paged_llm.launch prepare` or
-`python -m paged_llm.launch serve [--model-repository DIR] [--http-port N] ...`.
+Usage: `python -m paged_llm.tools.launch prepare` or
+`python -m paged_llm.tools.launch serve [--model-repository DIR] [--http-port N] ...`.
 """
 
 from __future__ import annotations
@@ -26,21 +26,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_llm.paths import paged_llm_home, repo_root
+from paged_llm.tools.supervise import run_supervised
 
 
 def _site_packages() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
+def triton_root() -> Path:
+    """The directory holding `pytriton/tritonserver` and `nvidia_pytriton.libs`: $PAGED_LLM_TRITON_ROOT
+    (a trimmed copy, as on the GPU hosts), else this environment's site-packages, else any sys.path
+    entry that has them (an environment layered over another with a .pth file)."""
+    configured = os.environ.get("PAGED_LLM_TRITON_ROOT")
+    candidates = [Path(configured)] if configured else [_site_packages(), *map(Path, sys.path)]
+    for candidate in candidates:
+        if (candidate / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
+            return candidate
+    where = configured or "this Python environment"
+    raise FileNotFoundError(
+        f"no pytriton/tritonserver in {where}: install nvidia-pytriton==0.7.0 (run scripts/setup.sh)"
+    )
+
+
 def pytriton_dir() -> Path:
-    path = _site_packages() / "pytriton" / "tritonserver"
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} missing: install nvidia-pytriton==0.7.0 (run scripts/setup.sh)")
-    return path
+    return triton_root() / "pytriton" / "tritonserver"
 
 
 def pytriton_libs_dir() -> Path:
-    return _site_packages() / "nvidia_pytriton.libs"
+    return triton_root() / "nvidia_pytriton.libs"
 
 
 def python_version_tag() -> str:
@@ -184,11 +197,11 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    os.execve(command[0], command, server_env())
+    return run_supervised(command, server_env(), args.exit_timeout_secs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_llm.launch")
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.tools.launch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="build the backend directory, tool libraries and the tiny model")
     serve = sub.add_parser("serve", help="run tritonserver on a model repository")
@@ -197,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
     serve.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     serve.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
-    serve.add_argument("--exit-timeout-secs", type=int, default=30)
+    serve.add_argument(
+        "--exit-timeout-secs", type=int, default=5, help="how long the server waits for models to unload"
+    )
     serve.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = parser.parse_args(argv)
     if args.command == "prepare":

@@ -18,6 +18,7 @@ import torch
 @dataclass
 class AttentionMetadata:
     num_tokens: int  # new tokens in this step (T)
+    num_seqs: int  # sequences in this step (B); for a captured CUDA graph, its batch bucket
     slot_mapping: torch.Tensor  # [T] int64, KV-cache slot of each new token
     query_start_loc: torch.Tensor  # [B + 1] int32, start of each sequence's new tokens
     seq_lens: torch.Tensor  # [B] int32, context length of each sequence after this step
@@ -25,11 +26,7 @@ class AttentionMetadata:
     max_query_len: int  # longest run of new tokens of one sequence
     max_seq_len: int  # longest context
     query_lens_host: list[int]  # host copies, for backends that group sequences in Python
-    seq_lens_host: list[int]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+    seq_lens_host: list[int]  # (empty inside a captured CUDA graph, whose lengths change per replay)
 
     @property
     def is_decode_only(self) -> bool:

@@ -12,23 +12,14 @@ partial softmaxes in a second small kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from paged_llm.runner.attention.metadata import AttentionMetadata
-from paged_llm.runner.attention.triton_kernels import paged_attention, write_kv_cache
+from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.triton_kernels import paged_attention, write_kv_cache
 
-DEFAULT_NUM_SMS = 132  # H100 SXM; used when the device cannot be asked (CPU interpreter)
+DEFAULT_NUM_SMS = 132  # H100 SXM; used when nobody said (tests through the CPU interpreter)
 MAX_SPLITS = 16  # the reduce kernel holds [splits, head_dim] partials in registers
 MIN_KEYS_PER_SPLIT = 256  # below this the partial writes + reduce cost more than the parallelism wins
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _prev_power_of_2(value: int) -> int:
@@ -56,9 +47,10 @@ def choose_num_splits(
 class TritonAttention:
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, num_sms: int = DEFAULT_NUM_SMS) -> None:
         # A fixed split count overrides the heuristic (tests; tuning). Must be a power of two.
         self.fixed_num_splits = num_splits
+        self.num_sms = num_sms  # the device's multiprocessors (the runner asks runner/device.py)
 
     def num_splits(self, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> int:
         if self.fixed_num_splits is not None:
@@ -69,7 +61,7 @@ class TritonAttention:
             num_kv_heads=k_cache.shape[2],
             max_query_len=metadata.max_query_len,
             max_seq_len_bound=block_tables.shape[1] * k_cache.shape[1],
-            num_sms=_num_sms(query.device),
+            num_sms=self.num_sms,
         )
 
     def forward(

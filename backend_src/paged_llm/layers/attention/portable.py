@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_llm.runner.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.metadata import AttentionMetadata
 
 
 def write_kv_cache(

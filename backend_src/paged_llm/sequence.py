@@ -1,6 +1,6 @@
-"""Request: the engine's record of one sequence being generated.
+"""Sequence: the engine's record of one sequence being generated.
 
-A request has no "prefill" or "decode" phase. It has `num_tokens` (prompt + generated so far) and
+A sequence has no "prefill" or "decode" phase. It has `num_tokens` (prompt + generated so far) and
 `num_computed_tokens` (how many of those have KV in the cache). Each step the scheduler gives it some
 of the difference; when the computed count reaches `num_tokens`, the step also samples a new token:
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from paged_llm.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue; its KV was freed and is recomputed on resume
@@ -32,22 +32,22 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """The vLLM-compatible finish_reason string (`stop`, `length`, `abort`), or None if unfinished."""
-        if self is RequestStatus.FINISHED_ERROR:
+        if self is SequenceStatus.FINISHED_ERROR:
             return "abort"
         return self.value if self.is_finished else None
 
 
 _FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_ERROR,
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
 }
 
 
 @dataclass(eq=False)
-class Request:
-    request_id: str  # unique within the engine
+class Sequence:
+    seq_id: str  # unique within the engine
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     seed: int  # resolved 64-bit sampling seed (drawn by the engine when the client gave none)
@@ -59,7 +59,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens of all_token_ids whose KV is in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block

@@ -1,0 +1,221 @@
+"""AsyncLLM: the serving front end. Requests come from any thread; outputs leave on one thread.
+
+    requests ──add_request / abort──> engine core (own process by default)
+                                             │ one EngineCoreOutputs per step
+    on_outputs(list[RequestOutput]) <── output thread: read what arrived (up to max_merged_steps
+                                        steps), detokenize, stop strings, one RequestOutput per
+                                        request with news
+
+While the consumer keeps up, each pass holds one engine step, so a stream gets one response per
+step. When it falls behind, the steps that piled up are merged into one pass (at most
+`max_merged_steps`), so a slow sender sends fewer, larger responses instead of falling further back.
+
+Every request ends with exactly one final RequestOutput (`finished`), with `error` set when it failed
+or was aborted. If the core dies, every request in flight gets EngineCoreDiedError at once and new
+ones are refused with EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from paged_llm.config import EngineConfig
+from paged_llm.engine.core_client import EngineCoreClient, start_core_and_tokenizer
+from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
+from paged_llm.engine.output_processor import OutputProcessor
+from paged_llm.engine.outputs import RequestOutput
+from paged_llm.engine.stats import EngineStats
+from paged_llm.engine.validation import validate_params, validate_prompt
+from paged_llm.errors import EngineCoreDiedError, EngineDeadError, RequestAbortedError
+from paged_llm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+OutputHandler = Callable[[list[RequestOutput]], None]
+_WAKE_INTERVAL_S = 0.02  # the output thread looks at local aborts at least this often
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: OutputHandler,
+        core_mode: str = "process",
+        max_merged_steps: int = 16,
+        watch_pid: int | None = None,
+    ) -> None:
+        """`watch_pid`: the core process also exits when that process is gone (under Triton: the
+        server, in case this stub hangs after it died)."""
+        if core_mode == "inprocess":
+            core_mode = "thread"  # serving needs the core to step on its own
+        self.client: EngineCoreClient
+        self.client, self.tokenizer = start_core_and_tokenizer(config, core_mode, watch_pid=watch_pid)
+        self.info = self.client.info
+        self.stats = EngineStats()
+        self.processor = OutputProcessor(self.tokenizer, self.stats)
+        self.max_merged_steps = max(1, max_merged_steps)
+        self.num_merged_passes = 0  # output passes that held more than one engine step
+        self._on_outputs = on_outputs
+        self._lock = threading.Lock()  # guards the processor
+        self._local_aborts: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
+        self._accepting = True
+        self.dead_reason: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._output_loop, name="paged_llm-outputs", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------- any thread
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        deadline: float | None = None,
+    ) -> None:
+        """Queues a request. Raises InvalidRequestError (bad input) or EngineDeadError (not serving);
+        otherwise its outputs, and exactly one final, reach `on_outputs`."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
+        if not self._accepting:
+            raise EngineDeadError("the engine is shutting down")
+        self.validate(prompt_token_ids, params)
+        arrival_time = time.monotonic()
+        with self._lock:
+            core_id = self.processor.add_request(request_id, prompt_token_ids, params, arrival_time)
+        try:
+            self.client.add_request(
+                EngineCoreRequest(core_id, prompt_token_ids, params, arrival_time, deadline)
+            )
+        except EngineDeadError:
+            with self._lock:
+                self.processor.remove_request(request_id)
+            raise
+
+    def abort(self, request_id: str, error: BaseException) -> None:
+        """Ends a request; its final output (carrying `error`) follows on the output thread."""
+        with self._lock:
+            core_id = self.processor.core_request_id(request_id)
+        if core_id is None:
+            return  # already finished
+        self._local_aborts.put((request_id, error))
+        try:
+            self.client.abort_requests([AbortRequest(core_id, None, str(error))])
+        except EngineDeadError:
+            pass  # the output thread fails everything in flight anyway
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """InvalidRequestError if the request can never be served by this model and pool."""
+        validate_prompt(self.info, prompt_token_ids)
+        validate_params(self.info, params)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.processor.num_unfinished_requests
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    # ----------------------------------------------------------------------------- output thread
+    def _output_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self.client.get_outputs(timeout_s=_WAKE_INTERVAL_S)
+                batch = [] if first is None else [first]
+                while batch and len(batch) < self.max_merged_steps:
+                    more = self.client.poll_outputs()
+                    if more is None:
+                        break
+                    batch.append(more)
+            except EngineDeadError as error:
+                self._on_core_death(str(error))
+                return
+            if len(batch) > 1:
+                self.num_merged_passes += 1
+            outputs = self._absorb(batch)
+            if outputs:
+                self._deliver(outputs)
+
+    def _absorb(self, batch: list[EngineCoreOutputs]) -> list[RequestOutput]:
+        aborts: list[AbortRequest] = []
+        outputs: list[RequestOutput] = []
+        with self._lock:
+            touched: set[str] = set()
+            for core_outputs in batch:
+                step_touched, step_aborts = self.processor.process(core_outputs)
+                touched |= step_touched
+                aborts += step_aborts
+            while True:
+                try:
+                    request_id, error = self._local_aborts.get_nowait()
+                except queue.Empty:
+                    break
+                final = self.processor.abort_request(request_id, error)
+                if final is not None:
+                    outputs.append(final)
+            outputs += self.processor.collect(touched)
+        if aborts:
+            try:
+                self.client.abort_requests(aborts)
+            except EngineDeadError:
+                pass
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        try:
+            self._on_outputs(outputs)
+        except Exception:
+            logger.exception("the output handler failed")
+
+    def _on_core_death(self, reason: str) -> None:
+        self.dead_reason = reason
+        with self._lock:
+            in_flight = list(self.processor.requests)
+            finals = [
+                self.processor.abort_request(
+                    request_id, EngineCoreDiedError(f"{reason}; the request was lost")
+                )
+                for request_id in in_flight
+            ]
+        if in_flight:
+            logger.error("%s with %d requests in flight: they fail with INTERNAL", reason, len(in_flight))
+        self._deliver([f for f in finals if f is not None])
+        while not self._stop.wait(_WAKE_INTERVAL_S):  # keep answering aborts of nothing, cheaply
+            self._absorb([])
+
+    # ---------------------------------------------------------------------------------- shutdown
+    def abort_all(self, error: BaseException, stop_accepting: bool = True) -> int:
+        """Ends every request in flight with `error` (and, by default, refuses new ones); returns
+        how many there were."""
+        if stop_accepting:
+            self._accepting = False
+        request_ids = list(self.processor.requests)
+        for request_id in request_ids:
+            self.abort(request_id, error)
+        return len(request_ids)
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stops accepting, lets in-flight requests run up to `grace_s`, aborts the rest (each gets
+        its final), stops the output thread and the core."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.processor.has_unfinished_requests() and time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                break
+            time.sleep(0.01)
+        self.abort_all(RequestAbortedError("the server is shutting down"))
+        while self.processor.has_unfinished_requests() and self._thread.is_alive():
+            time.sleep(0.01)
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+        self.client.shutdown()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.dead_reason is None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._thread.is_alive()

@@ -1,0 +1,341 @@
+"""EngineCore: scheduler, KV cache manager, model runner and sampler behind `add_request`,
+`abort_request` and `step() -> EngineCoreOutputs`. It knows token ids only: tokenizing, detokenizing,
+stop strings and logprob text are the front end's (engine/output_processor.py).
+
+One client request with `n` samples becomes `n` sequences. The first one runs the prompt; the others
+are added once its prompt KV is computed, so they take the prompt's full blocks from the prefix
+cache instead of recomputing them.
+
+The same class runs in the engine core process (engine/core_process.py), in a thread of the caller
+(engine/core_client.py) or stepped directly by the offline LLMEngine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from paged_llm.config import EngineConfig
+from paged_llm.core.kv_cache_manager import KVCacheManager
+from paged_llm.core.scheduler import ScheduledSequence, Scheduler, SchedulerStats, SequenceUpdate
+from paged_llm.engine.core_types import (
+    CoreError,
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishedRequest,
+    FinishedSequence,
+)
+from paged_llm.engine.validation import validate_params, validate_prompt
+from paged_llm.errors import InvalidRequestError, QueueFullError
+from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.models.hf_config import load_model_spec
+from paged_llm.runner.device import Device
+from paged_llm.runner.kv_sizing import plan_kv_cache
+from paged_llm.runner.model_runner import ModelRunner, ModelRunnerOutput
+from paged_llm.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+_UINT64_MASK = (1 << 64) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a request (splitmix64 of seed + index; sample 0 keeps the seed)."""
+    if index == 0:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15 * index) & _UINT64_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
+    return z ^ (z >> 31)
+
+
+@dataclass
+class _CoreRequest:
+    """The core's record of one client request: its sequences, started or waiting to start."""
+
+    request_id: str
+    sequences: list[Sequence]  # started; index in this list = the sample's index
+    unstarted: list[Sequence]  # samples 1..n-1, started once sample 0 computed the prompt
+    deadline: float | None
+    arrival_time: float
+    reported_finished: set[int] = field(default_factory=set)  # indices whose end was published
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sequences) + len(self.unstarted)
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.reported_finished) == self.num_samples
+
+
+class EngineCore:
+    UTILITY_CALLS = frozenset({"check_integrity", "scheduler_stats", "reset_prefix_cache"})
+
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        model_dir = resolve_model_dir(config.model.model)
+        spec = load_model_spec(model_dir)
+        self.device = Device.resolve(config.device.device)
+        dtype = self.device.model_dtype(config.model.dtype, spec.checkpoint_dtype)
+        requested_len = config.model.max_model_len or spec.max_position_embeddings
+        block_size = config.cache.block_size_tokens
+        self.runner = ModelRunner(
+            spec,
+            model_dir,
+            self.device,
+            dtype,
+            requested_len,
+            block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            enable_cuda_graphs=config.device.enable_cuda_graphs,
+        )
+        self.runner.load(show_progress=show_progress)
+        plan = plan_kv_cache(config, self.runner, self.device)
+        self.runner.allocate_kv_cache(plan.num_blocks)
+        max_model_len = min(requested_len, plan.num_blocks * block_size)
+        if max_model_len < requested_len:
+            logger.warning(
+                "KV pool holds %d tokens, less than max_model_len %d: max_model_len lowered to %d",
+                plan.num_blocks * block_size,
+                requested_len,
+                max_model_len,
+            )
+        self.info = EngineCoreInfo(
+            model_dir=str(model_dir),
+            architecture=spec.architecture,
+            vocab_size=spec.vocab_size,
+            max_model_len=max_model_len,
+            num_kv_blocks=plan.num_blocks,
+            block_size_tokens=block_size,
+            eos_token_ids=frozenset(spec.eos_token_ids),
+            device=self.device.describe(),
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        logger.info(
+            "paged_llm engine core: %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens "
+            "(%.1f MiB); max_model_len %d",
+            model_dir,
+            spec.architecture,
+            self.info.device,
+            self.info.dtype,
+            plan.num_blocks,
+            block_size,
+            plan.num_blocks * block_size,
+            plan.num_blocks * self.runner.kv_bytes_per_block / (1 << 20),
+            max_model_len,
+        )
+        salt = hashlib.sha256((model_dir / "config.json").read_bytes() + str(dtype).encode()).digest()
+        self.kv_cache = KVCacheManager(plan.num_blocks, block_size, config.cache.enable_prefix_caching, salt)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
+        self._requests: dict[str, _CoreRequest] = {}
+        self._owner: dict[str, tuple[_CoreRequest, int]] = {}  # live sequence id -> (request, index)
+        self._seed_rng = random.Random(config.model.seed)
+        self.num_steps = 0
+        self.num_step_faults = 0
+        self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
+
+    # ---------------------------------------------------------------------------------- requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request. InvalidRequestError / QueueFullError: it was not queued."""
+        if request.request_id in self._requests:
+            raise InvalidRequestError("request id", f"{request.request_id!r} is already in flight")
+        validate_prompt(self.info, request.prompt_token_ids)
+        validate_params(self.info, request.params)
+        max_queued = self.config.scheduler.max_queued_requests
+        if self.scheduler.num_waiting >= max_queued:
+            raise QueueFullError(f"the waiting queue is full ({max_queued} requests); retry later")
+        params = request.params
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        prompt = list(request.prompt_token_ids)
+        sequences = [
+            Sequence(
+                seq_id=request.request_id if params.n == 1 else f"{request.request_id}#{index}",
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                seed=derive_seed(seed, index),
+                eos_token_ids=self.info.eos_token_ids,
+                arrival_time=request.arrival_time,
+                deadline=request.deadline,
+            )
+            for index in range(params.n)
+        ]
+        record = _CoreRequest(
+            request_id=request.request_id,
+            sequences=[],
+            unstarted=sequences[1:],
+            deadline=request.deadline,
+            arrival_time=request.arrival_time,
+        )
+        self._requests[request.request_id] = record
+        self._start(record, sequences[0])
+
+    def _start(self, record: _CoreRequest, seq: Sequence) -> None:
+        self._owner[seq.seq_id] = (record, len(record.sequences))
+        record.sequences.append(seq)
+        self.scheduler.add_sequence(seq)
+
+    def _start_siblings(self, record: _CoreRequest) -> None:
+        first = record.sequences[0]
+        for seq in record.unstarted:
+            seq.arrival_seq = first.arrival_seq  # same place in the queue as the first sample
+            self._start(record, seq)
+        record.unstarted = []
+
+    def abort_request(self, request_id: str, seq_index: int | None = None, reason: str = "cancelled") -> None:
+        """Ends a request (or one of its sequences) now; what ended is published by the next step()."""
+        record = self._requests.get(request_id)
+        if record is None:
+            return
+        if seq_index is not None:
+            if seq_index < len(record.sequences):
+                self._end_sequences(record, [record.sequences[seq_index]], SequenceStatus.FINISHED_ABORTED)
+            if record.is_finished:
+                self._close(record)
+            return
+        live = [s for s in record.sequences if not s.is_finished]
+        logger.info(
+            "request %s aborted (%s) while %s, after %d generated tokens",
+            request_id,
+            reason,
+            "/".join(sorted({s.status.value for s in live})) or "finished",
+            sum(s.num_output_tokens for s in record.sequences),
+        )
+        self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
+        self._close(record, CoreError("aborted", reason))
+
+    def abort_all(self, reason: str) -> None:
+        for request_id in list(self._requests):
+            self.abort_request(request_id, reason=reason)
+
+    def _end_sequences(self, record: _CoreRequest, seqs: list[Sequence], status: SequenceStatus) -> None:
+        """Finishes live sequences (abort, fault) and publishes their end."""
+        live = [s for s in seqs if not s.is_finished]
+        self.scheduler.finish_sequences([s.seq_id for s in live], status)
+        for seq in live:
+            _record, index = self._owner.pop(seq.seq_id)
+            record.reported_finished.add(index)
+            self._outputs.finished_sequences.append(
+                FinishedSequence(record.request_id, index, status.finish_reason or "abort")
+            )
+
+    def _close(self, record: _CoreRequest, error: CoreError | None = None) -> None:
+        """Forgets a request whose sequences all ended (or that failed) and publishes that."""
+        del self._requests[record.request_id]
+        for seq in record.sequences:
+            self._owner.pop(seq.seq_id, None)
+        record.unstarted = []
+        self._outputs.finished_requests.append(FinishedRequest(record.request_id, error))
+
+    def reject(self, request_id: str, error: CoreError) -> None:
+        """Publishes that a request was refused before it was queued (it never existed here)."""
+        self._outputs.finished_requests.append(FinishedRequest(request_id, error))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -------------------------------------------------------------------------------------- step
+    def step(self) -> EngineCoreOutputs:
+        """Schedules, runs and samples one step; returns everything that happened since the last
+        step() (new tokens, ends, refusals, aborts), with the scheduler's stats after it."""
+        self._expire_deadlines()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty:
+            self.num_steps += 1
+            try:
+                if self.config.fault_injection_step == self.num_steps:
+                    raise RuntimeError(f"injected fault at step {self.num_steps} (fault_injection_step)")
+                runner_output = self.runner.launch(scheduler_output).result()
+            except Exception as error:  # a model fault must not take the server down
+                self._fail_step(scheduler_output.scheduled, error)
+            else:
+                updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+                self._publish_updates(updates, runner_output)
+        return self.take_outputs()
+
+    def take_outputs(self) -> EngineCoreOutputs:
+        """What happened since the last call (the busy loop also calls it after handling input)."""
+        outputs, self._outputs = self._outputs, EngineCoreOutputs()
+        outputs.scheduler_stats = self.scheduler_stats()
+        outputs.num_steps = self.num_steps
+        outputs.num_step_faults = self.num_step_faults
+        return outputs
+
+    def _publish_updates(self, updates: list[SequenceUpdate], runner_output: ModelRunnerOutput) -> None:
+        out = self._outputs
+        for update in updates:
+            seq, token_id = update.seq, update.new_token_id
+            if token_id is None:
+                continue  # a prefill chunk
+            record, index = self._owner[seq.seq_id]
+            row = len(out.request_ids)
+            out.request_ids.append(record.request_id)
+            out.seq_indices.append(index)
+            out.new_token_ids.append(token_id)
+            logprobs = runner_output.logprobs.get(seq.seq_id)
+            if logprobs is not None:
+                out.logprobs[row] = logprobs
+            if record.unstarted and index == 0:
+                self._start_siblings(record)  # the prompt's KV is computed: share it
+            if seq.is_finished:
+                del self._owner[seq.seq_id]
+                record.reported_finished.add(index)
+                stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
+                out.finished_sequences.append(
+                    FinishedSequence(
+                        record.request_id, index, seq.status.finish_reason or "abort", stop_reason
+                    )
+                )
+                if record.is_finished:
+                    self._close(record)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        expired = [r for r in self._requests.values() if r.deadline is not None and r.deadline <= now]
+        for record in expired:
+            waited = now - record.arrival_time
+            self.abort_request(record.request_id, reason=f"timed out after {waited:.3f} s (request timeout)")
+
+    def _fail_step(self, scheduled: list[ScheduledSequence], error: Exception) -> None:
+        """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving."""
+        logger.error(
+            "model step %d failed; failing %d sequences:\n%s",
+            self.num_steps,
+            len(scheduled),
+            "".join(traceback.format_exception(error)),
+        )
+        self.num_step_faults += 1
+        records = {id(r): r for r in (self._owner[s.seq_id][0] for s in scheduled if s.seq_id in self._owner)}
+        message = f"the model step failed: {type(error).__name__}: {error}".splitlines()[0]
+        for record in records.values():
+            self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ERROR)
+            self._close(record, CoreError("internal", message))
+        # KV written by the failed step may be garbage: never serve it from the prefix cache.
+        self.kv_cache.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------------------- utility
+    def record_utility_result(self, call_id: int, result: tuple[bool, object]) -> None:
+        self._outputs.utility_results[call_id] = result
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = {s.seq_id for r in self._requests.values() for s in r.sequences if not s.is_finished}
+        assert live == set(self.scheduler.sequences), "requests and scheduler disagree on live sequences"
+        assert set(self._owner) == live, "owner map out of sync"
+        for record in self._requests.values():
+            assert not record.is_finished, f"request {record.request_id} finished but not closed"

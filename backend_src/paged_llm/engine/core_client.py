@@ -1,0 +1,380 @@
+"""How the front end talks to the engine core: one interface, three places for the core to run.
+
+| mode        | where the core runs                | used by                                             |
+|-------------|------------------------------------|-----------------------------------------------------|
+| `inprocess` | stepped by the caller (no thread)  | the offline LLMEngine: tests, benchmarks, debugging |
+| `thread`    | a busy-loop thread of this process | `engine_mode: thread` in config.pbtxt (debugging)   |
+| `process`   | its own process (the default)      | serving: the core never shares a GIL with Triton    |
+
+Every client: `add_request`, `abort_requests`, `send_utility`, `get_outputs(timeout_s)` (the next
+EngineCoreOutputs, or None), `poll_outputs()` (without waiting), `shutdown()`. Only one thread
+reads outputs. A dead core makes every call raise EngineDeadError, with the reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import paged_llm
+from paged_llm.config import ConfigError, EngineConfig
+from paged_llm.engine.core_types import (
+    AbortRequest,
+    CoreInput,
+    CoreStartupFailed,
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    UtilityCall,
+)
+from paged_llm.engine.ipc import FramedSocket
+from paged_llm.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+CORE_MODES = ("process", "thread", "inprocess")
+
+
+class EngineCoreClient(Protocol):
+    info: EngineCoreInfo
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, aborts: list[AbortRequest]) -> None: ...
+
+    def send_utility(self, name: str) -> int: ...
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None: ...
+
+    def poll_outputs(self) -> EngineCoreOutputs | None: ...
+
+    def shutdown(self, timeout_s: float = 10.0) -> None: ...
+
+
+def start_core_and_tokenizer(
+    config: EngineConfig, mode: str, show_progress: bool = False, watch_pid: int | None = None
+) -> tuple[EngineCoreClient, Any]:
+    """Starts the engine core and loads the tokenizer at the same time (each takes seconds)."""
+    from paged_llm.models.builtin import resolve_model_dir
+    from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged_llm-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, resolve_model_dir(config.model.model))
+        client = make_core_client(config, mode, show_progress, watch_pid)
+        return client, tokenizer.result()
+
+
+def make_core_client(
+    config: EngineConfig, mode: str, show_progress: bool = False, watch_pid: int | None = None
+) -> EngineCoreClient:
+    """`watch_pid` (process mode): the core also exits when that process is gone."""
+    if mode == "inprocess":
+        return InProcessCoreClient(config, show_progress)
+    if mode == "thread":
+        return ThreadedCoreClient(config, show_progress)
+    if mode == "process":
+        return ProcessCoreClient(config, watch_pid)
+    raise ConfigError(f"engine_mode must be one of {', '.join(CORE_MODES)}, got {mode!r}")
+
+
+class InProcessCoreClient:
+    """The core stepped by the caller: `get_outputs()` runs one step (or returns what aborts and
+    refusals produced). add_request raises its errors directly."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        from paged_llm.engine.core import EngineCore
+
+        self.core = EngineCore(config, show_progress=show_progress)
+        self.info = self.core.info
+        self._call_ids = itertools.count()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, aborts: list[AbortRequest]) -> None:
+        for abort in aborts:
+            self.core.abort_request(abort.request_id, abort.seq_index, abort.reason)
+
+    def send_utility(self, name: str) -> int:
+        from paged_llm.engine.core_loop import call_utility
+
+        call_id = next(self._call_ids)
+        self.core.record_utility_result(call_id, call_utility(self.core, name))
+        return call_id
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        return self.core.step() if self.core.has_unfinished_requests() else self.core.take_outputs()
+
+    def poll_outputs(self) -> EngineCoreOutputs | None:
+        return None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.core.abort_all("the engine is shutting down")
+
+
+class _QueueLink:
+    """Shared by the thread client: the inbox side raises once the core is dead."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[EngineCoreOutputs | BaseException] = queue.SimpleQueue()
+
+
+class ThreadedCoreClient:
+    """The core's busy loop on a thread of this process."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        from paged_llm.engine.core import EngineCore
+
+        core = EngineCore(config, show_progress=show_progress)
+        self.info = core.info
+        self._link = _QueueLink()
+        self._call_ids = itertools.count()
+        self.death_reason: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(core,), name="paged_llm-core", daemon=True)
+        self._thread.start()
+
+    def _run(self, core) -> None:
+        from paged_llm.engine.core_loop import run_busy_loop
+
+        try:
+            run_busy_loop(core, self._link.inbox, self._link.outbox.put)
+        except BaseException as error:
+            logger.exception("engine core thread crashed")
+            self.death_reason = f"the engine core thread crashed: {type(error).__name__}: {error}"
+        else:
+            self.death_reason = "the engine core was shut down"
+        self._link.outbox.put(EngineDeadError(self.death_reason))
+
+    def _put(self, item: CoreInput) -> None:
+        if self.death_reason is not None:
+            raise EngineDeadError(self.death_reason)
+        self._link.inbox.put(item)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._put(request)
+
+    def abort_requests(self, aborts: list[AbortRequest]) -> None:
+        for abort in aborts:
+            self._put(abort)
+
+    def send_utility(self, name: str) -> int:
+        call_id = next(self._call_ids)
+        self._put(UtilityCall(call_id, name))
+        return call_id
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        try:
+            item = self._link.outbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        return self._check(item)
+
+    def poll_outputs(self) -> EngineCoreOutputs | None:
+        try:
+            return self._check(self._link.outbox.get_nowait())
+        except queue.Empty:
+            return None
+
+    def _check(self, item: EngineCoreOutputs | BaseException) -> EngineCoreOutputs:
+        if isinstance(item, BaseException):
+            self._link.outbox.put(item)  # every later read fails the same way
+            raise item
+        return item
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._link.inbox.put(Shutdown("the engine is shutting down"))
+            self._thread.join(timeout=timeout_s)
+
+
+def python_executable() -> str:
+    """The interpreter to start the core with. Inside Triton's stub `sys.executable` may be the stub
+    binary, so fall back to this environment's own `bin/python3`, then to `python3` on PATH (the
+    interpreter whose environment the stub itself uses)."""
+    if sys.executable and Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    for candidate in (
+        Path(sys.exec_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}",
+        Path(sys.exec_prefix) / "bin" / "python3",
+    ):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("python3")
+    if found is None:
+        raise RuntimeError("cannot find a python3 executable to start the engine core process")
+    return found
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class ProcessCoreClient:
+    """The core in its own process, over a socketpair (engine/ipc.py).
+
+    A supervisor thread starts the process and waits for it, so a death is noticed at once (and
+    logged with its exit status); it also closes our end of the link, which wakes the reader.
+    """
+
+    STARTUP_POLL_S = 0.5
+
+    def __init__(self, config: EngineConfig, watch_pid: int | None = None) -> None:
+        self._watch_pid = watch_pid
+        self._python = config.serving.engine_python or python_executable()
+        ours, theirs = socket.socketpair()
+        self._link = FramedSocket(ours)
+        self._theirs = theirs
+        self._call_ids = itertools.count()
+        self._started = threading.Event()
+        self._exited = threading.Event()
+        self.process: subprocess.Popen | None = None
+        self.death_reason: str | None = None
+        self._start_error: BaseException | None = None
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="paged_llm-core-supervisor", daemon=True
+        )
+        self._supervisor.start()
+        self._started.wait()
+        theirs.close()
+        if self._start_error is not None:
+            raise RuntimeError(f"could not start the engine core process: {self._start_error}")
+        self.info = self._handshake(config)
+
+    def _supervise(self) -> None:
+        """Starts the core process and waits for it. The process's parent-death signal is tied to
+        this thread, which lives exactly as long as the process."""
+        package_root = str(Path(paged_llm.__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        command = [
+            self._python,
+            "-m",
+            "paged_llm.engine.core_process",
+            "--fd",
+            str(self._theirs.fileno()),
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            logging.getLevelName(logging.getLogger("paged_llm").getEffectiveLevel()),
+        ]
+        if self._watch_pid is not None:
+            command += ["--watch-pid", str(self._watch_pid)]
+        try:
+            self.process = subprocess.Popen(
+                command, pass_fds=(self._theirs.fileno(),), env=env, close_fds=True
+            )
+        except OSError as error:
+            self._start_error = error
+            self._started.set()
+            return
+        self._started.set()
+        returncode = self.process.wait()
+        self.death_reason = f"the engine core process (pid {self.process.pid}) {describe_exit(returncode)}"
+        if returncode != 0:
+            logger.error("%s", self.death_reason)
+        self._exited.set()
+        try:
+            self._link.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on the link
+        except OSError:
+            pass
+
+    def _handshake(self, config: EngineConfig) -> EngineCoreInfo:
+        self._send(config)
+        while True:  # loading a large model takes minutes: wait as long as the process lives
+            try:
+                reply = self._link.recv(self.STARTUP_POLL_S)
+            except (EOFError, OSError):
+                self._exited.wait(timeout=5.0)
+                raise RuntimeError(f"{self._reason()} before it was ready (see the log above)") from None
+            if reply is None:
+                continue
+            if isinstance(reply, CoreStartupFailed):
+                self.shutdown()
+                if reply.is_config_error:
+                    raise ConfigError(reply.message)
+                raise RuntimeError(f"the engine core failed to start: {reply.message}")
+            return reply
+
+    def _reason(self) -> str:
+        return self.death_reason or "the engine core process closed its connection"
+
+    def _send(self, message: object) -> None:
+        if self._exited.is_set():
+            raise EngineDeadError(self._reason())
+        try:
+            self._link.send(message)
+        except OSError as error:
+            self._exited.wait(timeout=2.0)
+            raise EngineDeadError(f"{self._reason()} ({error})") from None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, aborts: list[AbortRequest]) -> None:
+        for abort in aborts:
+            self._send(abort)
+
+    def send_utility(self, name: str) -> int:
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, name))
+        return call_id
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        try:
+            return self._link.recv(timeout_s)
+        except (EOFError, OSError):
+            self._exited.wait(timeout=2.0)  # let the supervisor record the exit status
+            raise EngineDeadError(self._reason()) from None
+
+    def poll_outputs(self) -> EngineCoreOutputs | None:
+        if not self._link.poll():
+            return None
+        return self.get_outputs(0.0)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Asks the core to stop, waits up to `timeout_s`, then kills it. Idempotent."""
+        if self.process is None or self._exited.is_set():
+            self._link.close()
+            return
+        try:
+            self._link.send(Shutdown("the engine is shutting down"))
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while not self._exited.wait(timeout=0.05):
+            # Keep reading so the core never blocks on a full socket while it says goodbye.
+            try:
+                self._link.recv(0.0)
+            except (EOFError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                logger.warning("the engine core did not stop within %.1f s: killing it", timeout_s)
+                self.process.kill()
+                self._exited.wait(timeout=5.0)
+                break
+        self._link.close()

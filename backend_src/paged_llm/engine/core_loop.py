@@ -1,0 +1,86 @@
+"""The engine core's busy loop: take new requests and aborts, step, publish, again.
+
+Shared by the core process (engine/core_process.py) and the in-thread client (engine/core_client.py):
+
+    while running:
+        drain the inbox (block only when the core has nothing to do)
+        step() if there is work, else collect what the inbox caused (refusals, aborts)
+        publish the step's EngineCoreOutputs, if it holds anything
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+from paged_llm.engine.core import EngineCore
+from paged_llm.engine.core_types import (
+    AbortRequest,
+    CoreError,
+    CoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    UtilityCall,
+)
+from paged_llm.errors import InvalidRequestError, QueueFullError
+
+logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking around again
+
+
+def run_busy_loop(
+    core: EngineCore,
+    inbox: queue.SimpleQueue[CoreInput],
+    publish: Callable[[EngineCoreOutputs], None],
+) -> str:
+    """Runs until a Shutdown arrives; aborts what is left, publishes that, returns the reason.
+    An exception from the core propagates: the caller reports the core as dead."""
+    while True:
+        shutdown = _drain_inbox(core, inbox, block=not core.has_unfinished_requests())
+        if shutdown is not None:
+            core.abort_all(shutdown.reason)
+            publish(core.take_outputs())
+            return shutdown.reason
+        outputs = core.step() if core.has_unfinished_requests() else core.take_outputs()
+        if not outputs.is_empty:
+            publish(outputs)
+
+
+def _drain_inbox(core: EngineCore, inbox: queue.SimpleQueue[CoreInput], block: bool) -> Shutdown | None:
+    while True:
+        try:
+            item = inbox.get(timeout=IDLE_WAIT_S) if block else inbox.get_nowait()
+        except queue.Empty:
+            return None
+        block = False
+        if isinstance(item, Shutdown):
+            return item
+        handle_input(core, item)
+
+
+def handle_input(core: EngineCore, item: CoreInput) -> None:
+    if isinstance(item, EngineCoreRequest):
+        try:
+            core.add_request(item)
+        except InvalidRequestError as error:
+            core.reject(item.request_id, CoreError("invalid_arg", str(error).split(": ", 1)[-1], error.field))
+        except QueueFullError as error:
+            core.reject(item.request_id, CoreError("unavailable", str(error)))
+    elif isinstance(item, AbortRequest):
+        core.abort_request(item.request_id, item.seq_index, item.reason)
+    elif isinstance(item, UtilityCall):
+        core.record_utility_result(item.call_id, call_utility(core, item.name))
+    else:
+        raise TypeError(f"unexpected engine core input {item!r}")
+
+
+def call_utility(core: EngineCore, name: str) -> tuple[bool, object]:
+    """(True, result) or (False, "ExceptionType: message"); never raises."""
+    if name not in EngineCore.UTILITY_CALLS:
+        return False, f"unknown utility call {name!r}"
+    try:
+        return True, getattr(core, name)()
+    except Exception as error:  # reported to the caller; the core keeps running
+        return False, f"{type(error).__name__}: {error}"

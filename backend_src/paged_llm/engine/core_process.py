@@ -1,0 +1,156 @@
+"""The engine core process: `python -m paged_llm.engine.core_process --fd FD --parent-pid PID`.
+
+Started by ProcessCoreClient (engine/core_client.py) with one end of a socketpair as FD. It reads the
+EngineConfig, builds the EngineCore (the only place CUDA is initialised), answers with EngineCoreInfo
+(or CoreStartupFailed) and runs the busy loop, with two IO threads so that the loop never waits on
+the socket:
+
+    front end ──frames──> reader thread ──inbox──> busy loop ──outbox──> writer thread ──frames──> front end
+
+It never outlives its parent: the kernel sends it SIGKILL when the parent dies (PR_SET_PDEATHSIG),
+a watchdog thread also compares getppid(), and EOF on the socket (the parent closed it or died)
+shuts the loop down, with a hard exit if that does not finish within EXIT_GRACE_S. Under Triton
+the watchdog also follows the server process itself (`--watch-pid`): a stub that hangs after its
+server died must not keep the device memory held. SIGINT is
+ignored: Ctrl-C reaches the whole process group, and the front end decides how to stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from paged_llm.config import ConfigError
+from paged_llm.engine.core_loop import run_busy_loop
+from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, EngineCoreOutputs, Shutdown
+from paged_llm.engine.ipc import FramedSocket
+
+logger = logging.getLogger("paged_llm.core")
+EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
+_PR_SET_PDEATHSIG = 1
+
+
+def _is_alive(pid: int) -> bool:
+    """False once `pid` exited (a zombie waiting for its parent to reap it counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the watchdog thread below still notices
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                logger.error("the front end process %d is gone: exiting", parent_pid)
+                os._exit(1)
+            if watch_pid is not None and not _is_alive(watch_pid):
+                logger.error("the server process %d is gone: exiting", watch_pid)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="paged_llm-core-watchdog", daemon=True).start()
+
+
+def _hard_exit_later(delay_s: float, code: int) -> None:
+    timer = threading.Timer(delay_s, lambda: os._exit(code))
+    timer.daemon = True
+    timer.start()
+
+
+def _read_inputs(link: FramedSocket, inbox: queue.SimpleQueue[CoreInput]) -> None:
+    try:
+        while True:
+            inbox.put(link.recv())
+    except (EOFError, OSError) as error:
+        inbox.put(Shutdown(f"the front end closed the connection ({error})"))
+        _hard_exit_later(EXIT_GRACE_S, 1)
+
+
+def _write_outputs(link: FramedSocket, outbox: queue.SimpleQueue[EngineCoreOutputs | None]) -> None:
+    while (outputs := outbox.get()) is not None:
+        try:
+            link.send(outputs)
+        except OSError:
+            return  # the front end is gone; the reader sees EOF and stops the loop
+
+
+def serve(link: FramedSocket) -> int:
+    from paged_llm.engine.core import EngineCore  # imports torch: after the parent watch is up
+
+    config = link.recv()
+    try:
+        core = EngineCore(config, show_progress=False)
+    except BaseException as error:
+        logger.error("engine core failed to start:\n%s", "".join(traceback.format_exception(error)))
+        message = f"{type(error).__name__}: {error}" if not isinstance(error, ConfigError) else str(error)
+        link.send(CoreStartupFailed(message, isinstance(error, ConfigError)))
+        return 1
+    link.send(core.info)
+    inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
+    outbox: queue.SimpleQueue[EngineCoreOutputs | None] = queue.SimpleQueue()
+    threading.Thread(target=_read_inputs, args=(link, inbox), name="paged_llm-core-in", daemon=True).start()
+    writer = threading.Thread(
+        target=_write_outputs, args=(link, outbox), name="paged_llm-core-out", daemon=True
+    )
+    writer.start()
+    try:
+        reason = run_busy_loop(core, inbox, outbox.put)
+    except BaseException as error:
+        logger.error("engine core crashed:\n%s", "".join(traceback.format_exception(error)))
+        return 1
+    outbox.put(None)
+    writer.join(timeout=EXIT_GRACE_S)
+    logger.info("engine core stopped: %s", reason)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.engine.core_process")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the front end")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--watch-pid", type=int, default=None, help="also exit when this process is gone")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"paged_llm core [{os.getpid()}] %(levelname)s: %(message)s"))
+    package_logger = logging.getLogger("paged_llm")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(args.log_level)
+    _die_with_parent(args.parent_pid, args.watch_pid)
+    link = FramedSocket(socket.socket(fileno=args.fd))
+    code = serve(link)
+    sys.stderr.flush()
+    # Skip interpreter teardown (joining IO threads, CUDA context destructors): the process owns
+    # nothing that needs it, and the device memory is released when it exits.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The messages between the front end (tokenizer, detokenizer, Triton) and the engine core.
+
+They cross a process boundary once per request (`EngineCoreRequest`) and once per engine step
+(`EngineCoreOutputs`), so the per-step message is columnar: one object whose fields are lists with a
+row per sequence that advanced. Pickling that costs ~30 us for 256 rows, against ~750 us for 256
+small row objects (measured: docs/benchmarks.md, "Engine core IPC"). No torch types in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_llm.core.scheduler import SchedulerStats
+from paged_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreInfo:
+    """What the core tells the front end once the model is loaded and the KV pool sized."""
+
+    model_dir: str  # the resolved checkpoint directory (the front end loads its tokenizer from here)
+    architecture: str  # e.g. Qwen3ForCausalLM
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    max_model_len: int  # prompt + output tokens of one sequence (lowered to what the pool holds)
+    num_kv_blocks: int
+    block_size_tokens: int
+    eos_token_ids: frozenset[int]
+    device: str  # human-readable, for logs
+    dtype: str
+
+
+@dataclass
+class CoreStartupFailed:
+    """Sent instead of EngineCoreInfo when the core could not start (bad config, load failure)."""
+
+    message: str
+    is_config_error: bool  # a ConfigError: the user's settings, not a crash
+
+
+@dataclass
+class EngineCoreRequest:
+    """One client request (it may fan out to `params.n` sequences)."""
+
+    request_id: str  # unique among in-flight requests; chosen by the front end
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() when the front end accepted it (shared clock on Linux)
+    deadline: float | None = None  # time.monotonic() after which the core aborts it
+
+
+@dataclass
+class AbortRequest:
+    """Ends a request (`seq_index` None) or one of its sequences (a stop string matched in it)."""
+
+    request_id: str
+    seq_index: int | None = None
+    reason: str = "cancelled"
+
+
+@dataclass
+class UtilityCall:
+    """Runs `EngineCore.<name>()` between two steps; the answer comes back in `utility_results`."""
+
+    call_id: int
+    name: str  # one of EngineCore.UTILITY_CALLS
+
+
+@dataclass
+class Shutdown:
+    reason: str = "shutdown requested"
+
+
+CoreInput = EngineCoreRequest | AbortRequest | UtilityCall | Shutdown
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled position (raw model logprobs, before any sampling transform)."""
+
+    sampled_logprob: float
+    sampled_rank: int  # 1 = the most likely token
+    top_token_ids: list[int]  # the `logprobs` most likely alternatives, most likely first
+    top_logprobs: list[float]
+
+
+@dataclass
+class FinishedSequence:
+    request_id: str
+    seq_index: int
+    finish_reason: str  # "stop" | "length" | "abort" (vLLM's strings; engine faults report "abort")
+    stop_reason: int | None = None  # the EOS / stop token id that ended it
+
+
+@dataclass
+class CoreError:
+    """Why a request failed inside the core; the front end turns `kind` into a typed error."""
+
+    kind: str  # "invalid_arg" | "unavailable" | "aborted" | "internal"
+    message: str
+    field: str | None = None  # for invalid_arg: the input the client must fix
+
+
+@dataclass
+class FinishedRequest:
+    """The core forgot this request: every sequence ended, or it failed (`error`)."""
+
+    request_id: str
+    error: CoreError | None = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one core step produced. Rows: one per sequence that got a new token.
+
+    row:             0        1        2
+    request_ids:    ["7",    "7",     "9"]
+    seq_indices:    [ 0,      1,       0 ]     (request 7 has n=2)
+    new_token_ids:  [ 1234,   88,      5 ]
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    seq_indices: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> logprobs, when asked
+    finished_sequences: list[FinishedSequence] = field(default_factory=list)
+    finished_requests: list[FinishedRequest] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None  # after this step
+    num_step_faults: int = 0  # model steps that raised, since start
+    utility_results: dict[int, tuple[bool, object]] = field(default_factory=dict)  # call id -> (ok, value)
+    num_steps: int = 0  # engine steps taken so far (the first step is 1)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.request_ids or self.finished_sequences or self.finished_requests or self.utility_results
+        )

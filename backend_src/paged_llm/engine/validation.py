@@ -1,0 +1,40 @@
+"""Request checks that depend on the loaded model and KV pool (EngineCoreInfo), torch-free so the
+front end runs them before anything is queued; the core runs them again."""
+
+from __future__ import annotations
+
+from paged_llm.engine.core_types import EngineCoreInfo
+from paged_llm.errors import InvalidRequestError
+from paged_llm.sampling_params import SamplingParams
+
+
+def validate_prompt(info: EngineCoreInfo, prompt_token_ids: list[int]) -> None:
+    """Raises InvalidRequestError for prompts that can never be served (checked before queueing)."""
+    num_tokens = len(prompt_token_ids)
+    if num_tokens == 0:
+        raise InvalidRequestError("text_input", "the prompt is empty")
+    if num_tokens >= info.max_model_len:
+        raise InvalidRequestError(
+            "text_input",
+            f"the prompt has {num_tokens} tokens but max_model_len is {info.max_model_len}, "
+            f"which leaves no room for output (at most {info.max_model_len - 1} prompt tokens)",
+        )
+    vocab = info.vocab_size
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    num_blocks = -(-(num_tokens + 1) // info.block_size_tokens)
+    if num_blocks > info.num_kv_blocks:
+        raise InvalidRequestError(
+            "text_input",
+            f"the prompt needs {num_blocks} KV blocks but the whole pool has {info.num_kv_blocks}",
+        )
+
+
+def validate_params(info: EngineCoreInfo, params: SamplingParams) -> None:
+    """Checks of sampling parameters that depend on the model (vocabulary, context length)."""
+    params.validate_for_vocab(info.vocab_size)
+    if params.max_tokens is not None and params.max_tokens > info.max_model_len:
+        raise InvalidRequestError(
+            "max_tokens", f"{params.max_tokens} exceeds max_model_len {info.max_model_len}"
+        )

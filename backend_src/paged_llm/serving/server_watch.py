@@ -1,0 +1,130 @@
+"""Notices, from inside the stub, that tritonserver has begun to shut down.
+
+Triton 2.51 never tells a Python model that the server is stopping: on SIGINT / SIGTERM it closes its
+HTTP and gRPC endpoints at once, then waits up to --exit-timeout-secs for the models to unload, and
+a decoupled model with streams still open cannot unload (its response senders keep it alive), so
+the server then "exits immediately" and hangs in its own teardown, with our processes left behind.
+Watching the server's own listening port is the signal that is there: once it was open and is
+refused, the server is going away, its clients are already cut off, and the model should end every
+request in flight so that the unload (and finalize) can happen.
+
+Even then, Triton 2.51 cannot unload a model while a client still holds a gRPC stream open (fixed in
+later releases, server#7969): it waits --exit-timeout-secs, "exits immediately" and hangs in its
+teardown. So after ending its requests the model also stops its engine core at once (the device
+memory is free within a second) and, if Triton has not finalized it by the exit timeout, the stub
+leaves on its own. `paged_llm.tools.launch serve` kills a server that hangs after that.
+
+If the server dies outright (SIGKILL), the stub's own exit path can hang for good: its cleanup waits
+on messages that no longer have a receiver (seen with threads blocked in is_cancelled()).
+`exit_when_server_dies` is the stub's own way out.
+
+The port and the exit timeout come from tritonserver's command line (/proc/<pid>/cmdline):
+--http-port / --http-address, or the gRPC ones when HTTP is off; Triton's defaults otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs default
+_CONNECT_TIMEOUT_S = 0.2
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S  # how long the server waits for models at exit
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg.startswith("--"):
+            name, has_value, value = arg[2:].partition("=")
+            if not has_value and index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                value = argv[index + 1]
+                index += 1
+            options[name] = value
+        index += 1
+    return options
+
+
+def server_endpoint(argv: list[str]) -> Endpoint | None:
+    """The endpoint a tritonserver started with `argv` listens on (HTTP, else gRPC), or None."""
+    options = _options(argv)
+    try:
+        exit_timeout_s = float(options.get("exit-timeout-secs", DEFAULT_EXIT_TIMEOUT_S))
+    except ValueError:
+        exit_timeout_s = DEFAULT_EXIT_TIMEOUT_S
+    for protocol in ("http", "grpc"):
+        if options.get(f"allow-{protocol}", "true").lower() in ("false", "0", "no"):
+            continue
+        try:
+            port = int(options.get(f"{protocol}-port", _DEFAULT_PORTS[protocol]))
+        except ValueError:
+            continue
+        host = options.get(f"{protocol}-address", "0.0.0.0")
+        return Endpoint("127.0.0.1" if host in ("0.0.0.0", "", "::") else host, port, exit_timeout_s)
+    return None
+
+
+def endpoint_of_process(pid: int) -> Endpoint | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    argv = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    if not argv or "tritonserver" not in Path(argv[0]).name:
+        return None
+    return server_endpoint(argv[1:])
+
+
+class ServerShutdownWatch:
+    """`shutting_down()` turns True (and stays) once the server's port, seen open, is refused."""
+
+    def __init__(self, endpoint: Endpoint | None) -> None:
+        self.endpoint = endpoint
+        self._seen_open = False
+        self._closed = False
+
+    def mark_open(self) -> None:
+        """A request arrived, so the server's endpoints were open (the port may close before the
+        first look at it)."""
+        self._seen_open = True
+
+    def shutting_down(self) -> bool:
+        if self._closed or self.endpoint is None:
+            return self._closed
+        try:
+            with socket.create_connection((self.endpoint.host, self.endpoint.port), _CONNECT_TIMEOUT_S):
+                self._seen_open = True
+        except ConnectionRefusedError:
+            self._closed = self._seen_open
+        except OSError:
+            pass  # a timeout or an unreachable address says nothing either way
+        return self._closed
+
+
+def exit_when_server_dies(server_pid: int, interval_s: float = 0.5) -> threading.Thread:
+    """Starts a thread that ends this process (exit status 1) once `server_pid` is no longer its
+    parent. It calls nothing of Triton's: every pb_utils call may block once the server is gone."""
+
+    def watch() -> None:
+        while os.getppid() == server_pid:
+            time.sleep(interval_s)
+        print("paged_llm: tritonserver is gone; the stub exits", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="paged_llm-server-watch", daemon=True)
+    thread.start()
+    return thread

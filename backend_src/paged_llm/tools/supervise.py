@@ -1,0 +1,74 @@
+"""Runs tritonserver as a child and makes sure that stopping it stops it, for `make serve`.
+
+tritonserver 2.51 handles SIGINT / SIGTERM by unloading its models for up to --exit-timeout-secs,
+but it hangs in its own teardown when it gives up on a model that a client's open gRPC stream keeps
+alive (serving/server_watch.py). So: the first SIGINT or SIGTERM is passed on (Ctrl-C reaches the
+whole process group anyway); if the server has not exited `grace_s` after its exit timeout, it and
+whatever it started are killed. The exit status is the server's (128 + signal if it was killed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+KILL_MARGIN_S = 2.0  # after the server's own exit timeout
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc; empty where /proc is missing)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def run_supervised(command: list[str], env: dict[str, str], exit_timeout_s: float) -> int:
+    process = subprocess.Popen(command, env=env)
+    kill_at: list[float] = []  # set by the first stop signal
+
+    def on_stop_signal(signum: int, _frame: object) -> None:
+        if not kill_at:
+            kill_at.append(time.monotonic() + exit_timeout_s + KILL_MARGIN_S)
+            try:
+                process.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGINT, on_stop_signal)
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    while True:
+        try:
+            return process.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if kill_at and time.monotonic() >= kill_at[0]:
+            break
+    stuck = [process.pid, *_descendants(process.pid)]
+    print(
+        f"paged_llm: tritonserver did not exit within {exit_timeout_s:.0f} s + {KILL_MARGIN_S:.0f} s of the "
+        "stop signal (Triton 2.51 hangs when a client keeps a gRPC stream open): killing it",
+        file=sys.stderr,
+        flush=True,
+    )
+    for pid in stuck:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return process.wait()

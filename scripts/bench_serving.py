@@ -1,0 +1,326 @@
+"""Serving benchmark: requests through a running tritonserver over gRPC streaming, one stream per
+request, like vLLM's benchmark_serving.py (metrics defined in paged_llm/tools/bench_workload.py).
+
+  # against a server you started (make serve, or the GPU host's bring-up script)
+  .venv/bin/python scripts/bench_serving.py --url 127.0.0.1:8001 --num-prompts 64 --concurrency 1,4,16
+  # start the server on a model repository, benchmark it, stop it, then run the offline engine on
+  # the same workload with the same engine settings (the llm model's config.pbtxt) and compare
+  python scripts/bench_serving.py --launch REPO --compare-offline --num-prompts 256 \\
+      --input-len 100:1024 --output-len 100:1024 --request-rate inf
+
+Load: `--concurrency C[,C2,...]` keeps C requests in flight (each level is one run, the sweep is
+plotted), or `--request-rate R` sends Poisson arrivals at R requests/s (`inf`: all at once).
+Several workloads in one invocation (one server start, one offline engine):
+  --scenario NAME:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN:LOAD   LOAD = c=1,2,4 | r=inf | r=8.5
+Prompts are random token ids (`input_ids`) with `ignore_eos`, so every request produces exactly
+its output length. The client runs in several processes (asyncio, tritonclient.grpc.aio) so that
+it is not the bottleneck; all timestamps are time.monotonic(), shared by the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import platform
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from paged_llm.tools.bench_workload import (
+    Job,
+    RequestRecord,
+    format_summary,
+    random_workload,
+    run_offline,
+    summarize,
+    with_poisson_arrivals,
+)
+
+_PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*,\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+# ------------------------------------------------------------------------------------ client side
+def _inputs(job: Job) -> list[Any]:
+    import tritonclient.grpc.aio as grpcclient
+
+    sampling = {"max_tokens": job.num_output_tokens, "ignore_eos": True, "temperature": 0}
+    arrays = [
+        ("input_ids", np.asarray(job.prompt_token_ids, dtype=np.int32), "INT32"),
+        ("stream", np.array([True]), "BOOL"),
+        ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
+    ]
+    inputs = []
+    for name, array, dtype in arrays:
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+async def _one_request(client: Any, model: str, job: Job) -> RequestRecord:
+    async def requests():
+        yield {"model_name": model, "inputs": _inputs(job), "request_id": str(job.index),
+               "enable_empty_final_response": True}  # fmt: skip
+
+    record = RequestRecord(job.index, time.monotonic())
+    try:
+        async for result, error in client.stream_infer(requests()):
+            now = time.monotonic()
+            if error is not None:
+                record.error = str(error).splitlines()[0][:200]
+                break
+            ids = result.as_numpy("output_ids")
+            if ids is not None and ids.size:
+                record.arrival_times.append(now)
+                record.tokens_per_response.append(int(ids.size))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    except Exception as error:  # the stream itself failed
+        record.error = f"{type(error).__name__}: {error}"[:200]
+    if record.error is None and record.num_output_tokens != job.num_output_tokens:
+        record.error = f"got {record.num_output_tokens} tokens, expected {job.num_output_tokens}"
+    return record
+
+
+async def _run_worker(url: str, model: str, jobs: list[Job], concurrency: int | None, start_at: float):
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    try:
+        if concurrency is None:  # request-rate mode: each job at its own offset
+
+            async def timed(job: Job) -> RequestRecord:
+                await asyncio.sleep(max(0.0, start_at + job.send_offset_s - time.monotonic()))
+                return await _one_request(client, model, job)
+
+            return list(await asyncio.gather(*(timed(job) for job in jobs)))
+        queue = list(jobs)
+        records: list[RequestRecord] = []
+
+        async def lane() -> None:
+            while queue:
+                records.append(await _one_request(client, model, queue.pop(0)))
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        return records
+    finally:
+        await client.close()
+
+
+def _worker_main(url, model, jobs, concurrency, start_at, results) -> None:
+    results.put([asdict(r) for r in asyncio.run(_run_worker(url, model, jobs, concurrency, start_at))])
+
+
+def run_served(
+    url: str, model: str, jobs: list[Job], concurrency: int | None, num_processes: int
+) -> list[RequestRecord]:
+    """Splits the jobs (and the concurrency) over client processes and gathers their records."""
+    if concurrency is not None:
+        num_processes = max(1, min(num_processes, concurrency))
+    num_processes = max(1, min(num_processes, len(jobs)))
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    start_at = time.monotonic() + 2.0 + 0.5 * num_processes  # every process ready before the first send
+    workers = []
+    for index in range(num_processes):
+        share = jobs[index::num_processes]
+        lanes = None if concurrency is None else len(range(index, concurrency, num_processes))
+        worker = context.Process(target=_worker_main, args=(url, model, share, lanes, start_at, results))
+        worker.start()
+        workers.append(worker)
+    records = [RequestRecord(**r) for _ in workers for r in results.get()]
+    for worker in workers:
+        worker.join()
+    return sorted(records, key=lambda r: r.index)
+
+
+# ------------------------------------------------------------------------------------ server side
+def read_llm_parameters(repository: Path) -> dict[str, str]:
+    """The `parameters` of REPOSITORY/llm/config.pbtxt (the engine settings the server uses)."""
+    return dict(_PARAMETER.findall((repository / "llm" / "config.pbtxt").read_text()))
+
+
+def offline_engine(repository: Path, model_dir: str | None):
+    from paged_llm.config import EngineConfig
+    from paged_llm.engine.llm_engine import LLMEngine
+    from paged_llm.models.builtin import resolve_model_dir
+
+    config = EngineConfig.from_parameters(read_llm_parameters(repository))
+    model = model_dir or str(resolve_model_dir(config.model.model, repository / "llm"))
+    return LLMEngine(replace(config, model=replace(config.model, model=model)), show_progress=False)
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    scenario: str
+    jobs: list[Job]
+    concurrency: int | None  # None: request-rate mode
+    request_rate: float
+
+
+def _runs(
+    name: str, num: int, input_len: str, output_len: str, load: str, args: argparse.Namespace
+) -> list[Run]:
+    """One run per concurrency level (c=1,2,4) or one Poisson run (r=RATE)."""
+    jobs = random_workload(num, input_len, output_len, args.vocab_limit, args.seed)
+    kind, _, value = load.partition("=")
+    if kind == "c":
+        return [Run(f"{name}, concurrency {c}", name, jobs, int(c), float("inf")) for c in value.split(",")]
+    rate = float(value)
+    return [
+        Run(f"{name}, request rate {value}", name, with_poisson_arrivals(jobs, rate, args.seed), None, rate)
+    ]
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    if args.scenario:
+        runs = []
+        for spec in args.scenario:
+            name, num, input_len, output_len, load = spec.split(":", 4)
+            runs += _runs(name, int(num), input_len, output_len, load, args)
+        return runs
+    load = f"c={args.concurrency}" if args.concurrency else f"r={args.request_rate}"
+    return _runs("workload", args.num_prompts, args.input_len, args.output_len, load, args)
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        if result["concurrency"] is not None:
+            by_scenario.setdefault(result["scenario"], []).append(result)
+    points = max(by_scenario.values(), key=len, default=[])  # the sweep
+    if len(points) < 2:
+        return
+    concurrency = [r["concurrency"] for r in points]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, metric, title in (
+        (axes[0], "ttft_ms", "time to first token"),
+        (axes[1], "itl_ms", "inter-token latency"),
+    ):
+        for source, style in (("served", "-o"), ("offline", "--s")):
+            series = [r[source][metric] for r in points if r.get(source)]
+            if len(series) != len(points):
+                continue
+            for percentile in ("p50", "p99"):
+                axis.plot(concurrency, [s[percentile] for s in series], style, label=f"{source} {percentile}")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent streams")
+        axis.set_ylabel("ms")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="gRPC address of a running tritonserver, e.g. 127.0.0.1:8001")
+    target.add_argument(
+        "--launch", type=Path, help="start tritonserver on this model repository, stop it after"
+    )
+    parser.add_argument("--model", default="llm", help="Triton model name (vllm_backend request interface)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", default="128:128", help="uniform range, e.g. 100:1024")
+    parser.add_argument("--output-len", default="128:128", help="uniform range, e.g. 100:1024")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", help="requests in flight, or a comma-separated sweep: 1,2,4,8,16")
+    load.add_argument("--request-rate", default="inf", help="Poisson arrivals per second; inf = all at once")
+    parser.add_argument(
+        "--scenario", action="append", help="NAME:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN:LOAD (repeatable)"
+    )
+    parser.add_argument("--vocab-limit", type=int, default=32000, help="prompt token ids are below this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=8, help="short requests first, not measured")
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument(
+        "--compare-offline",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODEL_DIR",
+        help="then run the offline engine on the same workload (settings from the llm model's "
+        "config.pbtxt in --model-repository / --launch; MODEL_DIR overrides its model)",
+    )
+    parser.add_argument("--model-repository", type=Path, help="the served repository (for --compare-offline)")
+    parser.add_argument("--server-log", type=Path, help="with --launch: keep the server log here")
+    parser.add_argument("--json", type=Path, help="write every result here")
+    parser.add_argument("--plot", type=Path, help="PNG of TTFT and ITL against concurrency (a sweep)")
+    args = parser.parse_args()
+    repository = args.model_repository or args.launch
+    if args.compare_offline is not None and repository is None:
+        parser.error("--compare-offline needs --model-repository (or --launch) for the engine settings")
+
+    runs = plan_runs(args)
+    warmup = [Job(-1 - i, j.prompt_token_ids[:16], 4) for i, j in enumerate(runs[0].jobs[: args.warmup])]
+    results: list[dict[str, Any]] = []
+    server = None
+    if args.launch:
+        from paged_llm.tools.server_process import start_server
+
+        log_path = args.server_log or Path(tempfile.mkdtemp(prefix="bench_serving.")) / "server.log"
+        print(f"starting tritonserver on {args.launch} (log: {log_path})", file=sys.stderr)
+        server = start_server(args.launch.resolve(), log_path, timeout_s=1800.0)
+    url = server.grpc_url if server else args.url
+    try:
+        if warmup:
+            run_served(url, args.model, warmup, len(warmup), 1)
+        for run in tqdm(runs, desc="served", unit="run"):
+            summary = summarize(run_served(url, args.model, run.jobs, run.concurrency, args.client_processes))
+            results.append(
+                {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
+                 "request_rate": run.request_rate, "served": summary}
+            )  # fmt: skip
+            print(format_summary(f"served, {run.label}", summary), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    if args.compare_offline is not None:
+        engine = offline_engine(repository, args.compare_offline or None)
+        run_offline(engine, warmup, None)
+        for run, result in tqdm(list(zip(runs, results)), desc="offline", unit="run"):
+            summary = summarize(run_offline(engine, run.jobs, run.concurrency))
+            result["offline"] = summary
+            result["served_over_offline"] = (
+                result["served"]["output_tokens_per_s"] / summary["output_tokens_per_s"]
+            )
+            print(format_summary(f"offline, {run.label}", summary))
+            served_tpot, offline_tpot = result["served"]["tpot_ms"]["p50"], summary["tpot_ms"]["p50"]
+            if served_tpot and offline_tpot:
+                result["tpot_p50_served_over_offline"] = served_tpot / offline_tpot
+            tpot = result.get("tpot_p50_served_over_offline")
+            print(
+                f"  served / offline: output tok/s {result['served_over_offline']:.3f}"
+                + (f", TPOT p50 {tpot:.3f}" if tpot else ""),
+                flush=True,
+            )
+        engine.shutdown()
+    if args.json:
+        payload = {"argv": sys.argv, "machine": platform.node(), "results": results}
+        args.json.write_text(json.dumps(payload, indent=2))
+    if args.plot:
+        _plot(results, args.plot)
+    return 1 if any(r["served"]["num_errors"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Packs what an offline GPU host lacks into .gpu/ (git-ignored; the device tool carries it):
+#   .gpu/triton.tar.xz   tritonserver 2.51 from the nvidia-pytriton wheel, trimmed (bin, backends,
+#                        caches, the Python 3.12 stub, the bundled libraries minus libpython)
+#   .gpu/wheels/         numpy 1.26 for the stub (Triton 2.51's stub needs numpy < 2), python-rapidjson
+#                        (tritonclient.grpc imports it), both cp312
+#   .gpu/tritonclient.tar.xz   the pure-Python tritonclient package (grpc/http clients)
+# Run here (network to the package registry), after `make setup`. See scripts/gpu_host/bringup.sh.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+OUT="$ROOT/.gpu"
+SITE="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$OUT/wheels"
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+
+if [ ! -f "$OUT/triton.tar.xz" ]; then
+  echo "[pack] trimming tritonserver from $SITE" >&2
+  (cd "$SITE" && tar -cJf "$OUT/triton.tar.xz" \
+    --exclude='nvidia_pytriton.libs/libpython3*' \
+    pytriton/tritonserver/bin pytriton/tritonserver/backends pytriton/tritonserver/caches \
+    pytriton/tritonserver/python_backend_stubs/3.12 nvidia_pytriton.libs)
+fi
+if [ ! -f "$OUT/tritonclient.tar.xz" ]; then
+  (cd "$SITE" && tar -cJf "$OUT/tritonclient.tar.xz" --exclude='__pycache__' tritonclient)
+fi
+for spec in numpy==1.26.4 python-rapidjson==1.20; do
+  name="${spec%%==*}"
+  ls "$OUT/wheels/" | grep -qi "^${name//-/_}-" && continue
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$OUT/wheels" "$spec"
+done
+du -sh "$OUT"/* "$OUT"/wheels/* >&2
