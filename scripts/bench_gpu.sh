@@ -27,7 +27,7 @@ if wants serving; then
   source scripts/gpu_host/bringup.sh "${WORK_DIR:-/tmp/paged_llm_host}"
   REPO="$("$STUB_PYTHON" -m paged_llm.tools.server_process make-repository "$OUT/repository" \
     model="$MODELS/qwen3-0.6b" device=cuda max_model_len=2048 max_num_batched_tokens=16384 \
-    max_num_seqs=256 engine_python="$HOST_PYTHON")"
+    max_prefill_tokens_while_decoding=4096 max_num_seqs=256 engine_python="$HOST_PYTHON")"
   echo "== serving: through tritonserver (gRPC streaming, one stream per request) and offline, one run"
   "$STUB_PYTHON" scripts/bench_serving.py --launch "$REPO" --compare-offline --server-log "$OUT/server.log" \
     --scenario "burst256:256:100-1024:100-1024:r=inf" \

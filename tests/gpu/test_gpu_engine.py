@@ -60,6 +60,17 @@ def test_greedy_matches_hf_on_gpu(model_dir, prompts):
     assert [r[0].token_ids for r in results] == expected
 
 
+def test_lone_prompts_take_the_prefill_graphs_and_match_hf(model_dir, prompts):
+    """One request at a time: each prefill is a single-sequence step, replayed from a CUDA graph."""
+    expected = hf_greedy(model_dir, prompts)
+    engine = cuda_engine(model_dir, max_num_seqs=32)
+    graphs = engine.core.runner.prefill_graphs
+    assert graphs is not None and all(graphs.bucket(len(p)) for p in prompts)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    got = [run_to_completion(engine, [prompt], greedy)[0][0].token_ids for prompt in prompts]
+    assert got == expected
+
+
 def test_gpu_preemption_and_chunked_prefill_still_match(model_dir, prompts):
     expected = hf_greedy(model_dir, prompts)
     engine = cuda_engine(model_dir, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)

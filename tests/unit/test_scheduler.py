@@ -83,10 +83,14 @@ def make_scheduler(
     chunked: bool = True,
     max_model_len: int | None = None,
     block_size: int = BLOCK,
+    prefill_cap: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        max_prefill_tokens_while_decoding=prefill_cap,
     )
     return Scheduler(config, kv, max_model_len or num_blocks * block_size)
 
@@ -700,6 +704,7 @@ class Workload:
     caching: bool
     chunked: bool
     specs: list[Spec]
+    prefill_cap: int = 0  # max_prefill_tokens_while_decoding
 
 
 @st.composite
@@ -746,6 +751,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         caching=draw(st.booleans()),
         chunked=chunked,
         specs=specs,
+        prefill_cap=draw(st.sampled_from([0, 0, 1, 3, 8])),
     )
 
 
@@ -844,6 +850,7 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
         chunked=workload.chunked,
         max_model_len=workload.max_model_len,
         block_size=workload.block_size,
+        prefill_cap=workload.prefill_cap,
     )
     kv = sched.kv_cache
     seqs = {
@@ -949,3 +956,24 @@ def test_equal_priority_never_preempts_for_admission() -> None:
     sched.add_sequence(make_sequence("second", 4, max_tokens=3))
     output = schedule(sched)
     assert not output.preempted and summary(output) == [("first", 4, 1, True)]
+
+
+# ------------------------------------------------------------------------ prefill share while decoding
+def test_prefill_share_is_capped_only_while_something_decodes():
+    sched = make_scheduler(budget=64, prefill_cap=6)
+    sched.add_sequence(make_sequence("a", 10, max_tokens=8))
+    assert summary(step(sched)) == [("a", 0, 10, True)], "nothing decodes yet: the whole budget"
+    sched.add_sequence(make_sequence("b", 20, max_tokens=4))
+    sched.add_sequence(make_sequence("c", 20, max_tokens=4))
+    # a decodes: b gets the 6-token prefill share, c waits for the next step's.
+    assert summary(step(sched)) == [("a", 10, 1, True), ("b", 0, 6, False)]
+    assert summary(step(sched)) == [("a", 11, 1, True), ("b", 6, 6, False)]
+    assert sched.waiting[0].seq_id == "c" and sched.check_integrity() is None
+
+
+def test_without_a_cap_prefill_takes_the_whole_budget():
+    sched = make_scheduler(budget=64)
+    sched.add_sequence(make_sequence("a", 10, max_tokens=8))
+    step(sched)
+    sched.add_sequence(make_sequence("b", 20, max_tokens=4))
+    assert summary(step(sched)) == [("a", 10, 1, True), ("b", 0, 20, True)]

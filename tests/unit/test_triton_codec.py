@@ -7,10 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from paged_llm.engine.outputs import PositionLogprobs, RequestOutput, SequenceDelta, TopLogprob
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import RequestLimits
-from paged_llm.serving.triton_codec import ResponseAccumulator, parse_request
+from paged_llm.serving.triton_codec import parse_request
 
 LIMITS = RequestLimits()
 
@@ -66,52 +65,3 @@ def test_malformed_inputs_name_the_field(inputs, field):
     with pytest.raises(InvalidRequestError) as info:
         parse_request(inputs, None, LIMITS)
     assert info.value.field == field
-
-
-def _delta(index: int, text_value: str, ids: list[int], finish: str | None = None) -> SequenceDelta:
-    logprobs = [PositionLogprobs(i, -0.5, 1, f"t{i}", [TopLogprob(i, -0.5, 1, f"t{i}")]) for i in ids]
-    return SequenceDelta(index, text_value, ids, logprobs, -0.5 * len(ids), len(ids), finish)
-
-
-def test_streaming_merges_pending_deltas_into_one_response():
-    parsed = parse_request(
-        {"text_input": text("p"), "stream": np.array([True]), "return_num_output_tokens": np.array([True])},
-        None,
-        LIMITS,
-    )
-    acc = ResponseAccumulator(parsed, "p", 1)
-    acc.add(RequestOutput("r", 1, [_delta(0, "a", [1])], False))
-    acc.add(RequestOutput("r", 1, [_delta(0, "b", [2])], False))
-    first = acc.take()
-    assert first is not None and first["text_output"].tolist() == [b"ab"]
-    assert first["output_ids"].tolist() == [1, 2] and first["num_output_tokens"].tolist() == [2]
-    assert acc.take() is None, "nothing new: no response"
-    acc.add(RequestOutput("r", 1, [_delta(0, "c", [3], "length")], True))
-    last = acc.take()
-    assert last is not None and acc.finished and last["text_output"].tolist() == [b"c"]
-
-
-def test_non_streaming_waits_for_the_end_and_echoes_the_prompt():
-    parsed = parse_request(
-        {
-            "text_input": text("Hello"),
-            "sampling_parameters": text('{"n": 2, "logprobs": 1}'),
-            "return_finish_reason": np.array([True]),
-            "return_logprobs": np.array([True]),
-            "return_num_input_tokens": np.array([True]),
-        },
-        None,
-        LIMITS,
-    )
-    acc = ResponseAccumulator(parsed, "Hello", 1)
-    acc.add(RequestOutput("r", 1, [_delta(0, " a", [1]), _delta(1, " b", [2])], False))
-    assert acc.take() is None
-    acc.add(RequestOutput("r", 1, [_delta(0, "", [], "stop"), _delta(1, " c", [3], "length")], True))
-    out = acc.take()
-    assert out is not None
-    assert out["text_output"].tolist() == [b"Hello a", b"Hello b c"]
-    assert out["finish_reason"].tolist() == [b"stop", b"length"]
-    assert out["num_input_tokens"].tolist() == [1]
-    positions = json.loads(out["logprobs"][1].decode())
-    assert [list(p) for p in positions] == [["2"], ["3"]]
-    assert positions[0]["2"] == {"logprob": -0.5, "rank": 1, "decoded_token": "t2"}

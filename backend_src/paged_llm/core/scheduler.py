@@ -7,6 +7,9 @@ Each step:
      has not been scheduled this step is preempted (its blocks freed; it is recomputed on resume).
   2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order, served
      first from the prefix cache, while the budget, `max_num_seqs` and the pool allow.
+While any sequence is decoding, prefill (chunks of running sequences and admissions) takes at most
+`max_prefill_tokens_while_decoding` tokens of a step (0: no separate limit), which bounds how long
+decoding streams wait for a step when big prompts arrive.
 After the runner executed the step, `update_from_output` advances `num_computed_tokens`, registers
 newly full blocks in the prefix cache, appends sampled tokens and finishes sequences.
 """
@@ -82,6 +85,7 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}
         self._next_arrival_seq = 0
         self.num_preemptions_total = 0
+        self._prefill_left = 0  # prefill tokens the step being scheduled may still take
 
     # ----------------------------------------------------------------------------------- sequences
     def add_sequence(self, seq: Sequence) -> None:
@@ -127,12 +131,22 @@ class Scheduler:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.schedule_key)
+        # While sequences are decoding, prefill gets at most max_prefill_tokens_while_decoding of the
+        # step, so one big prompt cannot stretch the step every decoding stream waits for.
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        capped = cap > 0 and decoding and self.config.enable_chunked_prefill
+        self._prefill_left = cap if capped else budget
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
+            lacking = seq.num_tokens - seq.num_computed_tokens
+            assert lacking > 0, f"running seq {seq.seq_id} has nothing to compute"
+            num_new = min(lacking, budget) if lacking == 1 else min(lacking, budget, self._prefill_left)
+            if num_new == 0:  # a prefill chunk, and the step's prefill share is spent
+                index += 1
+                continue
             while self.kv_cache.allocate_slots(seq, num_new) is None:
                 # Worst sequence not yet scheduled this step: running[index:] is sorted best first.
                 victim = self.running[-1]
@@ -144,6 +158,8 @@ class Scheduler:
                 continue  # preempted itself; running[index] is now the next seq
             self._add_scheduled(output, seq, seq.num_computed_tokens, num_new)
             budget -= num_new
+            if lacking > 1:
+                self._prefill_left -= num_new
             index += 1
 
         if not output.preempted:
@@ -165,7 +181,9 @@ class Scheduler:
             num_new = seq.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget) if num_new == 1 else min(num_new, budget, self._prefill_left)
+            if num_new == 0:
+                break
             if self.kv_cache.allocate_slots(seq, num_new, hit_blocks) is None:
                 # FCFS: the head waits for blocks rather than being overtaken, unless it outranks a
                 # running seq.
@@ -182,6 +200,8 @@ class Scheduler:
             self.running.append(seq)
             self._add_scheduled(output, seq, num_hit_tokens, num_new)
             budget -= num_new
+            if num_new > 1:
+                self._prefill_left -= num_new
         return budget
 
     def _preempt_lower_priority(

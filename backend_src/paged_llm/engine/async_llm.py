@@ -155,7 +155,10 @@ class AsyncLLM:
                 final = self.processor.abort_request(request_id, error)
                 if final is not None:
                     outputs.append(final)
-            outputs += self.processor.collect(touched)
+            merged = self.processor.collect(touched)
+            for output in merged:
+                output.num_steps = max(1, len(batch))
+            outputs += merged
         if aborts:
             try:
                 self.client.abort_requests(aborts)

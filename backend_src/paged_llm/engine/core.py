@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import ScheduledSequence, Scheduler, SchedulerStats, SequenceUpdate
+from paged_llm.core.scheduler import (
+    ScheduledSequence,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+    SequenceUpdate,
+)
 from paged_llm.engine.core_types import (
     CoreError,
     EngineCoreInfo,
@@ -36,7 +42,7 @@ from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.runner.device import Device
 from paged_llm.runner.kv_sizing import plan_kv_cache
-from paged_llm.runner.model_runner import ModelRunner, ModelRunnerOutput
+from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -71,6 +77,12 @@ class _CoreRequest:
     @property
     def is_finished(self) -> bool:
         return len(self.reported_finished) == self.num_samples
+
+
+@dataclass
+class InFlightStep:
+    scheduler_output: SchedulerOutput
+    launched: LaunchedStep  # its result() is the step's one host synchronisation
 
 
 class EngineCore:
@@ -247,18 +259,38 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedules, runs and samples one step; returns everything that happened since the last
         step() (new tokens, ends, refusals, aborts), with the scheduler's stats after it."""
+        in_flight = self.launch_step()
+        return self.finish_step(in_flight)
+
+    def launch_step(self) -> InFlightStep | None:
+        """The first half of step(): schedule and enqueue the device work (returns at once on an
+        accelerator). The caller may do host work (e.g. detokenize the previous step) before
+        finish_step(); aborts in between are fine: the step's results for them are dropped, and
+        their blocks are only reused by a later schedule(), after this step's sync."""
         self._expire_deadlines()
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.is_empty:
-            self.num_steps += 1
+        if scheduler_output.is_empty:
+            return None
+        self.num_steps += 1
+        try:
+            if self.config.fault_injection_step == self.num_steps:
+                raise RuntimeError(f"injected fault at step {self.num_steps} (fault_injection_step)")
+            return InFlightStep(scheduler_output, self.runner.launch(scheduler_output))
+        except Exception as error:  # a model fault must not take the server down
+            self._fail_step(scheduler_output.scheduled, error)
+            return None
+
+    def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
+        """The second half of step(): wait for the device, apply the sampled tokens, publish."""
+        if in_flight is not None:
             try:
-                if self.config.fault_injection_step == self.num_steps:
-                    raise RuntimeError(f"injected fault at step {self.num_steps} (fault_injection_step)")
-                runner_output = self.runner.launch(scheduler_output).result()
-            except Exception as error:  # a model fault must not take the server down
-                self._fail_step(scheduler_output.scheduled, error)
+                runner_output = in_flight.launched.result()
+            except Exception as error:
+                self._fail_step(in_flight.scheduler_output.scheduled, error)
             else:
-                updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+                updates = self.scheduler.update_from_output(
+                    in_flight.scheduler_output, runner_output.sampled_token_ids
+                )
                 self._publish_updates(updates, runner_output)
         return self.take_outputs()
 

@@ -68,10 +68,10 @@ def start_core_and_tokenizer(
 ) -> tuple[EngineCoreClient, Any]:
     """Starts the engine core and loads the tokenizer at the same time (each takes seconds)."""
     from paged_llm.models.builtin import resolve_model_dir
-    from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
+    from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged_llm-tokenizer") as pool:
-        tokenizer = pool.submit(load_tokenizer, resolve_model_dir(config.model.model))
+        tokenizer = pool.submit(load_front_end_tokenizer, resolve_model_dir(config.model.model))
         client = make_core_client(config, mode, show_progress, watch_pid)
         return client, tokenizer.result()
 

@@ -38,6 +38,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.processor = OutputProcessor(self.tokenizer, self.stats)
         self._backlog: list[RequestOutput] = []  # outputs read while waiting for a utility call
+        # In-process: the core's last step, processed (detokenized) while the next one runs.
+        self._unprocessed: EngineCoreOutputs | None = None
 
     @property
     def core(self) -> Any:
@@ -82,7 +84,8 @@ class LLMEngine:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        """True until every request's final output was returned by step()."""
+        """True until every request's final output was returned by step() (a request whose end is
+        still in an unprocessed step counts as unfinished in the processor)."""
         return self.processor.has_unfinished_requests() or bool(self._backlog)
 
     def step(self) -> list[RequestOutput]:
@@ -90,8 +93,25 @@ class LLMEngine:
         if self._backlog:
             outputs, self._backlog = self._backlog, []
             return outputs
+        if isinstance(self.client, InProcessCoreClient) and self.client.core.device.is_accelerator:
+            return self._step_overlapped(self.client.core)  # on a CPU the step itself is the host work
         core_outputs = self.client.get_outputs(timeout_s=None)
         return self._absorb(core_outputs) if core_outputs is not None else []
+
+    def _step_overlapped(self, core: Any) -> list[RequestOutput]:
+        """In-process: launch step N+1, then detokenize step N while the device runs it:
+
+            launch(N+1) -> [process outputs of N: detokenize, stop strings, logprobs] -> finish(N+1)
+
+        (each step's outputs therefore come back one call later). A stop string found in step N
+        aborts its sequence with N+1 in flight; N+1's token for it is dropped."""
+        in_flight = core.launch_step() if core.has_unfinished_requests() else None
+        previous, self._unprocessed = self._unprocessed, None
+        outputs = self._absorb(previous) if previous is not None else []
+        finished = core.finish_step(in_flight)
+        if in_flight is not None or not finished.is_empty:
+            self._unprocessed = finished
+        return outputs
 
     def _absorb(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         touched, aborts = self.processor.process(core_outputs)

@@ -34,6 +34,8 @@ class StatsSnapshot:
     num_generation_tokens_total: int
     num_requests_by_outcome: dict[str, int]
     num_step_faults: int
+    num_cancellation_checks: int  # is_cancelled() round trips to the server
+    cancellation_check_seconds: float  # time they took
 
 
 class EngineStats:
@@ -44,6 +46,8 @@ class EngineStats:
         self.num_step_faults = 0
         self.requests_by_outcome: Counter[str] = Counter()
         self.scheduler: SchedulerStats | None = None  # as of the last core step seen
+        self.num_cancellation_checks = 0
+        self.cancellation_check_seconds = 0.0
         self._observations = LatencyObservations()
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
@@ -73,6 +77,11 @@ class EngineStats:
             self.requests_by_outcome[outcome] += 1
             self._observations.e2e_latency_s.append(e2e_latency_s)
 
+    def on_cancellation_poll(self, num_checks: int, seconds: float) -> None:
+        with self._lock:
+            self.num_cancellation_checks += num_checks
+            self.cancellation_check_seconds += seconds
+
     def on_streamed_response(self, num_tokens: int) -> None:
         with self._lock:
             self._observations.tokens_per_response.append(num_tokens)
@@ -91,6 +100,8 @@ class EngineStats:
                 num_generation_tokens_total=self.num_generation_tokens_total,
                 num_requests_by_outcome=dict(self.requests_by_outcome),
                 num_step_faults=self.num_step_faults,
+                num_cancellation_checks=self.num_cancellation_checks,
+                cancellation_check_seconds=self.cancellation_check_seconds,
             )
 
     def drain_observations(self) -> LatencyObservations:

@@ -112,3 +112,116 @@ class DecodeGraphs:
             self.seq_lens[num_seqs:bucket].zero_()
         self.graphs[bucket].replay()
         return self.logits[bucket][:num_seqs]
+
+
+def prefill_token_buckets(max_num_batched_tokens: int, largest: int = 512) -> list[int]:
+    sizes = [16, 32, 64, 128, 256, 512, 1024]
+    return [s for s in sizes if s <= min(largest, max_num_batched_tokens)]
+
+
+class PrefillGraphs:
+    """CUDA graphs for a step that is one sequence's (last) prefill chunk, the step of a lone new
+    request: at batch 1 an eager prefill spends most of its time launching ~10 kernels per layer from
+    Python, several times the GPU's own work. One graph per token bucket; a chunk of T tokens runs
+    the smallest bucket >= T, padded:
+
+        rows:          0 .. T-1 (the chunk)           T .. bucket-1 (padding)
+        input_ids      the chunk's tokens             0
+        positions      their positions                0
+        slot_mapping   their cache slots              -1   (the KV write kernel skips them)
+        query_start_loc = [0, T], seq_lens = [context + T]   (device values: the attention kernel's
+        programs past row T return at once; padding rows never reach another row's attention)
+
+    The logits of row T-1 come out (`sample_row` is a device tensor too).
+    """
+
+    def __init__(
+        self,
+        model_forward: Callable[..., torch.Tensor],
+        logits_of: Callable[[torch.Tensor], torch.Tensor],
+        buckets: list[int],
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        device: torch.device,
+        pool: object | None = None,
+    ) -> None:
+        """`model_forward(input_ids, positions, metadata) -> hidden`, `logits_of(rows) -> logits`."""
+        self.model_forward = model_forward
+        self.logits_of = logits_of
+        self.buckets = buckets
+        self.device = device
+        self.max_model_len = max_model_len
+        largest = buckets[-1] if buckets else 0
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((1, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.sample_row = torch.zeros(1, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = pool
+
+    def _metadata(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_tokens=bucket,
+            num_seqs=1,
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=bucket,
+            max_seq_len=self.max_model_len,
+            query_lens_host=[bucket],
+            seq_lens_host=[],
+        )
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        hidden = self.model_forward(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
+        return self.logits_of(hidden.index_select(0, self.sample_row))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first, on dummy inputs that write nothing to the cache."""
+        for bucket in reversed(self.buckets):
+            self.slot_mapping.fill_(-1)
+            self.query_start_loc.copy_(torch.tensor([0, bucket], dtype=torch.int32))
+            self.seq_lens.fill_(bucket)
+            self.sample_row.fill_(bucket - 1)
+            for _ in range(2):  # warm-up: Triton compiles for this bucket's shapes here
+                self._forward(bucket)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[bucket] = self._forward(bucket)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured prefill CUDA graphs for %s tokens", self.buckets)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((size for size in self.buckets if size >= num_tokens), None)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Replays the bucket for this one-sequence chunk; returns the logits of its last token [1, V]."""
+        num_tokens = metadata.num_tokens
+        bucket = self.bucket(num_tokens)
+        assert bucket is not None and metadata.num_seqs == 1
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
+        if bucket > num_tokens:
+            self.input_ids[num_tokens:bucket].zero_()
+            self.positions[num_tokens:bucket].zero_()
+            self.slot_mapping[num_tokens:bucket].fill_(-1)
+        self.query_start_loc.copy_(metadata.query_start_loc)
+        self.seq_lens.copy_(metadata.seq_lens)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:, :width].copy_(metadata.block_tables)
+        self.sample_row.fill_(num_tokens - 1)
+        self.graphs[bucket].replay()
+        return self.logits[bucket]

@@ -31,6 +31,8 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_inter_token_latency_seconds | histogram | time between tokens of a sequence |
 | paged_llm_e2e_request_latency_seconds | histogram | arrival -> request finished |
 | paged_llm_tokens_per_response | histogram | generated tokens carried by one streamed response |
+| paged_llm_cancellation_checks_total | counter | is_cancelled() round trips to the server |
+| paged_llm_cancellation_check_seconds_total | counter | time spent in them |
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ class TritonMetrics:
     def __init__(self, pb_utils: Any, stats: EngineStats, model_name: str, model_version: str) -> None:
         self._stats = stats
         self._lock = threading.Lock()
+        self._finals_lock = threading.Lock()
         labels = {"model": model_name, "version": model_version}
         family = pb_utils.MetricFamily
         self._families: list[Any] = []  # must outlive their metrics (the backend checks)
@@ -221,6 +224,12 @@ class TritonMetrics:
         self._finals = per_label(
             "paged_llm_final_responses_total", "FINAL responses sent, by status", "code", FINAL_CODES
         )
+        self._cancel_checks = metric(
+            "paged_llm_cancellation_checks_total", "is_cancelled() round trips to the server", family.COUNTER
+        )
+        self._cancel_check_seconds = metric(
+            "paged_llm_cancellation_check_seconds_total", "Seconds spent in is_cancelled()", family.COUNTER
+        )
         self._ttft = histogram("paged_llm_time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
         self._itl = histogram("paged_llm_inter_token_latency_seconds", "Time between tokens", _ITL_BUCKETS)
         self._e2e = histogram("paged_llm_e2e_request_latency_seconds", "Request latency", _E2E_BUCKETS)
@@ -232,7 +241,12 @@ class TritonMetrics:
         self._last: dict[str, float] = {}
 
     def count_final(self, code: str) -> None:
-        self._finals[code].increment(1)
+        # A pb_utils Metric is not thread-safe (each call reuses the metric's own shared-memory
+        # message): two threads incrementing the same counter at once crashed tritonserver 2.51
+        # (SIGSEGV in the server's metric update). Its own lock, not update()'s, so that a request
+        # finishing never waits for a whole metrics refresh.
+        with self._finals_lock:
+            self._finals[code].increment(1)
 
     def update(self) -> None:
         with self._lock:
@@ -249,6 +263,8 @@ class TritonMetrics:
             self._advance("generation_tokens", self._generation_tokens, snapshot.num_generation_tokens_total)
             for outcome, counter in self._outcomes.items():
                 self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
+            self._advance("cancel_checks", self._cancel_checks, snapshot.num_cancellation_checks)
+            self._advance("cancel_seconds", self._cancel_check_seconds, snapshot.cancellation_check_seconds)
             observations = self._stats.drain_observations()
             for histogram, values in (
                 (self._ttft, observations.time_to_first_token_s),

@@ -1,4 +1,4 @@
-"""numpy tensors <-> (prompt, SamplingParams, flags), and RequestOutputs -> response tensors.
+"""numpy tensors -> (prompt, SamplingParams, flags): parsing and validating a request's inputs.
 
 No `triton_python_backend_utils` here: model.py turns pb_utils tensors into numpy arrays and back.
 The request contract is shared/design/API.md (vllm_backend-compatible).
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from paged_llm.engine.outputs import PositionLogprobs, RequestOutput
+from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import RequestLimits, SamplingParams
 
@@ -161,93 +161,3 @@ def logprobs_json(positions: list[PositionLogprobs]) -> str:
             )
         encoded.append(entry)
     return json.dumps(encoded, ensure_ascii=False)
-
-
-@dataclass
-class _SequenceState:
-    text: list[str] = field(default_factory=list)  # pending (streaming) or all (non-streaming) text
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    num_new_tokens: int = 0  # tokens since the last response
-    finish_reason: str | None = None
-
-
-class ResponseAccumulator:
-    """Collects a request's engine outputs and turns them into as few responses as possible.
-
-    Streaming: each `take()` returns every delta that arrived since the previous one, merged
-    (the response thread calls it once per pass, so a slow client gets fewer, larger responses).
-    Non-streaming: nothing is returned until the request finished; then one response with all text.
-    """
-
-    def __init__(self, parsed: ParsedRequest, prompt_text: str, num_prompt_tokens: int) -> None:
-        self.parsed = parsed
-        self.prompt_text = prompt_text
-        self.num_prompt_tokens = num_prompt_tokens
-        self.sequences = [_SequenceState() for _ in range(parsed.params.n)]
-        self.finished = False
-        self.error: BaseException | None = None
-        self._has_news = False
-        self.last_response_num_tokens = 0  # generated tokens in the response take() last returned
-
-    def add(self, output: RequestOutput) -> None:
-        for delta in output.sequences:
-            state = self.sequences[delta.index]
-            state.text.append(delta.text)
-            state.token_ids.extend(delta.token_ids)
-            state.num_new_tokens += len(delta.token_ids)
-            if delta.logprobs:
-                state.logprobs.extend(delta.logprobs)
-            if delta.cumulative_logprob is not None:
-                state.cumulative_logprob = delta.cumulative_logprob
-            if delta.finish_reason is not None:
-                state.finish_reason = delta.finish_reason
-        self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
-        self._has_news = self._has_news or bool(output.sequences)
-        if output.finished:
-            self.finished = True
-            self.error = output.error
-
-    def take(self) -> dict[str, np.ndarray] | None:
-        """Tensors of the next response, or None when there is nothing to send yet."""
-        if self.error is not None:
-            return None
-        if not self.parsed.stream and not self.finished:
-            return None
-        if not self._has_news and not self.finished:
-            return None
-        tensors = self._encode()
-        self.last_response_num_tokens = sum(state.num_new_tokens for state in self.sequences)
-        for state in self.sequences:
-            if self.parsed.stream:
-                state.text, state.token_ids, state.logprobs = [], [], []
-            state.num_new_tokens = 0
-        self._has_news = False
-        return tensors
-
-    def _encode(self) -> dict[str, np.ndarray]:
-        flags = self.parsed.return_flags
-        echo = not self.parsed.stream and not self.parsed.exclude_input_in_output
-        texts = [(self.prompt_text if echo else "") + "".join(s.text) for s in self.sequences]
-        tensors: dict[str, np.ndarray] = {
-            "text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_),
-            "output_ids": np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32),
-        }
-        if "return_finish_reason" in flags and self.finished:
-            reasons = [(s.finish_reason or "abort").encode() for s in self.sequences]
-            tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
-        if "return_cumulative_logprob" in flags:
-            tensors["cumulative_logprob"] = np.array(
-                [s.cumulative_logprob for s in self.sequences], dtype=np.float32
-            )
-        if "return_logprobs" in flags:
-            tensors["logprobs"] = np.array(
-                [logprobs_json(s.logprobs).encode("utf-8") for s in self.sequences], dtype=np.object_
-            )
-        if "return_num_input_tokens" in flags:
-            tensors["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
-        if "return_num_output_tokens" in flags:
-            counts = [s.num_new_tokens if self.parsed.stream else len(s.token_ids) for s in self.sequences]
-            tensors["num_output_tokens"] = np.array(counts, dtype=np.uint32)
-        return tensors

@@ -7,8 +7,8 @@ step is right but O(n) per token. This uses vLLM's prefix/read offsets instead: 
 window that starts a few tokens back (the "prefix", whose text was already released) and release the
 part of the window's text beyond the prefix's text, once it no longer ends in an incomplete character.
 Context effects at the start of the window (leading-space stripping, ...) hit the prefix text and the
-window text alike and cancel. Works with any HF `PreTrainedTokenizerBase`: it only needs `decode`
-(and, for `decode_token`, `convert_ids_to_tokens`).
+window text alike and cancel. Works with paged_llm's FastTokenizer and with any HF
+`PreTrainedTokenizerBase`: it only needs `decode` (and, for `decode_token`, `convert_ids_to_tokens`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from paged_llm.tokenizer.fast_tokenizer import FastTokenizer
 from paged_llm.tokenizer.stop_strings import StopStringMatcher
 
 # What decoders put where bytes do not (yet) form a valid UTF-8 character.
@@ -65,6 +66,8 @@ def _fast_decoder(tokenizer: Any) -> Any:
     bookkeeping), several microseconds per call, twice per generated token. Equivalence is checked
     once per tokenizer on its special tokens and a spread of ordinary ones, with and without skipping.
     """
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.backend_tokenizer  # its decode is the backend's by definition
     try:
         if tokenizer in _FAST_DECODE_CACHE:
             return _FAST_DECODE_CACHE[tokenizer]

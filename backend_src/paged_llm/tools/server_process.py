@@ -107,6 +107,7 @@ def make_model_repository(
     """Copies the repository's models into `target`, overriding `parameters` of the llm model."""
     source = source or repo_root() / "model_repository"
     for name in models:
+        shutil.rmtree(target / name, ignore_errors=True)  # a fresh copy each time
         shutil.copytree(source / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
     if parameters:
         config_path = target / "llm" / "config.pbtxt"

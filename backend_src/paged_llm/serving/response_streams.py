@@ -1,0 +1,216 @@
+"""The Triton side of the requests in flight: turning RequestOutputs into responses on the request's
+response sender, and cancellation polling.
+
+AsyncLLM's output thread calls `on_outputs` once per pass with one RequestOutput per request that
+has news, and the responses go out right there, in that thread. Sending from a pool of threads was
+measured and lost (docs/benchmarks.md, "Sending responses"): a send is a round trip to the server
+that releases the GIL, but building a response needs it, and the threads spent their time waiting
+for each other's GIL slices (streamed responses carried 3.4-5.3 tokens instead of 2.9 at 64-256
+streams on an H100).
+
+A sender is touched under its stream's lock, and never once the FINAL response is out (`closed`):
+Triton frees the request's response factory with the FINAL, and is_cancelled() on it afterwards
+crashes tritonserver 2.51 (TRITONBACKEND_ResponseFactoryIsCancelled).
+
+No `triton_python_backend_utils` import here: model.py passes the module in.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_llm.engine.outputs import RequestOutput
+from paged_llm.engine.stats import EngineStats
+from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
+from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
+
+logger = logging.getLogger(__name__)
+AbortFn = Callable[[str, BaseException], None]
+
+
+def error_code(pb_utils: Any, error: BaseException) -> tuple[Any, str]:
+    """Triton status code for an error, and its label in paged_llm_final_responses_total."""
+    if isinstance(error, InvalidRequestError):
+        return pb_utils.TritonError.INVALID_ARG, "invalid_arg"
+    if isinstance(error, QueueFullError | EngineDeadError):
+        return pb_utils.TritonError.UNAVAILABLE, "unavailable"
+    if isinstance(error, RequestAbortedError):
+        return pb_utils.TritonError.CANCELLED, "cancelled"
+    return pb_utils.TritonError.INTERNAL, "internal"  # EngineStepError (a model fault, a dead core)
+
+
+@dataclass
+class Stream:
+    """One in-flight Triton request."""
+
+    request_id: str
+    sender: Any  # pb_utils.InferenceResponseSender
+    accumulator: ResponseAccumulator
+    cancelled: bool = False  # the client cancelled: no more data, one CANCELLED final
+    closed: bool = False  # the FINAL response went out (or is going out)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Outgoing:
+    stream: Stream
+    response: Any  # pb_utils.InferenceResponse, built by the output thread
+    flags: int
+    num_tokens: int  # streamed tokens in it, for the tokens-per-response histogram
+
+
+class ResponseStreams:
+    def __init__(
+        self, pb_utils: Any, metrics: Any, stats: EngineStats, abort: AbortFn, num_send_threads: int = 0
+    ) -> None:
+        """`num_send_threads` 0: the output thread sends; N: it builds the responses and N threads
+        only transmit them (a stream always through the same one, so its responses keep order)."""
+        self._pb = pb_utils
+        self._metrics = metrics
+        self._stats = stats
+        self._abort = abort
+        self._streams: dict[str, Stream] = {}
+        self._lock = threading.Lock()
+        self._send_queues: list[queue.SimpleQueue[_Outgoing | None]] = [
+            queue.SimpleQueue() for _ in range(num_send_threads)
+        ]
+        self._send_threads = [
+            threading.Thread(target=self._send_loop, args=(q,), name=f"paged_llm-send-{i}", daemon=True)
+            for i, q in enumerate(self._send_queues)
+        ]
+        for thread in self._send_threads:
+            thread.start()
+
+    # ----------------------------------------------------------------------------- any thread
+    def open(self, request_id: str, sender: Any, accumulator: ResponseAccumulator) -> Stream:
+        stream = Stream(request_id, sender, accumulator)
+        with self._lock:
+            self._streams[request_id] = stream
+        return stream
+
+    def fail(self, stream: Stream, error: BaseException) -> None:
+        """Ends a stream that never reached the engine."""
+        with stream.lock:
+            if not stream.closed:
+                self._close(stream)
+                self.send_error(stream.sender, error)
+
+    def send_error(self, sender: Any, error: BaseException) -> None:
+        """An error as the request's FINAL response (for a sender that has no Stream, too)."""
+        code, label = error_code(self._pb, error)
+        self._metrics.count_final(label)
+        response = self._pb.InferenceResponse(error=self._pb.TritonError(str(error), code))
+        try:
+            sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as send_error:  # the client may be gone already
+            logger.info("could not send an error response: %s", send_error)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------------- output thread
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.accumulator.add(output)
+            while self._send(stream):  # more than max_merged_steps waiting: several responses
+                pass
+
+    def _send(self, stream: Stream) -> bool:
+        """Sends the stream's next response; True when more are waiting to go."""
+        with stream.lock:
+            if stream.closed:
+                return False
+            response = stream.accumulator.take(discard_data=stream.cancelled)
+            if response is None:
+                return False
+            if response.is_final:
+                self._close(stream)
+                if stream.cancelled and response.error is None:  # finished before the abort landed
+                    response = Response(None, True, RequestAbortedError("cancelled by the client"))
+        # The send itself runs outside the lock, so the cancellation poller never waits on it.
+        if response.error is not None:
+            self.send_error(stream.sender, response.error)
+            return False
+        pb = self._pb
+        tensors = [pb.Tensor(name, array) for name, array in response.tensors.items()]
+        if response.is_final:
+            self._metrics.count_final("success")
+        outgoing = _Outgoing(
+            stream,
+            pb.InferenceResponse(output_tensors=tensors),
+            pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.is_final else 0,
+            response.num_tokens if stream.accumulator.parsed.stream else 0,
+        )
+        if self._send_queues:
+            self._send_queues[hash(stream.request_id) % len(self._send_queues)].put(outgoing)
+        elif not self._transmit(outgoing):
+            return False
+        return not response.is_final and stream.accumulator.has_pending
+
+    def _send_loop(self, inbox: queue.SimpleQueue[_Outgoing | None]) -> None:
+        while (outgoing := inbox.get()) is not None:
+            self._transmit(outgoing)
+
+    def _transmit(self, outgoing: _Outgoing) -> bool:
+        """The round trip to the server (it releases the GIL); False if the client is gone."""
+        stream = outgoing.stream
+        try:
+            stream.sender.send(outgoing.response, flags=outgoing.flags)
+        except Exception as send_error:  # the client went away: stop generating for it
+            logger.info("request %s: send failed (%s); aborting", stream.request_id, send_error)
+            if not outgoing.flags:
+                with stream.lock:
+                    stream.cancelled = True
+                self._abort(
+                    stream.request_id, RequestAbortedError(f"response could not be sent ({send_error})")
+                )
+            return False
+        if outgoing.num_tokens:
+            self._stats.on_streamed_response(outgoing.num_tokens)
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Sends what is queued, then stops the send threads (if any)."""
+        for inbox in self._send_queues:
+            inbox.put(None)
+        for thread in self._send_threads:
+            thread.join(timeout=timeout_s)
+
+    def _close(self, stream: Stream) -> None:
+        """Call with stream.lock held: the FINAL goes out next; nothing may touch the sender after."""
+        stream.closed = True
+        with self._lock:
+            self._streams.pop(stream.request_id, None)
+
+    # ------------------------------------------------------------------------------ housekeeping
+    def poll_cancellations(self) -> float:
+        """Asks every open stream whether its client cancelled; returns the seconds it took."""
+        start = time.monotonic()
+        num_checks = 0
+        with self._lock:
+            streams = [s for s in self._streams.values() if not s.cancelled]
+        for stream in streams:
+            with stream.lock:
+                if stream.closed or stream.cancelled:
+                    continue
+                try:
+                    cancelled = stream.sender.is_cancelled()
+                except Exception:  # a sender that cannot answer belongs to a request Triton dropped
+                    cancelled = True
+                num_checks += 1
+                stream.cancelled = cancelled
+            if cancelled:
+                self._abort(stream.request_id, RequestAbortedError("cancelled by the client"))
+        elapsed = time.monotonic() - start
+        self._stats.on_cancellation_poll(num_checks, elapsed)
+        return elapsed

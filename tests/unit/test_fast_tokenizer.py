@@ -1,0 +1,98 @@
+"""FastTokenizer (tokenizers alone, no transformers) against HF's AutoTokenizer on the same files:
+the same ids, text, pieces and special ids, for Qwen's byte-level BPE and a SentencePiece-style
+tokenizer with byte fallback."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, normalizers
+from tokenizers.models import Unigram
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from paged_llm.models.tiny_model import ensure_tiny_model
+from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer
+from paged_llm.tokenizer.fast_tokenizer import FastTokenizer
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces and trailing  ",
+    "你好，世界！ café naïve Zürich 🎉",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "def f(x):\n\treturn {'a': [1, 2]}  # ✓\n",
+    "",
+]
+
+
+def sentencepiece_dir(tmp_path: Path) -> Path:
+    """Llama-2-style: "▁" for spaces, <0xNN> byte fallback, decoder strips the leading space."""
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
+    pieces += [(f"<0x{byte:02X}>", -10.0) for byte in range(256)]
+    words = [*"▁ ▁▁ ▁Hello ▁world Hello world ▁the ▁a a b c e l o ▁foo ! é 世 ▁世界 界".split(), "\n", "\t"]
+    pieces += [(word, -1.0 - 0.01 * index) for index, word in enumerate(words)]
+    backend = Tokenizer(Unigram(pieces, unk_id=0, byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    hf.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture(scope="module", params=["qwen", "sentencepiece"])
+def model_dir(request, tmp_path_factory) -> Path:
+    if request.param == "qwen":
+        return ensure_tiny_model()
+    return sentencepiece_dir(tmp_path_factory.mktemp("sp"))
+
+
+def test_matches_hf_on_encode_decode_pieces_and_specials(model_dir):
+    ours, hf = FastTokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert len(ours) == len(hf)
+    assert set(ours.all_special_ids) >= set(hf.all_special_ids)
+    for text in TEXTS:
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text) == ids == ours(text)["input_ids"]
+        for skip in (False, True):
+            expected = hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert ours.decode(ids, skip_special_tokens=skip) == expected
+    rng = random.Random(0)
+    sample = [rng.randrange(len(hf)) for _ in range(300)] + list(hf.all_special_ids)
+    assert [ours.convert_ids_to_tokens(i) for i in sample] == hf.convert_ids_to_tokens(sample)
+    for skip in (False, True):
+        got = ours.decode(sample, skip_special_tokens=skip)
+        assert got == hf.decode(sample, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_streamed_text_is_the_same_with_either_tokenizer(model_dir):
+    ours, hf = FastTokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(1)
+    ids = [rng.randrange(len(hf)) for _ in range(200)] + hf(TEXTS[2], add_special_tokens=False)["input_ids"]
+
+    def streamed(tokenizer) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=True)
+        return "".join(detokenizer.update([i]).text_delta for i in ids) + detokenizer.finish()
+
+    assert streamed(ours) == streamed(hf)
+
+
+def test_the_front_end_imports_neither_torch_nor_transformers():
+    """The stub runs with numpy < 2; a host's transformers / torch stack may need numpy >= 2."""
+    code = (
+        "import sys\n"
+        "import paged_llm.engine.async_llm, paged_llm.serving.triton_codec, paged_llm.serving.metrics\n"
+        "import paged_llm.serving.server_watch\n"
+        "from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer\n"
+        f"tokenizer = load_front_end_tokenizer({str(ensure_tiny_model())!r})\n"
+        "assert type(tokenizer).__name__ == 'FastTokenizer'\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "[]", completed.stdout + completed.stderr
