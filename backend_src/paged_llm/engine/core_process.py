@@ -2,10 +2,14 @@
 
 Started by ProcessCoreClient (engine/core_client.py) with one end of a socketpair as FD. It reads the
 EngineConfig, builds the EngineCore (the only place CUDA is initialised), answers with EngineCoreInfo
-(or CoreStartupFailed) and runs the busy loop, with two IO threads so that the loop never waits on
-the socket:
+(or CoreStartupFailed) and runs the busy loop, which never waits on the socket:
 
-    front end ──frames──> reader thread ──inbox──> busy loop ──outbox──> writer thread ──frames──> front end
+    front end ──frames──> reader thread ──inbox──> busy loop ──frames──> front end
+                                                       └─(socket full)─> writer thread ──┘
+
+The loop sends each step's outputs itself, without blocking (a thread handing frames over would
+contend with it for the GIL every step); only what does not fit in the socket buffer, because the
+front end is behind, goes to the writer thread, and later frames queue behind it in order.
 
 It never outlives its parent: the kernel sends it SIGKILL when the parent dies (PR_SET_PDEATHSIG),
 a watchdog thread also compares getppid(), and EOF on the socket (the parent closed it or died)
@@ -33,7 +37,7 @@ import traceback
 from paged_llm.config import ConfigError
 from paged_llm.engine.core_loop import run_busy_loop
 from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, EngineCoreOutputs, Shutdown
-from paged_llm.engine.ipc import FramedSocket
+from paged_llm.engine.ipc import FramedSocket, encode_frame
 
 logger = logging.getLogger("paged_llm.core")
 EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
@@ -93,12 +97,47 @@ def _read_inputs(link: FramedSocket, inbox: queue.SimpleQueue[CoreInput]) -> Non
         _hard_exit_later(EXIT_GRACE_S, 1)
 
 
-def _write_outputs(link: FramedSocket, outbox: queue.SimpleQueue[EngineCoreOutputs | None]) -> None:
-    while (outputs := outbox.get()) is not None:
-        try:
-            link.send(outputs)
-        except OSError:
+class _Publisher:
+    """Sends frames from the busy loop without blocking it (see the module docstring)."""
+
+    def __init__(self, link: FramedSocket) -> None:
+        self._link = link
+        self._lock = threading.Lock()
+        self._num_queued = 0  # frames (or frame tails) handed to the writer and not yet sent
+        self._queue: queue.SimpleQueue[bytes | memoryview | None] = queue.SimpleQueue()
+        self._broken = False
+        self._writer = threading.Thread(target=self._write, name="paged_llm-core-out", daemon=True)
+        self._writer.start()
+
+    def publish(self, outputs: EngineCoreOutputs) -> None:
+        if self._broken:
             return  # the front end is gone; the reader sees EOF and stops the loop
+        frame: bytes | memoryview = encode_frame(outputs)
+        with self._lock:
+            if self._num_queued == 0:
+                try:
+                    num_sent = self._link.send_bytes_nowait(frame)
+                except OSError:
+                    self._broken = True
+                    return
+                if num_sent == len(frame):
+                    return
+                frame = memoryview(frame)[num_sent:]
+            self._num_queued += 1
+        self._queue.put(frame)
+
+    def close(self, timeout_s: float) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=timeout_s)
+
+    def _write(self) -> None:
+        while (frame := self._queue.get()) is not None:
+            try:
+                self._link.send_bytes(frame)
+            except OSError:
+                self._broken = True
+            with self._lock:
+                self._num_queued -= 1
 
 
 def serve(link: FramedSocket) -> int:
@@ -117,19 +156,14 @@ def serve(link: FramedSocket) -> int:
     # later garbage collection, which then scans only what the steps create (shorter loop pauses).
     gc.freeze()
     inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
-    outbox: queue.SimpleQueue[EngineCoreOutputs | None] = queue.SimpleQueue()
     threading.Thread(target=_read_inputs, args=(link, inbox), name="paged_llm-core-in", daemon=True).start()
-    writer = threading.Thread(
-        target=_write_outputs, args=(link, outbox), name="paged_llm-core-out", daemon=True
-    )
-    writer.start()
+    publisher = _Publisher(link)
     try:
-        reason = run_busy_loop(core, inbox, outbox.put)
+        reason = run_busy_loop(core, inbox, publisher.publish, core.device.is_accelerator)
     except BaseException as error:
         logger.error("engine core crashed:\n%s", "".join(traceback.format_exception(error)))
         return 1
-    outbox.put(None)
-    writer.join(timeout=EXIT_GRACE_S)
+    publisher.close(timeout_s=EXIT_GRACE_S)
     logger.info("engine core stopped: %s", reason)
     return 0
 

@@ -7,6 +7,7 @@ the kernel closes it when either process dies, so each side sees EOF (docs/bench
     frame:  [ payload length: 8 bytes, little endian ][ pickle protocol 5 payload ]
 
 `send` may be called from any thread (frames never interleave); `recv` / `poll` from one thread only.
+`send_bytes_nowait` lets a busy loop send without ever blocking on a slow reader.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ _RECV_CHUNK_BYTES = 1 << 20
 _NOTHING = object()
 
 
+def encode_frame(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=5)
+    return _HEADER.pack(len(payload)) + payload
+
+
 class FramedSocket:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -32,9 +38,21 @@ class FramedSocket:
 
     def send(self, message: Any) -> None:
         """Raises OSError (BrokenPipeError, ...) when the other side is gone."""
-        payload = pickle.dumps(message, protocol=5)
+        self.send_bytes(encode_frame(message))
+
+    def send_bytes(self, frame: bytes | memoryview) -> None:
+        """Sends (the rest of) a frame made by `encode_frame`, waiting for buffer space."""
         with self._send_lock:
-            self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+            self.sock.sendall(frame)
+
+    def send_bytes_nowait(self, frame: bytes | memoryview) -> int:
+        """Sends what fits in the socket buffer now, without waiting; returns the bytes sent. The
+        caller sends the rest (`send_bytes`) before any other frame."""
+        with self._send_lock:
+            try:
+                return self.sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return 0
 
     def recv(self, timeout_s: float | None = None) -> Any:
         """The next message; `_NOTHING`-free API: returns None on timeout, raises EOFError when the
