@@ -215,6 +215,32 @@ def _profile_stub(server: Any, path: Path | None) -> Any:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+_POLL_METRIC = re.compile(r"^(paged_llm_cancellation_check(?:s|_seconds)_total)(?:\{[^}]*\})?\s+(\S+)$", re.M)
+
+
+def _cancellation_polls(server: Any) -> tuple[float, float, float] | None:
+    """(checks, seconds in is_cancelled(), now) from a launched server's /metrics, else None."""
+    if server is None:
+        return None
+    values = {name: float(value) for name, value in _POLL_METRIC.findall(server.metrics())}
+    checks = values.get("paged_llm_cancellation_checks_total")
+    seconds = values.get("paged_llm_cancellation_check_seconds_total")
+    return None if checks is None or seconds is None else (checks, seconds, time.monotonic())
+
+
+def _poll_delta(before: Any, after: Any) -> dict[str, float] | None:
+    """The stub's cancellation polling during one run: what each is_cancelled() round trip cost.
+    (The stub updates the counters every few seconds: short runs under-count slightly.)"""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    num_checks, seconds, wall_s = (a - b for a, b in zip(after, before))
+    return {
+        "num_checks": num_checks,
+        "us_per_check": 1e6 * seconds / num_checks,
+        "busy_share": seconds / wall_s,
+    }
+
+
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -325,14 +351,23 @@ def main() -> int:
             run_served(url, args.model, warmup, len(warmup), 1)
         for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
+            polls_before = _cancellation_polls(server)
             summary = summarize(run_served(url, args.model, run.jobs, run.concurrency, args.client_processes))
             if profiler is not None:
                 profiler.wait()
+            summary["cancellation_polls"] = _poll_delta(polls_before, _cancellation_polls(server))
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}
             )  # fmt: skip
             print(format_summary(f"served, {run.label}", summary), flush=True)
+            if summary["cancellation_polls"]:
+                polls = summary["cancellation_polls"]
+                print(
+                    f"   is_cancelled(): {polls['num_checks']} checks, {polls['us_per_check']:.1f} us each, "
+                    f"{polls['busy_share']:.2%} of the run in one thread",
+                    flush=True,
+                )
     finally:
         if server is not None:
             server.stop()
