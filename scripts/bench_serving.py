@@ -67,10 +67,16 @@ def _inputs(job: Job) -> list[Any]:
     return inputs
 
 
-async def _one_request(client: Any, model: str, job: Job) -> RequestRecord:
-    async def requests():
-        yield {"model_name": model, "inputs": _inputs(job), "request_id": str(job.index),
+async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> RequestRecord:
+    import tritonclient.grpc.aio as grpcclient
+
+    request = {"model_name": model, "inputs": _inputs(job), "request_id": str(job.index),
                "enable_empty_final_response": True}  # fmt: skip
+    if text_only:
+        request["outputs"] = [grpcclient.InferRequestedOutput("text_output")]
+
+    async def requests():
+        yield request
 
     record = RequestRecord(job.index, time.monotonic())
     try:
@@ -79,20 +85,31 @@ async def _one_request(client: Any, model: str, job: Job) -> RequestRecord:
             if error is not None:
                 record.error = str(error).splitlines()[0][:200]
                 break
-            ids = result.as_numpy("output_ids")
-            if ids is not None and ids.size:
-                record.arrival_times.append(now)
-                record.tokens_per_response.append(int(ids.size))
+            if text_only:
+                if result.as_numpy("text_output") is not None:  # a response per step, text or not
+                    record.arrival_times.append(now)
+            else:
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    record.arrival_times.append(now)
+                    record.tokens_per_response.append(int(ids.size))
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
     except Exception as error:  # the stream itself failed
         record.error = f"{type(error).__name__}: {error}"[:200]
+    if text_only and record.error is None and record.arrival_times:
+        # ignore_eos: a request that ended without error produced exactly its max_tokens; only the
+        # mean tokens per response is reported, so spread them evenly over its responses.
+        count, extra = divmod(job.num_output_tokens, len(record.arrival_times))
+        record.tokens_per_response = [count + (i < extra) for i in range(len(record.arrival_times))]
     if record.error is None and record.num_output_tokens != job.num_output_tokens:
         record.error = f"got {record.num_output_tokens} tokens, expected {job.num_output_tokens}"
     return record
 
 
-async def _run_worker(url: str, model: str, jobs: list[Job], concurrency: int | None, start_at: float):
+async def _run_worker(
+    url: str, model: str, jobs: list[Job], concurrency: int | None, start_at: float, text_only: bool
+):
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -102,7 +119,7 @@ async def _run_worker(url: str, model: str, jobs: list[Job], concurrency: int | 
 
             async def timed(job: Job) -> RequestRecord:
                 await asyncio.sleep(max(0.0, start_at + job.send_offset_s - time.monotonic()))
-                return await _one_request(client, model, job)
+                return await _one_request(client, model, job, text_only)
 
             return list(await asyncio.gather(*(timed(job) for job in jobs)))
         queue = list(jobs)
@@ -110,7 +127,7 @@ async def _run_worker(url: str, model: str, jobs: list[Job], concurrency: int | 
 
         async def lane() -> None:
             while queue:
-                records.append(await _one_request(client, model, queue.pop(0)))
+                records.append(await _one_request(client, model, queue.pop(0), text_only))
 
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         return records
@@ -118,12 +135,18 @@ async def _run_worker(url: str, model: str, jobs: list[Job], concurrency: int | 
         await client.close()
 
 
-def _worker_main(url, model, jobs, concurrency, start_at, results) -> None:
-    results.put([asdict(r) for r in asyncio.run(_run_worker(url, model, jobs, concurrency, start_at))])
+def _worker_main(url, model, jobs, concurrency, start_at, text_only, results) -> None:
+    records = asyncio.run(_run_worker(url, model, jobs, concurrency, start_at, text_only))
+    results.put([asdict(r) for r in records])
 
 
 def run_served(
-    url: str, model: str, jobs: list[Job], concurrency: int | None, num_processes: int
+    url: str,
+    model: str,
+    jobs: list[Job],
+    concurrency: int | None,
+    num_processes: int,
+    text_only: bool = False,
 ) -> list[RequestRecord]:
     """Splits the jobs (and the concurrency) over client processes and gathers their records."""
     if concurrency is not None:
@@ -136,7 +159,9 @@ def run_served(
     for index in range(num_processes):
         share = jobs[index::num_processes]
         lanes = None if concurrency is None else len(range(index, concurrency, num_processes))
-        worker = context.Process(target=_worker_main, args=(url, model, share, lanes, start_at, results))
+        worker = context.Process(
+            target=_worker_main, args=(url, model, share, lanes, start_at, text_only, results)
+        )
         worker.start()
         workers.append(worker)
     records = [RequestRecord(**r) for _ in workers for r in results.get()]
@@ -297,6 +322,12 @@ def main() -> int:
     )
     parser.add_argument("--vocab-limit", type=int, default=32000, help="prompt token ids are below this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--text-only",
+        action="store_true",
+        help="ask for text_output only (a client that names no outputs gets every output of the model, "
+        "output_ids included); tokens per response is then the expected count over the responses",
+    )
     parser.add_argument("--warmup", type=int, default=8, help="short requests first, not measured")
     parser.add_argument(
         "--client-processes",
@@ -352,7 +383,10 @@ def main() -> int:
         for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             polls_before = _cancellation_polls(server)
-            summary = summarize(run_served(url, args.model, run.jobs, run.concurrency, args.client_processes))
+            served = run_served(
+                url, args.model, run.jobs, run.concurrency, args.client_processes, args.text_only
+            )
+            summary = summarize(served)
             if profiler is not None:
                 profiler.wait()
             summary["cancellation_polls"] = _poll_delta(polls_before, _cancellation_polls(server))

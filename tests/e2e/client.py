@@ -65,16 +65,24 @@ def make_inputs(prompt: str | list[int], **kwargs: Any) -> list[grpcclient.Infer
 
 
 def stream_many(
-    url: str, requests: list[list[grpcclient.InferInput]], model: str = "llm", timeout_s: float = 120.0
+    url: str,
+    requests: list[list[grpcclient.InferInput]],
+    model: str = "llm",
+    timeout_s: float = 120.0,
+    outputs: list[str] | None = None,
 ) -> list[StreamResult]:
-    """Sends several requests on one gRPC stream; waits for every request's final response."""
+    """Sends several requests on one gRPC stream; waits for every request's final response.
+    `outputs`: ask for these outputs only (default: Triton sends all)."""
+    requested = [grpcclient.InferRequestedOutput(name) for name in outputs] if outputs else None
     events: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: events.put((result, error)))
     results = [StreamResult() for _ in requests]
     try:
         for index, inputs in enumerate(requests):
-            client.async_stream_infer(model, inputs, request_id=str(index), enable_empty_final_response=True)
+            client.async_stream_infer(
+                model, inputs, outputs=requested, request_id=str(index), enable_empty_final_response=True
+            )
         pending = len(requests)
         deadline = time.monotonic() + timeout_s
         while pending:

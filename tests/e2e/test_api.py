@@ -174,6 +174,33 @@ def test_n_samples_over_grpc_streaming_and_http_generate(server):
     assert len(set(per_sample)) > 1
 
 
+def test_only_the_requested_outputs_are_sent(server):
+    inputs = {
+        "sampling_parameters": GREEDY,
+        "exclude_input_in_output": True,
+        "return_num_output_tokens": True,
+    }
+    [everything] = stream_many(server.grpc_url, [make_inputs("Requested outputs", **inputs)])
+    [text_only] = stream_many(
+        server.grpc_url, [make_inputs("Requested outputs", **inputs)], outputs=["text_output"]
+    )
+    [ids_and_counts] = stream_many(
+        server.grpc_url,
+        [make_inputs("Requested outputs", **inputs)],
+        outputs=["output_ids", "num_output_tokens"],
+    )
+    assert text_only.text == everything.text and text_only.text
+    assert all(r.as_numpy("output_ids") is not None for r in everything.responses)
+    assert all(r.as_numpy("num_output_tokens") is not None for r in everything.responses)
+    for response in text_only.responses:
+        assert response.as_numpy("output_ids") is None and response.as_numpy("num_output_tokens") is None
+    for response in ids_and_counts.responses:
+        assert response.as_numpy("text_output") is None
+    ids = [t for r in ids_and_counts.responses for t in r.as_numpy("output_ids").tolist()]
+    assert len(ids) == GREEDY["max_tokens"]
+    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in ids_and_counts.responses) == len(ids)
+
+
 def test_logprobs_and_cumulative_logprob(server):
     result = stream(
         server.grpc_url,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 
@@ -103,3 +104,26 @@ def test_non_streaming_waits_for_the_end_and_echoes_the_prompt():
     positions = json.loads(out["logprobs"][1].decode())
     assert [list(p) for p in positions] == [["2"], ["3"]]
     assert positions[0]["2"] == {"logprob": -0.5, "rank": 1, "decoded_token": "t2"}
+
+
+def test_only_requested_outputs_are_built():
+    parsed = replace(streaming(return_num_output_tokens=True), requested_outputs=frozenset({"text_output"}))
+    acc = ResponseAccumulator(parsed, "p", 1)
+    acc.add(RequestOutput("r", 1, [_delta(0, "a", [1])], False))
+    response = acc.take()
+    assert response is not None and set(response.tensors) == {"text_output"} and response.num_tokens == 1
+    parsed = replace(parsed, requested_outputs=frozenset({"output_ids", "num_output_tokens"}))
+    acc = ResponseAccumulator(parsed, "p", 1)
+    acc.add(RequestOutput("r", 1, [_delta(0, "a", [1, 2])], True))
+    response = acc.take()
+    assert response is not None and response.is_final
+    assert set(response.tensors) == {"output_ids", "num_output_tokens"}
+    assert response.tensors["output_ids"].tolist() == [1, 2]
+    everything = ResponseAccumulator(streaming(return_num_output_tokens=True), "p", 1)
+    everything.add(RequestOutput("r", 1, [_delta(0, "a", [1])], False))
+    response = everything.take()
+    assert response is not None and set(response.tensors) == {
+        "text_output",
+        "output_ids",
+        "num_output_tokens",
+    }

@@ -107,13 +107,22 @@ class ResponseAccumulator:
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
 
     def _encode(self) -> dict[str, np.ndarray]:
+        tensors = self._encode_all()
+        wanted = self.parsed.requested_outputs
+        if wanted is not None:
+            tensors = {name: array for name, array in tensors.items() if name in wanted}
+        return tensors
+
+    def _encode_all(self) -> dict[str, np.ndarray]:
         flags = self.parsed.return_flags
-        echo = not self.parsed.stream and not self.parsed.exclude_input_in_output
-        texts = [(self.prompt_text if echo else "") + "".join(s.text) for s in self.sequences]
-        tensors: dict[str, np.ndarray] = {
-            "text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_),
-            "output_ids": np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32),
-        }
+        wanted = self.parsed.requested_outputs
+        tensors: dict[str, np.ndarray] = {}
+        if wanted is None or "text_output" in wanted:
+            echo = not self.parsed.stream and not self.parsed.exclude_input_in_output
+            texts = [(self.prompt_text if echo else "") + "".join(s.text) for s in self.sequences]
+            tensors["text_output"] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
+        if wanted is None or "output_ids" in wanted:
+            tensors["output_ids"] = np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32)
         if "return_finish_reason" in flags and self.finished:
             reasons = [(s.finish_reason or "abort").encode() for s in self.sequences]
             tensors["finish_reason"] = np.array(reasons, dtype=np.object_)

@@ -38,6 +38,9 @@ class ParsedRequest:
     params: SamplingParams
     exclude_input_in_output: bool
     return_flags: frozenset[str] = field(default_factory=frozenset)  # which optional outputs to send
+    # The outputs the client asked for (Triton lists them all when it named none): the others are
+    # never built, so a client that wants only text_output costs the stub one tensor per response.
+    requested_outputs: frozenset[str] | None = None  # None: all
 
 
 def read_inputs(

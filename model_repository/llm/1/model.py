@@ -131,6 +131,7 @@ class TritonPythonModel:
         try:
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
             parsed = parse_request(inputs, request.parameters(), self.config.limits)
+            parsed = replace(parsed, requested_outputs=frozenset(request.requested_output_names()) or None)
             if parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
