@@ -170,3 +170,30 @@ def test_make_serve_stops_everything_under_load(tmp_path, signum):
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_test_run_killed_hard_leaves_no_server_behind(tmp_path):
+    """start_server's servers die with the process that started them (a pytest or benchmark run
+    killed with SIGKILL): tritonserver, stub and core all gone within the bound."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    script = (
+        "import sys, time; from pathlib import Path; "
+        "from paged_llm.tools.server_process import start_server; "
+        "server = start_server(Path(sys.argv[1]), Path(sys.argv[2])); "
+        "print(server.process.pid, flush=True); time.sleep(600)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script, str(repository), str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        server_pid = int(owner.stdout.readline())
+        children = psutil.Process(server_pid).children(recursive=True)
+        pids = [server_pid, *(p.pid for p in children)]
+        assert len(pids) == 3, pids  # tritonserver, stub, engine core
+        owner.kill()
+        owner.wait()
+        _assert_gone_within_bound(pids, "SIGKILL of the process that started the server")
+    finally:
+        if owner.poll() is None:
+            owner.kill()

@@ -7,6 +7,7 @@ process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -14,11 +15,14 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from paged_llm.paths import repo_root
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_ports(count: int) -> list[int]:
@@ -76,15 +80,33 @@ class RunningServer:
                 self.process.wait(timeout=10)
 
 
+def _terminate_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it dies
+    (a test run or benchmark killed hard must not leave servers behind), or None off Linux. libc is
+    looked up here, in the parent: the forked child only makes the one call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def start_server(
     model_repository: Path, log_path: Path, extra_args: list[str] | None = None, timeout_s: float = 180.0
 ) -> RunningServer:
+    """Starts tritonserver on free ports and waits until it is ready. Call it from a thread that
+    outlives the server (the main thread): the server gets SIGTERM when that thread exits."""
     http, grpc, metrics = free_ports(3)
     ports = ServerPorts(http, grpc, metrics)
     command = server_command(model_repository, ports, exit_timeout_secs=3, extra_args=extra_args)
     log_file = open(log_path, "w")  # the server process writes it for as long as it runs
     process = subprocess.Popen(
-        command, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        env=server_env(),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_terminate_with_parent(),  # it only calls prctl
     )
     server = RunningServer(process, ports, log_path)
     deadline = time.monotonic() + timeout_s
