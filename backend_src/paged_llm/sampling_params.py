@@ -24,6 +24,19 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 
 
+def loads_request_json(text: str, field_name: str) -> Any:
+    """json.loads for client input: every way it can fail (bad syntax, nesting deep enough to hit the
+    recursion limit, an integer past Python's digit limit) is an InvalidRequestError naming the field,
+    with a one-line message."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError(field_name, "invalid JSON: nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, and int("9" * 5000)'s digit limit
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise InvalidRequestError(field_name, f"invalid JSON: {message}") from None
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Server-side caps on what one request may ask for (from config.pbtxt)."""
@@ -88,10 +101,7 @@ class SamplingParams:
                 raise InvalidRequestError("sampling_parameters", f"not valid UTF-8 ({error})") from None
         if not text.strip():
             return SamplingParams.from_mapping({}, limits)
-        try:
-            payload = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise InvalidRequestError("sampling_parameters", f"invalid JSON: {error}") from None
+        payload = loads_request_json(text, "sampling_parameters")
         if not isinstance(payload, dict):
             raise InvalidRequestError("sampling_parameters", "must be a JSON object")
         return SamplingParams.from_mapping(payload, limits)

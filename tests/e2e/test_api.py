@@ -14,6 +14,8 @@ import tritonclient.grpc as grpcclient
 from paged_llm.paths import repo_root
 from paged_llm.tools.launch import perf_analyzer_env, perf_analyzer_path
 from tests.e2e.client import http_post, make_inputs, stream, stream_many
+from tests.e2e.metrics import value as metric_value
+from tests.e2e.metrics import wait_for
 
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 
@@ -122,6 +124,29 @@ def test_malformed_http_generate_is_400_with_the_field(server):
         status, text = http_post(server.http_url, "/v2/models/llm/generate", body)
         assert status == 400, (body, status, text)
         assert field in json.loads(text)["error"]
+
+
+@pytest.mark.parametrize(
+    "sampling_parameters",
+    ['{"a":' * 100_000 + "1" + "}" * 100_000, '{"max_tokens": ' + "9" * 5000 + "}"],
+    ids=["nested-100000-deep", "integer-of-5000-digits"],
+)
+def test_hostile_json_is_one_line_invalid_arg_without_traceback(server, sampling_parameters):
+    before = metric_value(server.metrics(), "paged_llm_final_responses_total", code="invalid_arg")
+    body = {"text_input": "Hi", "sampling_parameters": sampling_parameters}
+    status, text = http_post(server.http_url, "/v2/models/llm/generate", body)
+    error = json.loads(text)["error"]
+    assert status == 400 and error.startswith("sampling_parameters: invalid JSON"), (status, error[:300])
+    assert "\n" not in error and "Traceback" not in error and ".py" not in error, error[:300]
+    assert wait_for(
+        lambda: (
+            metric_value(server.metrics(), "paged_llm_final_responses_total", code="invalid_arg")
+            == before + 1
+        ),
+        timeout_s=10,
+    )
+    good = stream(server.grpc_url, "and now a valid one", sampling_parameters={"max_tokens": 3})
+    assert not good.errors and good.finals == 1 and good.text
 
 
 def test_stop_strings_over_grpc_streaming_and_http_generate(server):

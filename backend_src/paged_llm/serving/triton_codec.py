@@ -15,7 +15,7 @@ import numpy as np
 
 from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError
-from paged_llm.sampling_params import RequestLimits, SamplingParams
+from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -135,10 +135,7 @@ def _request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str,
     if raw is None or raw == "":
         return {}
     if isinstance(raw, str):
-        try:
-            mapping = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise InvalidRequestError("parameters", f"invalid JSON: {error}") from None
+        mapping = loads_request_json(raw, "parameters")
     else:
         mapping = dict(raw)
     if not isinstance(mapping, dict):

@@ -140,6 +140,12 @@ class TritonPythonModel:
         except InvalidRequestError as error:
             self._streams.send_error(sender, error)
             return
+        except Exception as error:  # a bug of ours: INTERNAL, one line to the client, traceback to the log
+            logger.exception("reading a request failed")
+            self._streams.send_error(
+                sender, RuntimeError(f"internal error reading the request ({type(error).__name__})")
+            )
+            return
         if request.is_cancelled():
             self._streams.send_error(
                 sender, RequestAbortedError("cancelled by the client before it was queued")
