@@ -126,6 +126,20 @@ def test_malformed_http_generate_is_400_with_the_field(server):
         assert field in json.loads(text)["error"]
 
 
+def test_llm_trtllm_rejects_unknown_keys_on_http_generate(server):
+    for body, field in [
+        ({"text_input": "Hi", "max_tokens": 3, "temprature": 0.5}, "temprature"),
+        ({"text_input": "Hi", "max_tokens": 3, "top_kk": 4}, "top_kk"),
+    ]:
+        status, text = http_post(server.http_url, "/v2/models/llm_trtllm/generate", body)
+        assert status == 400, (body, status, text)
+        assert json.loads(text)["error"].startswith(f"{field}: unknown input or parameter")
+    status, text = http_post(
+        server.http_url, "/v2/models/llm_trtllm/generate", {"text_input": "Hi", "max_tokens": 3}
+    )
+    assert status == 200 and json.loads(text)["text_output"], text
+
+
 @pytest.mark.parametrize(
     "sampling_parameters",
     ['{"a":' * 100_000 + "1" + "}" * 100_000, '{"max_tokens": ' + "9" * 5000 + "}"],

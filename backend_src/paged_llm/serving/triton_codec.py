@@ -116,7 +116,7 @@ def parse_request(
             limits,
         )
     else:
-        params = SamplingParams.from_mapping(_request_parameter_mapping(request_parameters), limits)
+        params = SamplingParams.from_mapping(request_parameter_mapping(request_parameters), limits)
     return_flags = frozenset(name for name in RETURN_FLAGS if flags.get(name, False))
     wants_logprobs = {"return_logprobs", "return_cumulative_logprob"} & return_flags
     if wants_logprobs and params.logprobs is None:
@@ -131,7 +131,9 @@ def parse_request(
     )
 
 
-def _request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's Triton parameters (HTTP generate turns unknown top-level keys into these), less
+    the ones Triton's clients set themselves."""
     if raw is None or raw == "":
         return {}
     if isinstance(raw, str):

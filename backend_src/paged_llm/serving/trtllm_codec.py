@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from paged_llm.errors import InvalidRequestError
+from paged_llm.serving.triton_codec import request_parameter_mapping
 
 # name -> (sampling parameter it becomes, kind)
 _SCALARS: dict[str, tuple[str, str]] = {
@@ -179,3 +180,13 @@ def _sampled_logprobs(logprobs: np.ndarray | None) -> np.ndarray:
     positions = json.loads(bytes(logprobs.reshape(-1)[0]).decode("utf-8"))
     # Each position's first entry is the sampled token (the llm model writes it first).
     return np.array([next(iter(p.values()))["logprob"] for p in positions], dtype=np.float32)
+
+
+def check_request_parameters(raw: str | Mapping[str, Any] | None) -> None:
+    """llm_trtllm takes every setting as an input tensor: a request parameter (on HTTP generate, any
+    top-level key that is not an input, e.g. a misspelled `temprature`) is an error, not ignored."""
+    unknown = sorted(request_parameter_mapping(raw))
+    if unknown:
+        raise InvalidRequestError(
+            unknown[0], f"unknown input or parameter (inputs: {', '.join(sorted(INPUT_NAMES))})"
+        )

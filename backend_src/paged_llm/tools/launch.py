@@ -17,6 +17,7 @@ Usage: `python -m paged_llm.tools.launch prepare` or
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -208,7 +209,57 @@ def prepare() -> None:
     print(f"[setup] built-in tiny model: {ensure_tiny_model()}", file=sys.stderr)
 
 
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value of `flag` in a tritonserver argument list (`--flag=value` or `--flag value`)."""
+    values = []
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            values.append(arg.split("=", 1)[1])
+        elif arg == flag and index + 1 < len(args):
+            values.append(args[index + 1])
+    return values
+
+
+def _restricts_repository_api(values: list[str]) -> bool:
+    """True if one `<api>,<api>:<key>=<value>` restriction covers model-repository, with a key."""
+    for value in values:
+        apis, _, key = value.partition(":")
+        if "model-repository" in apis.split(",") and "=" in key and key.split("=", 1)[1]:
+            return True
+    return False
+
+
+def exposure_error(address: str, extra_args: list[str]) -> str | None:
+    """Why serving `extra_args` on `address` would be unsafe, or None. Explicit model control lets
+    anyone who reaches the server load a model, i.e. run its Python as the server's user; on an
+    address other machines can reach, the repository API must then be restricted on both
+    protocols."""
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = address == "localhost"
+    if loopback or "explicit" not in _flag_values(extra_args, "--model-control-mode"):
+        return None
+    missing = [
+        flag
+        for flag in ("--http-restricted-api", "--grpc-restricted-protocol")
+        if not _restricts_repository_api(_flag_values(extra_args, flag))
+    ]
+    if not missing:
+        return None
+    return (
+        f"refusing to serve with --model-control-mode=explicit on {address}: anyone who reaches it "
+        "could load a model and run its Python. Restrict the repository API with a key: "
+        + " ".join(f"{flag}=model-repository:admin-key=SECRET" for flag in missing)
+        + " (or bind 127.0.0.1)"
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
+    error = exposure_error(args.address, args.extra)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
     command = server_command(
         Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra

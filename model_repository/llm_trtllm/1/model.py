@@ -13,7 +13,12 @@ import triton_python_backend_utils as pb_utils
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.serving.triton_codec import read_inputs
-from paged_llm.serving.trtllm_codec import INPUT_NAMES, TrtllmResponseState, to_llm_request
+from paged_llm.serving.trtllm_codec import (
+    INPUT_NAMES,
+    TrtllmResponseState,
+    check_request_parameters,
+    to_llm_request,
+)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _LLM_OUTPUTS = [
@@ -35,6 +40,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                check_request_parameters(request.parameters())
                 inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
                 forward = to_llm_request(inputs)
             except InvalidRequestError as error:
