@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from paged_llm.tools.launch import ServerPorts
+from paged_llm.tools.launch import ServerPorts, server_command, server_env
 from tests.e2e.client import make_inputs, stream, stream_many
 from tests.e2e.metrics import value, wait_for
 from tests.e2e.server import RunningServer, free_ports, make_model_repository, start_server
@@ -197,3 +197,29 @@ def test_a_test_run_killed_hard_leaves_no_server_behind(tmp_path):
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_server_stopped_while_the_model_loads_leaves_no_process_of_ours(tmp_path, signum):
+    """SIGTERM or SIGKILL of tritonserver while the stub is inside initialize() (its engine core is
+    starting): stub and core are gone within the bound. (A pb_utils call in initialize, e.g.
+    creating a metric, blocks for ever once the server stopped answering.)"""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    http, grpc, metrics = free_ports(3)
+    command = server_command(repository, ServerPorts(http, grpc, metrics), exit_timeout_secs=3)
+    log = open(tmp_path / "server.log", "w")  # the server writes it while it runs
+    server = subprocess.Popen(command, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def core_ready() -> bool:  # the core's first log line: the stub is about to create its metrics
+            return "paged_llm engine core:" in (tmp_path / "server.log").read_text(errors="replace")
+
+        assert wait_for(core_ready, timeout_s=120, interval_s=0.01)
+        pids = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+        assert len(pids) == 2, pids  # stub, engine core
+        server.send_signal(signum)
+        threading.Thread(target=server.wait, daemon=True).start()  # reap it
+        _assert_gone_within_bound(pids, f"{signum.name} to tritonserver during model load")
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -79,6 +79,9 @@ class TritonPythonModel:
             logger.addHandler(_TritonLogHandler())
             logger.setLevel(logging.INFO)
         _ignore_ctrl_c()
+        # First of all: every pb_utils call below (metrics, logging) blocks for ever once the server
+        # is gone, so a server killed while this model loads must not leave the stub waiting.
+        exit_when_server_dies(os.getppid())
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
@@ -108,7 +111,6 @@ class TritonPythonModel:
             self.config.serving.response_send_threads,
         )
         self._server_watch = ServerShutdownWatch(endpoint_of_process(os.getppid()))
-        exit_when_server_dies(os.getppid())
         self._stopping = threading.Event()
         self._finalized = threading.Event()
         self._housekeeping = threading.Thread(
