@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from paged_llm.tools.server_process import remove_orphaned_shm_regions
 from tests.e2e.server import RunningServer, make_model_repository, start_server
 
 
@@ -15,3 +17,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator
     running = start_server(repository, root / "server.log")
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind() -> Iterator[None]:
+    """Servers that tests kill with SIGKILL cannot remove their Python-backend shared memory: after
+    the session, remove the regions touched during it that no process uses any more."""
+    started = time.time() - 1.0
+    yield
+    remove_orphaned_shm_regions(changed_since=started)

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
+from paged_llm.tools.server_process import SHM_DIR, remove_orphaned_shm_regions
 from tests.e2e.client import make_inputs, stream, stream_many
 from tests.e2e.metrics import value, wait_for
 from tests.e2e.server import RunningServer, free_ports, make_model_repository, start_server
@@ -223,3 +224,23 @@ def test_a_server_stopped_while_the_model_loads_leaves_no_process_of_ours(tmp_pa
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_shared_memory_of_a_killed_server_is_removed_afterwards(tmp_path):
+    started = time.time() - 1.0
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    running = start_server(repository, tmp_path / "server.log")
+    stubs = our_processes(running)["stubs"]
+    regions = [arg for stub in stubs for arg in stub.cmdline() if arg.startswith("triton_python_backend_shm")]
+    assert len(regions) == 1, regions
+    region = SHM_DIR / regions[0]
+    pids = [
+        running.process.pid,
+        *(p.pid for p in psutil.Process(running.process.pid).children(recursive=True)),
+    ]
+    os.killpg(running.process.pid, signal.SIGKILL)
+    running.process.wait()
+    _assert_gone_within_bound(pids, "SIGKILL of the server's process group")
+    assert region.exists(), "a SIGKILLed server leaves its region (else this test tests nothing)"
+    assert region in remove_orphaned_shm_regions(changed_since=started)
+    assert not region.exists()

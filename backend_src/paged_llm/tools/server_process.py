@@ -80,6 +80,45 @@ class RunningServer:
                 self.process.wait(timeout=10)
 
 
+SHM_DIR = Path("/dev/shm")
+SHM_REGION_GLOB = "triton_python_backend_shm_region_*"
+
+
+def _shm_paths_in_use() -> set[str]:
+    """/dev/shm paths some process has open or mapped (processes we may not inspect are skipped)."""
+    in_use: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text(errors="replace").splitlines():
+                if str(SHM_DIR) in line:
+                    in_use.add(line.split(maxsplit=5)[-1].removesuffix(" (deleted)"))
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(str(SHM_DIR)):
+                    in_use.add(target)
+        except OSError:
+            continue
+    return in_use
+
+
+def remove_orphaned_shm_regions(changed_since: float) -> list[Path]:
+    """Removes the Python backend's shared-memory regions that changed since `changed_since` (a
+    time.time()) and that no process has open or mapped any more: what servers killed with SIGKILL
+    leave behind (a server that stops normally removes its own). Returns what it removed."""
+    in_use = _shm_paths_in_use()
+    removed = []
+    for path in SHM_DIR.glob(SHM_REGION_GLOB):
+        try:
+            if path.stat().st_mtime >= changed_since and str(path) not in in_use:
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 def _terminate_with_parent() -> Callable[[], None] | None:
     """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it dies
     (a test run or benchmark killed hard must not leave servers behind), or None off Linux. libc is
