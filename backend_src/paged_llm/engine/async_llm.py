@@ -36,6 +36,7 @@ from paged_llm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 OutputHandler = Callable[[list[RequestOutput]], None]
 _WAKE_INTERVAL_S = 0.02  # the output thread looks at local aborts at least this often
+_CORE_SETTLE_S = 5.0  # shutdown: how long to wait for the core to confirm the last aborts
 
 
 class AsyncLLM:
@@ -210,6 +211,14 @@ class AsyncLLM:
             time.sleep(0.01)
         self.abort_all(RequestAbortedError("the server is shutting down"))
         while self.processor.has_unfinished_requests() and self._thread.is_alive():
+            time.sleep(0.01)
+        # The core ends the aborted sequences at its next loop and says so in its stats: wait for
+        # that (briefly), so that the last stats and metrics do not count requests that are gone.
+        settle_deadline = time.monotonic() + _CORE_SETTLE_S
+        while self._thread.is_alive() and time.monotonic() < settle_deadline:
+            snapshot = self.stats.snapshot()
+            if snapshot.num_running == 0 and snapshot.num_waiting == 0:
+                break
             time.sleep(0.01)
         self._stop.set()
         self._thread.join(timeout=10.0)
