@@ -16,6 +16,7 @@ at max_model_len / block_size, so the attention kernel's launch shape never chan
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -24,6 +25,21 @@ import torch
 from paged_llm.layers.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+def capture_graph(
+    run: Callable[[], torch.Tensor], pool: object, device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warms `run` up twice (Triton autotuning/compilation and cuBLAS handles happen there), then
+    captures it into a graph on the memory pool `pool` (None: a new one). Returns the graph and the
+    output tensor its replays write."""
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -77,14 +93,9 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         for batch_size in reversed(self.batch_sizes):
-            metadata = self._metadata(batch_size)
-            args = (self.input_ids[:batch_size], self.positions[:batch_size], metadata)
-            for _ in range(2):  # warm-up: Triton autotuning/compilation and cuBLAS handles happen here
-                self.forward(*args)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[batch_size] = self.forward(*args)
+            args = (self.input_ids[:batch_size], self.positions[:batch_size], self._metadata(batch_size))
+            run = functools.partial(self.forward, *args)
+            graph, self.logits[batch_size] = capture_graph(run, self.pool, self.device)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph
@@ -189,12 +200,8 @@ class PrefillGraphs:
             self.query_start_loc.copy_(torch.tensor([0, bucket], dtype=torch.int32))
             self.seq_lens.fill_(bucket)
             self.sample_row.fill_(bucket - 1)
-            for _ in range(2):  # warm-up: Triton compiles for this bucket's shapes here
-                self._forward(bucket)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bucket] = self._forward(bucket)
+            run = functools.partial(self._forward, bucket)
+            graph, self.logits[bucket] = capture_graph(run, self.pool, self.device)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bucket] = graph
