@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, normalizers
-from tokenizers.models import Unigram
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from paged_llm.models.tiny_model import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, ensure_tiny_model
 from paged_llm.tokenizer.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, decode_token
 from paged_llm.tokenizer.stop_strings import StopStringMatcher
+from tests.unit.sentencepiece_tokenizer import sentencepiece_tokenizer
 
 FFFD = "\ufffd"
 THINK_ID = 151667  # "<think>": an added token that is not special (kept with skip_special_tokens)
@@ -38,19 +37,7 @@ def qwen() -> Any:
 
 @pytest.fixture(scope="module")
 def sentencepiece_tok() -> Any:
-    """Llama-2-style: "▁" for spaces, <0xNN> byte fallback, decoder strips the text's leading space."""
-    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
-    pieces += [(f"<0x{byte:02X}>", -10.0) for byte in range(256)]
-    words = [*"▁ ▁▁ ▁Hello ▁world Hello world ▁the ▁a a b c e l o ▁foo ! é 世 ▁世界 界".split(), "\n", "\t"]
-    pieces += [(word, -1.0 - 0.01 * index) for index, word in enumerate(words)]
-    backend = Tokenizer(Unigram(pieces, unk_id=0, byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    return sentencepiece_tokenizer()
 
 
 def encode_raw(tokenizer: Any, text: str) -> list[int]:

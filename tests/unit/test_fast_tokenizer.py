@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, normalizers
-from tokenizers.models import Unigram
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from paged_llm.models.tiny_model import ensure_tiny_model
 from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer
 from paged_llm.tokenizer.fast_tokenizer import FastTokenizer
+from tests.unit.sentencepiece_tokenizer import sentencepiece_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -29,20 +28,7 @@ TEXTS = [
 
 
 def sentencepiece_dir(tmp_path: Path) -> Path:
-    """Llama-2-style: "▁" for spaces, <0xNN> byte fallback, decoder strips the leading space."""
-    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
-    pieces += [(f"<0x{byte:02X}>", -10.0) for byte in range(256)]
-    words = [*"▁ ▁▁ ▁Hello ▁world Hello world ▁the ▁a a b c e l o ▁foo ! é 世 ▁世界 界".split(), "\n", "\t"]
-    pieces += [(word, -1.0 - 0.01 * index) for index, word in enumerate(words)]
-    backend = Tokenizer(Unigram(pieces, unk_id=0, byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    hf.save_pretrained(tmp_path)
+    sentencepiece_tokenizer().save_pretrained(tmp_path)
     return tmp_path
 
 
