@@ -107,36 +107,35 @@ class ResponseAccumulator:
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
 
     def _encode(self) -> dict[str, np.ndarray]:
-        tensors = self._encode_all()
-        wanted = self.parsed.requested_outputs
-        if wanted is not None:
-            tensors = {name: array for name, array in tensors.items() if name in wanted}
-        return tensors
-
-    def _encode_all(self) -> dict[str, np.ndarray]:
+        """The response's tensors: text_output and output_ids always, the others when their
+        return_* flag is set; of those, only the ones the client asked for are built."""
         flags = self.parsed.return_flags
         wanted = self.parsed.requested_outputs
+
+        def wants(name: str, flag: str | None = None) -> bool:
+            return (wanted is None or name in wanted) and (flag is None or flag in flags)
+
         tensors: dict[str, np.ndarray] = {}
-        if wanted is None or "text_output" in wanted:
+        if wants("text_output"):
             echo = not self.parsed.stream and not self.parsed.exclude_input_in_output
             texts = [(self.prompt_text if echo else "") + "".join(s.text) for s in self.sequences]
             tensors["text_output"] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
-        if wanted is None or "output_ids" in wanted:
+        if wants("output_ids"):
             tensors["output_ids"] = np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32)
-        if "return_finish_reason" in flags and self.finished:
+        if wants("finish_reason", "return_finish_reason") and self.finished:
             reasons = [(s.finish_reason or "abort").encode() for s in self.sequences]
             tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
-        if "return_cumulative_logprob" in flags:
+        if wants("cumulative_logprob", "return_cumulative_logprob"):
             tensors["cumulative_logprob"] = np.array(
                 [s.cumulative_logprob for s in self.sequences], dtype=np.float32
             )
-        if "return_logprobs" in flags:
+        if wants("logprobs", "return_logprobs"):
             tensors["logprobs"] = np.array(
                 [logprobs_json(s.logprobs).encode("utf-8") for s in self.sequences], dtype=np.object_
             )
-        if "return_num_input_tokens" in flags:
+        if wants("num_input_tokens", "return_num_input_tokens"):
             tensors["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
-        if "return_num_output_tokens" in flags:
+        if wants("num_output_tokens", "return_num_output_tokens"):
             counts = [s.num_new_tokens if self.parsed.stream else len(s.token_ids) for s in self.sequences]
             tensors["num_output_tokens"] = np.array(counts, dtype=np.uint32)
         return tensors
