@@ -22,7 +22,6 @@ ignored: Ctrl-C reaches the whole process group, and the front end decides how t
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import logging
 import os
@@ -38,10 +37,10 @@ from paged_llm.config import ConfigError
 from paged_llm.engine.core_loop import run_busy_loop
 from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, EngineCoreOutputs, Shutdown
 from paged_llm.engine.ipc import FramedSocket, encode_frame
+from paged_llm.parent_death import parent_death_signal
 
 logger = logging.getLogger("paged_llm.core")
 EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
-_PR_SET_PDEATHSIG = 1
 
 
 def _is_alive(pid: int) -> bool:
@@ -61,11 +60,9 @@ def _is_alive(pid: int) -> bool:
 
 
 def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the watchdog thread below still notices
+    set_signal = parent_death_signal(signal.SIGKILL)
+    if set_signal is not None:  # elsewhere than Linux the watchdog thread below still notices
+        set_signal()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 

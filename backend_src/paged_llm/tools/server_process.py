@@ -7,7 +7,6 @@ process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -15,14 +14,12 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from paged_llm.parent_death import parent_death_signal
 from paged_llm.paths import repo_root
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
-
-_PR_SET_PDEATHSIG = 1
 
 
 def free_ports(count: int) -> list[int]:
@@ -119,17 +116,6 @@ def remove_orphaned_shm_regions(changed_since: float) -> list[Path]:
     return removed
 
 
-def _terminate_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it dies
-    (a test run or benchmark killed hard must not leave servers behind), or None off Linux. libc is
-    looked up here, in the parent: the forked child only makes the one call."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 def start_server(
     model_repository: Path, log_path: Path, extra_args: list[str] | None = None, timeout_s: float = 180.0
 ) -> RunningServer:
@@ -145,7 +131,7 @@ def start_server(
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_terminate_with_parent(),  # it only calls prctl
+        preexec_fn=parent_death_signal(signal.SIGTERM),  # a test run or benchmark killed hard
     )
     server = RunningServer(process, ports, log_path)
     deadline = time.monotonic() + timeout_s
