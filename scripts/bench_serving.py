@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -107,12 +108,40 @@ async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> Re
     return record
 
 
+class _GcPauses:
+    """The client's own garbage-collection pauses (a pause stalls every stream of the process)."""
+
+    def __init__(self) -> None:
+        self.pauses_s: list[float] = []
+        self._started = 0.0
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses_s.append(time.perf_counter() - self._started)
+
+
 async def _run_worker(
-    url: str, model: str, jobs: list[Job], concurrency: int | None, start_at: float, text_only: bool
+    url: str,
+    model: str,
+    jobs: list[Job],
+    concurrency: int | None,
+    start_at: float,
+    text_only: bool,
+    pauses: _GcPauses,
 ):
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
+    # What exists now (modules, the channel) lives through the run: keep it out of the collections
+    # that run during it, so a full collection in the client does not show up as a server ITL spike.
+    gc.collect()
+    gc.freeze()
+    pauses.start()
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     try:
         if concurrency is None:  # request-rate mode: each job at its own offset
@@ -136,8 +165,9 @@ async def _run_worker(
 
 
 def _worker_main(url, model, jobs, concurrency, start_at, text_only, results) -> None:
-    records = asyncio.run(_run_worker(url, model, jobs, concurrency, start_at, text_only))
-    results.put([asdict(r) for r in records])
+    pauses = _GcPauses()
+    records = asyncio.run(_run_worker(url, model, jobs, concurrency, start_at, text_only, pauses))
+    results.put(([asdict(r) for r in records], pauses.pauses_s))
 
 
 def run_served(
@@ -147,8 +177,9 @@ def run_served(
     concurrency: int | None,
     num_processes: int,
     text_only: bool = False,
-) -> list[RequestRecord]:
-    """Splits the jobs (and the concurrency) over client processes and gathers their records."""
+) -> tuple[list[RequestRecord], dict[str, float]]:
+    """Splits the jobs (and the concurrency) over client processes and gathers their records and
+    the client processes' garbage-collection pauses (count, longest, total)."""
     if concurrency is not None:
         num_processes = max(1, min(num_processes, concurrency))
     num_processes = max(1, min(num_processes, len(jobs)))
@@ -164,10 +195,17 @@ def run_served(
         )
         worker.start()
         workers.append(worker)
-    records = [RequestRecord(**r) for _ in workers for r in results.get()]
+    records: list[RequestRecord] = []
+    pauses_s: list[float] = []
+    for _ in workers:
+        worker_records, worker_pauses_s = results.get()
+        records += [RequestRecord(**r) for r in worker_records]
+        pauses_s += worker_pauses_s
     for worker in workers:
         worker.join()
-    return sorted(records, key=lambda r: r.index)
+    client_gc = {"num_collections": len(pauses_s), "max_pause_ms": 1e3 * max(pauses_s, default=0.0),
+                 "total_pause_ms": 1e3 * sum(pauses_s)}  # fmt: skip
+    return sorted(records, key=lambda r: r.index), client_gc
 
 
 # ------------------------------------------------------------------------------------ server side
@@ -383,10 +421,11 @@ def main() -> int:
         for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             polls_before = _cancellation_polls(server)
-            served = run_served(
+            served, client_gc = run_served(
                 url, args.model, run.jobs, run.concurrency, args.client_processes, args.text_only
             )
             summary = summarize(served)
+            summary["client_gc"] = client_gc
             if profiler is not None:
                 profiler.wait()
             summary["cancellation_polls"] = _poll_delta(polls_before, _cancellation_polls(server))
@@ -395,6 +434,11 @@ def main() -> int:
                  "request_rate": run.request_rate, "served": summary}
             )  # fmt: skip
             print(format_summary(f"served, {run.label}", summary), flush=True)
+            print(
+                f"   client GC: {client_gc['num_collections']} collections, longest "
+                f"{client_gc['max_pause_ms']:.2f} ms, {client_gc['total_pause_ms']:.1f} ms in all",
+                flush=True,
+            )
             if summary["cancellation_polls"]:
                 polls = summary["cancellation_polls"]
                 print(
