@@ -244,3 +244,45 @@ def test_shared_memory_of_a_killed_server_is_removed_afterwards(tmp_path):
     assert region.exists(), "a SIGKILLed server leaves its region (else this test tests nothing)"
     assert region in remove_orphaned_shm_regions(changed_since=started)
     assert not region.exists()
+
+
+def test_two_instances_share_one_engine_core_and_stop_cleanly(tmp_path):
+    """instance_group count 2: two stubs (each sends its own requests' responses) and one engine
+    core; every stream is token-exact; SIGTERM leaves none of the three."""
+    repository = make_model_repository(
+        tmp_path / "models", {"max_merged_steps": "1"}, models=("llm",), instance_count=2
+    )
+    running = start_server(repository, tmp_path / "server.log")
+    try:
+        ours = our_processes(running)
+        assert len(ours["stubs"]) == 2 and len(ours["cores"]) == 1, ours
+        assert "attached to the shared engine core" in running.log()
+        params = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        prompts = [f"shared core {index % 4}" for index in range(16)]
+        clients = [StreamClient(running.grpc_url) for _ in prompts]
+        for index, (client, prompt) in enumerate(zip(clients, prompts)):
+            client.send(f"c{index}", prompt, stream=True, sampling_parameters=params)
+        texts = []
+        for client in clients:
+            text = ""
+            while True:
+                result, error = client.next(timeout_s=60)
+                assert error is None, error
+                if result.as_numpy("text_output") is not None:
+                    text += "".join(t.decode() for t in result.as_numpy("text_output"))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            texts.append(text)
+            client.client.close()
+        expected = {
+            prompt: stream(
+                running.grpc_url, prompt, sampling_parameters=params, exclude_input_in_output=True
+            ).text
+            for prompt in set(prompts)
+        }
+        assert texts == [expected[prompt] for prompt in prompts]
+        pids = [p.pid for p in ours["stubs"] + ours["cores"]]
+        os.kill(running.process.pid, signal.SIGTERM)
+        _assert_gone_within_bound(pids, "SIGTERM")
+    finally:
+        running.stop()

@@ -47,16 +47,22 @@ class AsyncLLM:
         core_mode: str = "process",
         max_merged_steps: int = 16,
         watch_pid: int | None = None,
+        share_name: str | None = None,
     ) -> None:
         """`watch_pid`: the core process also exits when that process is gone (under Triton: the
-        server, in case this stub hangs after it died)."""
+        server, in case this stub hangs after it died). `share_name` (process mode): AsyncLLMs
+        passing the same name share one engine core (several Triton instances of one model)."""
         if core_mode == "inprocess":
             core_mode = "thread"  # serving needs the core to step on its own
         self.client: EngineCoreClient
-        self.client, self.tokenizer = start_core_and_tokenizer(config, core_mode, watch_pid=watch_pid)
+        self.client, self.tokenizer = start_core_and_tokenizer(
+            config, core_mode, watch_pid=watch_pid, share_name=share_name
+        )
         self.info = self.client.info
+        self.owns_core = self.client.owns_core
         self.stats = EngineStats()
         self.processor = OutputProcessor(self.tokenizer, self.stats)
+        self.processor.core_id_prefix = self.client.request_id_prefix
         self.max_merged_steps = max(1, max_merged_steps)
         self.num_merged_passes = 0  # output passes that held more than one engine step
         self._on_outputs = on_outputs
@@ -214,7 +220,8 @@ class AsyncLLM:
             time.sleep(0.01)
         # The core ends the aborted sequences at its next loop and says so in its stats: wait for
         # that (briefly), so that the last stats and metrics do not count requests that are gone.
-        settle_deadline = time.monotonic() + _CORE_SETTLE_S
+        # (A front end sharing the core does not report its stats: other front ends' requests.)
+        settle_deadline = time.monotonic() + (_CORE_SETTLE_S if self.owns_core else 0.0)
         while self._thread.is_alive() and time.monotonic() < settle_deadline:
             snapshot = self.stats.snapshot()
             if snapshot.num_running == 0 and snapshot.num_waiting == 0:

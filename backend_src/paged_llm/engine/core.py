@@ -221,9 +221,11 @@ class EngineCore:
         self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
         self._close(record, CoreError("aborted", reason))
 
-    def abort_all(self, reason: str) -> None:
+    def abort_all(self, reason: str, request_id_prefix: str = "") -> None:
+        """Ends every request (whose id starts with `request_id_prefix`)."""
         for request_id in list(self._requests):
-            self.abort_request(request_id, reason=reason)
+            if request_id.startswith(request_id_prefix):
+                self.abort_request(request_id, reason=reason)
 
     def _end_sequences(self, record: _CoreRequest, seqs: list[Sequence], status: SequenceStatus) -> None:
         """Finishes live sequences (abort, fault) and publishes their end."""

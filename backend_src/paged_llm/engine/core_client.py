@@ -14,6 +14,7 @@ reads outputs. A dead core makes every call raise EngineDeadError, with the reas
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import itertools
 import logging
 import os
@@ -32,11 +33,13 @@ import paged_llm
 from paged_llm.config import ConfigError, EngineConfig
 from paged_llm.engine.core_types import (
     AbortRequest,
+    AttachFrontEnd,
     CoreInput,
     CoreStartupFailed,
     EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FrontEndAttached,
     Shutdown,
     UtilityCall,
 )
@@ -49,6 +52,8 @@ CORE_MODES = ("process", "thread", "inprocess")
 
 class EngineCoreClient(Protocol):
     info: EngineCoreInfo
+    request_id_prefix: str  # every request id sent to the core starts with it
+    owns_core: bool  # False: a core shared with other front ends, which shutdown() only leaves
 
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
@@ -64,34 +69,47 @@ class EngineCoreClient(Protocol):
 
 
 def start_core_and_tokenizer(
-    config: EngineConfig, mode: str, show_progress: bool = False, watch_pid: int | None = None
+    config: EngineConfig,
+    mode: str,
+    show_progress: bool = False,
+    watch_pid: int | None = None,
+    share_name: str | None = None,
 ) -> tuple[EngineCoreClient, Any]:
-    """Starts the engine core and loads the tokenizer at the same time (each takes seconds)."""
+    """Starts the engine core (or joins a shared one) and loads the tokenizer at the same time
+    (each takes seconds)."""
     from paged_llm.models.builtin import resolve_model_dir
     from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged_llm-tokenizer") as pool:
         tokenizer = pool.submit(load_front_end_tokenizer, resolve_model_dir(config.model.model))
-        client = make_core_client(config, mode, show_progress, watch_pid)
+        client = make_core_client(config, mode, show_progress, watch_pid, share_name)
         return client, tokenizer.result()
 
 
 def make_core_client(
-    config: EngineConfig, mode: str, show_progress: bool = False, watch_pid: int | None = None
+    config: EngineConfig,
+    mode: str,
+    show_progress: bool = False,
+    watch_pid: int | None = None,
+    share_name: str | None = None,
 ) -> EngineCoreClient:
-    """`watch_pid` (process mode): the core also exits when that process is gone."""
+    """`watch_pid` (process mode): the core also exits when that process is gone. `share_name`
+    (process mode): callers passing the same name share one core (connect_engine_core)."""
     if mode == "inprocess":
         return InProcessCoreClient(config, show_progress)
     if mode == "thread":
         return ThreadedCoreClient(config, show_progress)
     if mode == "process":
-        return ProcessCoreClient(config, watch_pid)
+        return connect_engine_core(config, watch_pid, share_name)
     raise ConfigError(f"engine_mode must be one of {', '.join(CORE_MODES)}, got {mode!r}")
 
 
 class InProcessCoreClient:
     """The core stepped by the caller: `get_outputs()` runs one step (or returns what aborts and
     refusals produced). add_request raises its errors directly."""
+
+    request_id_prefix = ""
+    owns_core = True
 
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         from paged_llm.engine.core import EngineCore
@@ -134,6 +152,9 @@ class _QueueLink:
 
 class ThreadedCoreClient:
     """The core's busy loop on a thread of this process."""
+
+    request_id_prefix = ""
+    owns_core = True
 
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         from paged_llm.engine.core import EngineCore
@@ -230,26 +251,80 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
-class ProcessCoreClient:
+class _LinkedCoreClient:
+    """A core at the other end of a FramedSocket: the one this process started, or a shared one."""
+
+    request_id_prefix = ""  # the core routes outputs back to its front ends by this (front_ends.py)
+    owns_core = True
+
+    def __init__(self, link: FramedSocket) -> None:
+        self._link = link
+        self._call_ids = itertools.count()
+        self._exited = threading.Event()  # the core (or our link to it) is gone
+        self.death_reason: str | None = None
+
+    def _reason(self) -> str:
+        return self.death_reason or "the engine core process closed its connection"
+
+    def _link_lost(self) -> None:
+        """The link failed: give whoever records why a moment to do so."""
+        self._exited.wait(timeout=2.0)
+
+    def _send(self, message: object) -> None:
+        if self._exited.is_set():
+            raise EngineDeadError(self._reason())
+        try:
+            self._link.send(message)
+        except OSError as error:
+            self._link_lost()
+            raise EngineDeadError(f"{self._reason()} ({error})") from None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, aborts: list[AbortRequest]) -> None:
+        for abort in aborts:
+            self._send(abort)
+
+    def send_utility(self, name: str) -> int:
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, name))
+        return call_id
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        try:
+            return self._link.recv(timeout_s)
+        except (EOFError, OSError):
+            self._link_lost()
+            raise EngineDeadError(self._reason()) from None
+
+    def poll_outputs(self) -> EngineCoreOutputs | None:
+        if not self._link.poll():
+            return None
+        return self.get_outputs(0.0)
+
+
+class ProcessCoreClient(_LinkedCoreClient):
     """The core in its own process, over a socketpair (engine/ipc.py).
 
     A supervisor thread starts the process and waits for it, so a death is noticed at once (and
     logged with its exit status); it also closes our end of the link, which wakes the reader.
+    `listener`: a listening Unix socket handed to the core, on which other front ends attach.
     """
 
     STARTUP_POLL_S = 0.5
 
-    def __init__(self, config: EngineConfig, watch_pid: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, watch_pid: int | None = None, listener: socket.socket | None = None
+    ) -> None:
         self._watch_pid = watch_pid
+        self._listener = listener
         self._python = config.serving.engine_python or python_executable()
         ours, theirs = socket.socketpair()
-        self._link = FramedSocket(ours)
+        super().__init__(FramedSocket(ours))
         self._theirs = theirs
-        self._call_ids = itertools.count()
         self._started = threading.Event()
-        self._exited = threading.Event()
         self.process: subprocess.Popen | None = None
-        self.death_reason: str | None = None
         self._start_error: BaseException | None = None
         self._supervisor = threading.Thread(
             target=self._supervise, name="paged_llm-core-supervisor", daemon=True
@@ -278,12 +353,14 @@ class ProcessCoreClient:
             "--log-level",
             logging.getLevelName(logging.getLogger("paged_llm").getEffectiveLevel()),
         ]
+        pass_fds = [self._theirs.fileno()]
         if self._watch_pid is not None:
             command += ["--watch-pid", str(self._watch_pid)]
+        if self._listener is not None:
+            command += ["--listen-fd", str(self._listener.fileno())]
+            pass_fds.append(self._listener.fileno())
         try:
-            self.process = subprocess.Popen(
-                command, pass_fds=(self._theirs.fileno(),), env=env, close_fds=True
-            )
+            self.process = subprocess.Popen(command, pass_fds=pass_fds, env=env, close_fds=True)
         except OSError as error:
             self._start_error = error
             self._started.set()
@@ -316,42 +393,6 @@ class ProcessCoreClient:
                 raise RuntimeError(f"the engine core failed to start: {reply.message}")
             return reply
 
-    def _reason(self) -> str:
-        return self.death_reason or "the engine core process closed its connection"
-
-    def _send(self, message: object) -> None:
-        if self._exited.is_set():
-            raise EngineDeadError(self._reason())
-        try:
-            self._link.send(message)
-        except OSError as error:
-            self._exited.wait(timeout=2.0)
-            raise EngineDeadError(f"{self._reason()} ({error})") from None
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(request)
-
-    def abort_requests(self, aborts: list[AbortRequest]) -> None:
-        for abort in aborts:
-            self._send(abort)
-
-    def send_utility(self, name: str) -> int:
-        call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id, name))
-        return call_id
-
-    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
-        try:
-            return self._link.recv(timeout_s)
-        except (EOFError, OSError):
-            self._exited.wait(timeout=2.0)  # let the supervisor record the exit status
-            raise EngineDeadError(self._reason()) from None
-
-    def poll_outputs(self) -> EngineCoreOutputs | None:
-        if not self._link.poll():
-            return None
-        return self.get_outputs(0.0)
-
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
@@ -378,3 +419,107 @@ class ProcessCoreClient:
                 self._exited.wait(timeout=5.0)
                 break
         self._link.close()
+
+
+class AttachedCoreClient(_LinkedCoreClient):
+    """A core that another front end (another Triton instance of this model) started, reached
+    through its listening socket. Its requests carry our prefix; shutdown() only detaches."""
+
+    owns_core = False
+    STARTUP_POLL_S = 0.5
+
+    def __init__(self, address: bytes) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)  # ConnectionRefusedError: nobody listens (yet, or any more)
+        except OSError:
+            sock.close()
+            raise
+        super().__init__(FramedSocket(sock))
+        self.pid: int | None = None
+        self._send(AttachFrontEnd(os.getpid()))
+        while True:  # the core answers once its model is loaded: wait as long as the link lives
+            try:
+                reply = self._link.recv(self.STARTUP_POLL_S)
+            except (EOFError, OSError):
+                self._link.close()
+                raise RuntimeError(
+                    "the engine core started by another instance of this model stopped before it was "
+                    "ready (see that instance's log)"
+                ) from None
+            if reply is not None:
+                break
+        if not isinstance(reply, FrontEndAttached):
+            self._link.close()
+            raise RuntimeError(f"unexpected answer from the shared engine core: {type(reply).__name__}")
+        self.info = reply.info
+        self.front_end_id = reply.front_end_id
+        self.request_id_prefix = reply.request_id_prefix
+
+    def _reason(self) -> str:
+        return self.death_reason or (
+            "the shared engine core closed its connection (the instance that started it stopped, "
+            "or the core died)"
+        )
+
+    def _link_lost(self) -> None:
+        self._exited.set()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Detaches: the core aborts what is left of ours and closes the link. Idempotent."""
+        if not self._exited.is_set():
+            try:
+                self._link.send(Shutdown("the front end detached"))
+                deadline = time.monotonic() + min(timeout_s, 2.0)
+                while time.monotonic() < deadline:  # read until the core closes its side
+                    self._link.recv(0.05)
+            except (EOFError, OSError):
+                pass
+            self._exited.set()
+        self._link.close()
+
+
+ATTACH_RETRY_S = 30.0  # how long an instance keeps trying to join a shared core that is starting
+
+
+def shared_core_address(name: str) -> bytes:
+    """A Linux abstract Unix socket address: no file, gone when its last socket closes."""
+    return b"\0paged_llm/" + name.encode()
+
+
+def connect_engine_core(
+    config: EngineConfig, watch_pid: int | None = None, share_name: str | None = None
+) -> ProcessCoreClient | AttachedCoreClient:
+    """The engine core in its own process. With `share_name`, every caller that passes the same name
+    shares one core: the first one to bind the name starts the core (which listens there), the
+    others attach to it (engine/front_ends.py)."""
+    if share_name is None:
+        return ProcessCoreClient(config, watch_pid)
+    address = shared_core_address(share_name)
+    deadline = time.monotonic() + ATTACH_RETRY_S
+    while True:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+        except OSError as error:
+            listener.close()
+            if error.errno != errno.EADDRINUSE:
+                raise
+            try:
+                client = AttachedCoreClient(address)
+            except ConnectionRefusedError:  # bound but not listening yet, or just closed: retry
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"could not start or join the shared engine core {share_name!r}"
+                    ) from None
+                time.sleep(0.05)
+                continue
+            logger.info(
+                "attached to the shared engine core %r as front end %d", share_name, client.front_end_id
+            )
+            return client
+        try:
+            listener.listen(64)
+            return ProcessCoreClient(config, watch_pid, listener)
+        finally:
+            listener.close()  # the core process holds its own copy

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from paged_llm.engine.core import EngineCore
 from paged_llm.engine.core_types import (
+    AbortFrontEnd,
     AbortRequest,
     CoreError,
     CoreInput,
@@ -92,6 +93,8 @@ def handle_input(core: EngineCore, item: CoreInput) -> None:
         core.abort_request(item.request_id, item.seq_index, item.reason)
     elif isinstance(item, UtilityCall):
         core.record_utility_result(item.call_id, call_utility(core, item.name))
+    elif isinstance(item, AbortFrontEnd):
+        core.abort_all(item.reason, item.request_id_prefix)
     else:
         raise TypeError(f"unexpected engine core input {item!r}")
 

@@ -9,7 +9,9 @@ EngineConfig, builds the EngineCore (the only place CUDA is initialised), answer
 
 The loop sends each step's outputs itself, without blocking (a thread handing frames over would
 contend with it for the GIL every step); only what does not fit in the socket buffer, because the
-front end is behind, goes to the writer thread, and later frames queue behind it in order.
+front end is behind, goes to the writer thread, and later frames queue behind it in order. With
+`--listen-fd`, further front ends (other Triton instances of the model) attach on that socket and
+share the core (engine/front_ends.py).
 
 It never outlives its parent: the kernel sends it SIGKILL when the parent dies (PR_SET_PDEATHSIG),
 a watchdog thread also compares getppid(), and EOF on the socket (the parent closed it or died)
@@ -35,8 +37,9 @@ import traceback
 
 from paged_llm.config import ConfigError
 from paged_llm.engine.core_loop import run_busy_loop
-from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, EngineCoreOutputs, Shutdown
-from paged_llm.engine.ipc import FramedSocket, encode_frame
+from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, Shutdown
+from paged_llm.engine.front_ends import FrontEnds
+from paged_llm.engine.ipc import FramedSocket
 from paged_llm.parent_death import parent_death_signal
 
 logger = logging.getLogger("paged_llm.core")
@@ -94,50 +97,8 @@ def _read_inputs(link: FramedSocket, inbox: queue.SimpleQueue[CoreInput]) -> Non
         _hard_exit_later(EXIT_GRACE_S, 1)
 
 
-class _Publisher:
-    """Sends frames from the busy loop without blocking it (see the module docstring)."""
-
-    def __init__(self, link: FramedSocket) -> None:
-        self._link = link
-        self._lock = threading.Lock()
-        self._num_queued = 0  # frames (or frame tails) handed to the writer and not yet sent
-        self._queue: queue.SimpleQueue[bytes | memoryview | None] = queue.SimpleQueue()
-        self._broken = False
-        self._writer = threading.Thread(target=self._write, name="paged_llm-core-out", daemon=True)
-        self._writer.start()
-
-    def publish(self, outputs: EngineCoreOutputs) -> None:
-        if self._broken:
-            return  # the front end is gone; the reader sees EOF and stops the loop
-        frame: bytes | memoryview = encode_frame(outputs)
-        with self._lock:
-            if self._num_queued == 0:
-                try:
-                    num_sent = self._link.send_bytes_nowait(frame)
-                except OSError:
-                    self._broken = True
-                    return
-                if num_sent == len(frame):
-                    return
-                frame = memoryview(frame)[num_sent:]
-            self._num_queued += 1
-        self._queue.put(frame)
-
-    def close(self, timeout_s: float) -> None:
-        self._queue.put(None)
-        self._writer.join(timeout=timeout_s)
-
-    def _write(self) -> None:
-        while (frame := self._queue.get()) is not None:
-            try:
-                self._link.send_bytes(frame)
-            except OSError:
-                self._broken = True
-            with self._lock:
-                self._num_queued -= 1
-
-
-def serve(link: FramedSocket) -> int:
+def serve(link: FramedSocket, listener: socket.socket | None = None) -> int:
+    """`listener`: further front ends attach here once the core is ready (engine/front_ends.py)."""
     from paged_llm.engine.core import EngineCore  # imports torch: after the parent watch is up
 
     config = link.recv()
@@ -154,13 +115,15 @@ def serve(link: FramedSocket) -> int:
     gc.freeze()
     inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
     threading.Thread(target=_read_inputs, args=(link, inbox), name="paged_llm-core-in", daemon=True).start()
-    publisher = _Publisher(link)
+    front_ends = FrontEnds(link, inbox, core.info)
+    if listener is not None:
+        front_ends.accept_from(listener)
     try:
-        reason = run_busy_loop(core, inbox, publisher.publish, core.device.is_accelerator)
+        reason = run_busy_loop(core, inbox, front_ends.publish, core.device.is_accelerator)
     except BaseException as error:
         logger.error("engine core crashed:\n%s", "".join(traceback.format_exception(error)))
         return 1
-    publisher.close(timeout_s=EXIT_GRACE_S)
+    front_ends.close(timeout_s=EXIT_GRACE_S)
     logger.info("engine core stopped: %s", reason)
     return 0
 
@@ -170,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, required=True, help="inherited socket to the front end")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--watch-pid", type=int, default=None, help="also exit when this process is gone")
+    parser.add_argument("--listen-fd", type=int, default=None, help="listening socket: front ends attach")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -180,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     package_logger.setLevel(args.log_level)
     _die_with_parent(args.parent_pid, args.watch_pid)
     link = FramedSocket(socket.socket(fileno=args.fd))
-    code = serve(link)
+    listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    code = serve(link, listener)
     sys.stderr.flush()
     # Skip interpreter teardown (joining IO threads, CUDA context destructors): the process owns
     # nothing that needs it, and the device memory is released when it exits.

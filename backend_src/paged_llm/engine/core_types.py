@@ -67,10 +67,41 @@ class UtilityCall:
 
 @dataclass
 class Shutdown:
+    """From the front end that started the core: stop. From an attached one: it detaches."""
+
     reason: str = "shutdown requested"
 
 
-CoreInput = EngineCoreRequest | AbortRequest | UtilityCall | Shutdown
+@dataclass
+class AttachFrontEnd:
+    """The first message of a further front end (another Triton instance of the same model on the
+    same device) that shares a running core instead of starting its own (engine/front_ends.py)."""
+
+    pid: int
+
+
+@dataclass
+class FrontEndAttached:
+    """The core's answer to AttachFrontEnd: the attached front end's request ids start with
+    `request_id_prefix`, which is how the core routes their outputs back to it."""
+
+    info: EngineCoreInfo
+    front_end_id: int  # >= 1; the front end that started the core is 0
+
+    @property
+    def request_id_prefix(self) -> str:
+        return f"{self.front_end_id}:"
+
+
+@dataclass
+class AbortFrontEnd:
+    """An attached front end went away: end every request whose id starts with `request_id_prefix`."""
+
+    request_id_prefix: str
+    reason: str
+
+
+CoreInput = EngineCoreRequest | AbortRequest | UtilityCall | AbortFrontEnd | Shutdown
 
 
 @dataclass

@@ -108,6 +108,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._by_core_id: dict[str, RequestState] = {}
         self._core_ids = itertools.count()
+        self.core_id_prefix = ""  # a core shared by several front ends routes outputs by it
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
@@ -128,7 +129,12 @@ class OutputProcessor:
             for _ in range(params.n)
         ]
         state = RequestState(
-            request_id, f"{next(self._core_ids)}", params, len(prompt_token_ids), sequences, arrival_time
+            request_id,
+            f"{self.core_id_prefix}{next(self._core_ids)}",
+            params,
+            len(prompt_token_ids),
+            sequences,
+            arrival_time,
         )
         self.requests[request_id] = state
         self._by_core_id[state.core_request_id] = state

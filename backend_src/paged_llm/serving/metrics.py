@@ -169,8 +169,19 @@ class _Gauge:
 
 
 class TritonMetrics:
-    def __init__(self, pb_utils: Any, stats: EngineStats, model_name: str, model_version: str) -> None:
+    def __init__(
+        self,
+        pb_utils: Any,
+        stats: EngineStats,
+        model_name: str,
+        model_version: str,
+        reports_engine_state: bool = True,
+    ) -> None:
+        """`reports_engine_state` False: a front end that shares another's engine core leaves the
+        core's own figures (running, waiting, KV usage, prefix cache, preemptions) to that one;
+        every front end counts its own requests, tokens and responses (Triton adds them up)."""
         self._stats = stats
+        self._reports_engine_state = reports_engine_state
         self._lock = threading.Lock()
         self._finals_lock = threading.Lock()
         labels = {"model": model_name, "version": model_version}
@@ -251,14 +262,15 @@ class TritonMetrics:
     def update(self) -> None:
         with self._lock:
             snapshot = self._stats.snapshot()
-            self._running.set(snapshot.num_running)
-            self._waiting.set(snapshot.num_waiting)
-            self._kv_usage.set(snapshot.kv_usage)
-            queried, hits = snapshot.prefix_cache_queried_tokens, snapshot.prefix_cache_hit_tokens
-            self._prefix_ratio.set(hits / queried if queried else 0.0)
-            self._advance("prefix_queries", self._prefix_queries, queried)
-            self._advance("prefix_hits", self._prefix_hits, hits)
-            self._advance("preemptions", self._preemptions, snapshot.num_preemptions_total)
+            if self._reports_engine_state:
+                self._running.set(snapshot.num_running)
+                self._waiting.set(snapshot.num_waiting)
+                self._kv_usage.set(snapshot.kv_usage)
+                queried, hits = snapshot.prefix_cache_queried_tokens, snapshot.prefix_cache_hit_tokens
+                self._prefix_ratio.set(hits / queried if queried else 0.0)
+                self._advance("prefix_queries", self._prefix_queries, queried)
+                self._advance("prefix_hits", self._prefix_hits, hits)
+                self._advance("preemptions", self._preemptions, snapshot.num_preemptions_total)
             self._advance("prompt_tokens", self._prompt_tokens, snapshot.num_prompt_tokens_total)
             self._advance("generation_tokens", self._generation_tokens, snapshot.num_generation_tokens_total)
             for outcome, counter in self._outcomes.items():

@@ -8,6 +8,7 @@ process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -150,14 +151,25 @@ def make_model_repository(
     parameters: dict[str, str] | None = None,
     models: tuple[str, ...] = ("llm", "llm_trtllm"),
     source: Path | None = None,
+    instance_count: int | None = None,
 ) -> Path:
-    """Copies the repository's models into `target`, overriding `parameters` of the llm model."""
+    """Copies the repository's models into `target`, overriding `parameters` of the llm model (and
+    its instance_group count: that many Triton instances, sharing one engine core)."""
     source = source or repo_root() / "model_repository"
     for name in models:
         shutil.rmtree(target / name, ignore_errors=True)  # a fresh copy each time
         shutil.copytree(source / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+    config_path = target / "llm" / "config.pbtxt"
+    if instance_count is not None:
+        config, found = re.subn(
+            r"instance_group \[ \{ count: \d+",
+            f"instance_group [ {{ count: {instance_count}",
+            config_path.read_text(),
+        )
+        if found != 1:
+            raise ValueError(f"no instance_group count in {config_path}")
+        config_path.write_text(config)
     if parameters:
-        config_path = target / "llm" / "config.pbtxt"
         config = config_path.read_text()
         lines = [line for line in config.splitlines() if not any(f'key: "{k}"' in line for k in parameters)]
         for key, value in parameters.items():
@@ -175,9 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     make = sub.add_parser("make-repository", help="copy the llm model with overridden parameters")
     make.add_argument("target", type=Path)
     make.add_argument("parameters", nargs="*", help="key=value engine settings for config.pbtxt")
-    args = parser.parse_args(argv)
-    parameters = dict(item.split("=", 1) for item in args.parameters)
-    print(make_model_repository(args.target, parameters, models=("llm",)))
+    make.add_argument("--instance-count", type=int, help="Triton instances of llm (they share one core)")
+    args, rest = parser.parse_known_args(argv)  # key=value pairs may also follow the options
+    if any("=" not in item for item in rest):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    parameters = dict(item.split("=", 1) for item in args.parameters + rest)
+    print(make_model_repository(args.target, parameters, models=("llm",), instance_count=args.instance_count))
     return 0
 
 

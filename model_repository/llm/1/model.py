@@ -95,14 +95,31 @@ class TritonPythonModel:
             sys.setswitchinterval(self.config.serving.gil_switch_interval_s)
         self._ids = itertools.count()
         self._streams: ResponseStreams | None = None
+        # Every instance of this model (instance_group count) on one device shares one engine core:
+        # the first to get here starts it, the others attach (engine/front_ends.py).
+        share_name = "/".join(
+            (
+                str(os.getppid()),
+                args["model_name"],
+                args["model_version"],
+                args.get("model_instance_device_id", "0"),
+            )
+        )
         self.engine = AsyncLLM(
             self.config,
             self._on_outputs,
             core_mode=self.config.serving.engine_mode,
             max_merged_steps=self.config.serving.max_merged_steps,
             watch_pid=os.getppid(),  # tritonserver
+            share_name=share_name,
         )
-        self.metrics = TritonMetrics(pb_utils, self.engine.stats, args["model_name"], args["model_version"])
+        self.metrics = TritonMetrics(
+            pb_utils,
+            self.engine.stats,
+            args["model_name"],
+            args["model_version"],
+            reports_engine_state=self.engine.owns_core,
+        )
         self._streams = ResponseStreams(
             pb_utils,
             self.metrics,

@@ -1,0 +1,127 @@
+"""Several front ends (AsyncLLMs, as several Triton instances of one model) sharing one engine core
+process (engine/front_ends.py): routing, detaching, and the core's owner stopping."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
+from paged_llm.engine.async_llm import AsyncLLM
+from paged_llm.engine.core_client import AttachedCoreClient, ProcessCoreClient
+from paged_llm.errors import EngineDeadError, RequestAbortedError
+from paged_llm.sampling_params import SamplingParams
+from tests.integration.conftest import make_engine, run_to_completion
+
+
+class Collector:
+    """on_outputs of one front end: every RequestOutput by request id."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+
+    def __call__(self, outputs) -> None:
+        with self._changed:
+            for output in outputs:
+                self.outputs.setdefault(output.request_id, []).append(output)
+            self._changed.notify_all()
+
+    def wait_final(self, request_id: str, timeout_s: float = 60.0):
+        with self._changed:
+            assert self._changed.wait_for(
+                lambda: any(o.finished for o in self.outputs.get(request_id, [])), timeout_s
+            ), f"no final output for {request_id}"
+            return [o for o in self.outputs[request_id] if o.finished][-1]
+
+    def token_ids(self, request_id: str) -> list[int]:
+        with self._lock:
+            return [
+                t for o in self.outputs[request_id] for s in o.sequences if s.index == 0 for t in s.token_ids
+            ]
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+@pytest.fixture
+def front_ends(tiny_model_dir) -> Iterator[tuple[AsyncLLM, Collector, AsyncLLM, Collector]]:
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32"), cache=CacheConfig(num_blocks=512)
+    )
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    first_outputs, second_outputs = Collector(), Collector()
+    first = AsyncLLM(config, first_outputs, core_mode="process", share_name=name)
+    try:
+        second = AsyncLLM(config, second_outputs, core_mode="process", share_name=name)
+    except BaseException:
+        first.shutdown(grace_s=0.0)
+        raise
+    try:
+        yield first, first_outputs, second, second_outputs
+    finally:
+        second.shutdown(grace_s=0.0)
+        first.shutdown(grace_s=0.0)
+
+
+def test_front_ends_share_one_core_and_each_gets_its_own_tokens(front_ends, tiny_model_dir, prompts):
+    first, first_outputs, second, second_outputs = front_ends
+    assert isinstance(first.client, ProcessCoreClient) and first.owns_core
+    assert isinstance(second.client, AttachedCoreClient) and not second.owns_core
+    assert second.client.request_id_prefix == "1:"
+    reference = run_to_completion(make_engine(tiny_model_dir), prompts[:6], greedy(12))
+    # The same request ids on both front ends: the core tells them apart by the attached prefix.
+    for index in range(6):
+        (first if index % 2 else second).add_request(f"r{index}", prompts[index], greedy(12))
+        (second if index % 2 else first).add_request(f"r{index}", prompts[index], greedy(12))
+    for index in range(6):
+        for outputs in (first_outputs, second_outputs):
+            final = outputs.wait_final(f"r{index}")
+            assert final.error is None
+            assert outputs.token_ids(f"r{index}") == reference[index][0].token_ids
+    assert first.stats.snapshot().num_generation_tokens_total == 6 * 12
+    assert second.stats.snapshot().num_generation_tokens_total == 6 * 12
+
+
+def test_a_detaching_front_end_has_its_requests_aborted_and_the_other_keeps_serving(front_ends, prompts):
+    first, first_outputs, second, second_outputs = front_ends
+    second.add_request("long", prompts[0], greedy(4000, ignore_eos=True))
+    first.add_request("long", prompts[1], greedy(40, ignore_eos=True))
+    second.shutdown(grace_s=0.0)
+    final = second_outputs.wait_final("long")
+    assert isinstance(final.error, RequestAbortedError)
+    assert first_outputs.wait_final("long").error is None
+    assert len(first_outputs.token_ids("long")) == 40
+    first.add_request("after", prompts[2], greedy(5))
+    assert first_outputs.wait_final("after").error is None
+    with pytest.raises(EngineDeadError):
+        second.add_request("late", prompts[2], greedy(5))
+    # The detached front end's sequence left the core: nothing runs any more.
+    first.add_request("probe", prompts[3], greedy(1))
+    first_outputs.wait_final("probe")
+    snapshot = first.stats.snapshot()
+    assert snapshot.num_running == 0 and snapshot.num_waiting == 0
+
+
+def test_the_owner_stopping_ends_the_attached_front_ends_requests(front_ends, prompts):
+    first, _, second, second_outputs = front_ends
+    second.add_request("long", prompts[0], greedy(4000, ignore_eos=True))
+    pause = threading.Event()
+    while not second_outputs.outputs.get("long"):
+        pause.wait(0.01)  # it runs
+    first.shutdown(grace_s=0.0)
+    final = second_outputs.wait_final("long")
+    assert final.error is not None and final.sequences[0].finish_reason == "abort"
+    for _ in range(1000):  # the front end notices that the core closed the link
+        if second.dead_reason is not None:
+            break
+        pause.wait(0.01)
+    assert "shared engine core closed" in (second.dead_reason or "")
+    with pytest.raises(EngineDeadError):
+        second.add_request("late", prompts[1], greedy(2))
