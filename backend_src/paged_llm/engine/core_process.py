@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent(args.parent_pid, args.watch_pid)
     link = FramedSocket(socket.socket(fileno=args.fd))
     listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    for sock in (link.sock, listener):  # inherited for us only: what we start must not hold them
+        if sock is not None:
+            sock.set_inheritable(False)
     code = serve(link, listener)
     sys.stderr.flush()
     # Skip interpreter teardown (joining IO threads, CUDA context destructors): the process owns
