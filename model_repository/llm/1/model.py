@@ -95,16 +95,21 @@ class TritonPythonModel:
             sys.setswitchinterval(self.config.serving.gil_switch_interval_s)
         self._ids = itertools.count()
         self._streams: ResponseStreams | None = None
-        # Every instance of this model (instance_group count) on one device shares one engine core:
-        # the first to get here starts it, the others attach (engine/front_ends.py).
-        share_name = "/".join(
-            (
-                str(os.getppid()),
-                args["model_name"],
-                args["model_version"],
-                args.get("model_instance_device_id", "0"),
+        # Several instances of this model (instance_group count) on one device share one engine
+        # core: the first to get here starts it, the others attach (engine/front_ends.py). One
+        # instance keeps a core of its own, so an in-place reload (the new model loads while the
+        # old one still serves) never finds the old core under the shared name.
+        num_instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
+        share_name = None
+        if num_instances > 1:
+            share_name = "/".join(
+                (
+                    str(os.getppid()),
+                    args["model_name"],
+                    args["model_version"],
+                    args.get("model_instance_device_id", "0"),
+                )
             )
-        )
         self.engine = AsyncLLM(
             self.config,
             self._on_outputs,
