@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from paged_llm.gc_pauses import LONG_PAUSE_S, process_gc_pauses
 from paged_llm.tools.bench_workload import (
     Job,
     RequestRecord,
@@ -278,30 +279,60 @@ def _profile_stub(server: Any, path: Path | None) -> Any:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-_POLL_METRIC = re.compile(r"^(paged_llm_cancellation_check(?:s|_seconds)_total)(?:\{[^}]*\})?\s+(\S+)$", re.M)
+_COUNTER = re.compile(
+    r"^(paged_llm_(?:cancellation_check(?:s|_seconds)|engine_gc_(?:collections|pause_seconds|long_pauses))_total)"
+    r"(?:\{[^}]*\})?\s+(\S+)$",
+    re.M,
+)
 
 
-def _cancellation_polls(server: Any) -> tuple[float, float, float] | None:
-    """(checks, seconds in is_cancelled(), now) from a launched server's /metrics, else None."""
+def _server_counters(server: Any) -> dict[str, float] | None:
+    """The stub's cancellation-polling and the engine core's GC counters from a launched server's
+    /metrics (and `now`), else None."""
     if server is None:
         return None
-    values = {name: float(value) for name, value in _POLL_METRIC.findall(server.metrics())}
-    checks = values.get("paged_llm_cancellation_checks_total")
-    seconds = values.get("paged_llm_cancellation_check_seconds_total")
-    return None if checks is None or seconds is None else (checks, seconds, time.monotonic())
+    values = {name: float(value) for name, value in _COUNTER.findall(server.metrics())}
+    values["now"] = time.monotonic()
+    return values
 
 
 def _poll_delta(before: Any, after: Any) -> dict[str, float] | None:
     """The stub's cancellation polling during one run: what each is_cancelled() round trip cost.
     (The stub updates the counters every few seconds: short runs under-count slightly.)"""
-    if before is None or after is None or after[0] <= before[0]:
+    key, seconds_key = "paged_llm_cancellation_checks_total", "paged_llm_cancellation_check_seconds_total"
+    if before is None or after is None or after.get(key, 0.0) <= before.get(key, 0.0):
         return None
-    num_checks, seconds, wall_s = (a - b for a, b in zip(after, before))
+    num_checks = after[key] - before[key]
+    seconds = after[seconds_key] - before[seconds_key]
     return {
         "num_checks": num_checks,
         "us_per_check": 1e6 * seconds / num_checks,
-        "busy_share": seconds / wall_s,
+        "busy_share": seconds / (after["now"] - before["now"]),
     }
+
+
+def _engine_gc_delta(before: Any, after: Any) -> dict[str, float] | None:
+    """The engine core's garbage collections during one run (from the server's counters)."""
+    if before is None or after is None or "paged_llm_engine_gc_collections_total" not in after:
+        return None
+
+    def delta(name: str) -> float:
+        return after.get(f"paged_llm_engine_gc_{name}_total", 0.0) - before.get(
+            f"paged_llm_engine_gc_{name}_total", 0.0
+        )
+
+    return {
+        "num_collections": delta("collections"),
+        "pause_ms": 1e3 * delta("pause_seconds"),
+        "num_long_pauses": delta("long_pauses"),
+    }
+
+
+def _format_gc(label: str, num_collections: float, pause_ms: float, num_long_pauses: float) -> str:
+    return (
+        f"   {label}: {num_collections:.0f} collections, {pause_ms:.1f} ms in all, "
+        f"{num_long_pauses:.0f} of {LONG_PAUSE_S * 1e3:g} ms or more"
+    )
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -420,7 +451,7 @@ def main() -> int:
             run_served(url, args.model, warmup, len(warmup), 1)
         for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
-            polls_before = _cancellation_polls(server)
+            counters_before = _server_counters(server)
             served, client_gc = run_served(
                 url, args.model, run.jobs, run.concurrency, args.client_processes, args.text_only
             )
@@ -428,7 +459,9 @@ def main() -> int:
             summary["client_gc"] = client_gc
             if profiler is not None:
                 profiler.wait()
-            summary["cancellation_polls"] = _poll_delta(polls_before, _cancellation_polls(server))
+            counters_after = _server_counters(server)
+            summary["cancellation_polls"] = _poll_delta(counters_before, counters_after)
+            summary["engine_gc"] = _engine_gc_delta(counters_before, counters_after)
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}
@@ -446,6 +479,8 @@ def main() -> int:
                     f"{polls['busy_share']:.2%} of the run in one thread",
                     flush=True,
                 )
+            if summary["engine_gc"]:
+                print(_format_gc("engine core GC", **summary["engine_gc"]), flush=True)
     finally:
         if server is not None:
             server.stop()
@@ -453,12 +488,20 @@ def main() -> int:
         engine = offline_engine(repository, args.compare_offline or None, args.offline_core_mode)
         run_offline(engine, warmup, None)
         for run, result in tqdm(list(zip(runs, results)), desc="offline", unit="run"):
+            gc_before = process_gc_pauses()
             summary = summarize(run_offline(engine, run.jobs, run.concurrency))
+            if args.offline_core_mode == "inprocess":  # the engine's collections are this process's
+                pauses = process_gc_pauses().since(gc_before)
+                summary["engine_gc"] = {"num_collections": pauses.num_collections,
+                                        "pause_ms": 1e3 * pauses.pause_s_total,
+                                        "num_long_pauses": pauses.num_long_pauses}  # fmt: skip
             result["offline"] = summary
             result["served_over_offline"] = (
                 result["served"]["output_tokens_per_s"] / summary["output_tokens_per_s"]
             )
             print(format_summary(f"offline, {run.label}", summary))
+            if summary.get("engine_gc"):
+                print(_format_gc("offline engine GC (this process)", **summary["engine_gc"]))
             served_tpot, offline_tpot = result["served"]["tpot_ms"]["p50"], summary["tpot_ms"]["p50"]
             if served_tpot and offline_tpot:
                 result["tpot_p50_served_over_offline"] = served_tpot / offline_tpot

@@ -67,3 +67,10 @@ def test_metrics_after_a_known_workload(server):
     ):
         assert f"{gauge}{{" in text
     assert "paged_llm_prefix_cache_hit_ratio{" in text
+    # The engine core's garbage collections are exported (how many there were depends on the run).
+    for counter in (
+        "paged_llm_engine_gc_collections_total",
+        "paged_llm_engine_gc_pause_seconds_total",
+        "paged_llm_engine_gc_long_pauses_total",
+    ):
+        assert f"{counter}{{" in text

@@ -38,6 +38,7 @@ from paged_llm.engine.core_types import (
 )
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError
+from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.runner.device import Device
@@ -150,6 +151,7 @@ class EngineCore:
         self._seed_rng = random.Random(config.model.seed)
         self.num_steps = 0
         self.num_step_faults = 0
+        process_gc_pauses()  # counting starts now
         self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
 
     # ---------------------------------------------------------------------------------- requests
@@ -302,6 +304,7 @@ class EngineCore:
         outputs.scheduler_stats = self.scheduler_stats()
         outputs.num_steps = self.num_steps
         outputs.num_step_faults = self.num_step_faults
+        outputs.gc_pauses = process_gc_pauses()
         return outputs
 
     def _publish_updates(self, updates: list[SequenceUpdate], runner_output: ModelRunnerOutput) -> None:

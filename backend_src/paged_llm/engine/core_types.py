@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_llm.core.scheduler import SchedulerStats
+from paged_llm.gc_pauses import GcPauses
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -157,6 +158,7 @@ class EngineCoreOutputs:
     finished_requests: list[FinishedRequest] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None  # after this step
     num_step_faults: int = 0  # model steps that raised, since start
+    gc_pauses: GcPauses | None = None  # the core process's garbage-collection pauses, since start
     utility_results: dict[int, tuple[bool, object]] = field(default_factory=dict)  # call id -> (ok, value)
     num_steps: int = 0  # engine steps taken so far (the first step is 1)
 

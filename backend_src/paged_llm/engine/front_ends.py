@@ -69,6 +69,7 @@ def split_outputs(
             found = parts[front_end] = EngineCoreOutputs(
                 scheduler_stats=outputs.scheduler_stats,
                 num_step_faults=outputs.num_step_faults,
+                gc_pauses=outputs.gc_pauses,
                 num_steps=outputs.num_steps,
             )
         return found

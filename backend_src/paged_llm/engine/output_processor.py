@@ -191,7 +191,7 @@ class OutputProcessor:
             self._fail(state, error_from_core(finished.error))
             touched.add(state.request_id)
         if outputs.scheduler_stats is not None:
-            self.stats.update_scheduler(outputs.scheduler_stats, outputs.num_step_faults)
+            self.stats.update_scheduler(outputs.scheduler_stats, outputs.num_step_faults, outputs.gc_pauses)
         return touched, aborts
 
     def _apply_token(

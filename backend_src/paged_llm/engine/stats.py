@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from paged_llm.core.scheduler import SchedulerStats
+from paged_llm.gc_pauses import GcPauses
 
 
 @dataclass
@@ -34,6 +35,7 @@ class StatsSnapshot:
     num_generation_tokens_total: int
     num_requests_by_outcome: dict[str, int]
     num_step_faults: int
+    engine_gc: GcPauses  # the engine core process's garbage-collection pauses
     num_cancellation_checks: int  # is_cancelled() round trips to the server
     cancellation_check_seconds: float  # time they took
 
@@ -44,6 +46,7 @@ class EngineStats:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_step_faults = 0
+        self.engine_gc = GcPauses()
         self.requests_by_outcome: Counter[str] = Counter()
         self.scheduler: SchedulerStats | None = None  # as of the last core step seen
         self.num_cancellation_checks = 0
@@ -54,10 +57,14 @@ class EngineStats:
         with self._lock:
             self.num_prompt_tokens_total += num_prompt_tokens
 
-    def update_scheduler(self, scheduler_stats: SchedulerStats, num_step_faults: int) -> None:
+    def update_scheduler(
+        self, scheduler_stats: SchedulerStats, num_step_faults: int, engine_gc: GcPauses | None = None
+    ) -> None:
         with self._lock:
             self.scheduler = scheduler_stats
             self.num_step_faults = num_step_faults
+            if engine_gc is not None:
+                self.engine_gc = engine_gc
 
     def on_token(
         self, time_to_first_token_s: float | None, last_token_time: float | None, now: float
@@ -100,6 +107,7 @@ class EngineStats:
                 num_generation_tokens_total=self.num_generation_tokens_total,
                 num_requests_by_outcome=dict(self.requests_by_outcome),
                 num_step_faults=self.num_step_faults,
+                engine_gc=self.engine_gc,
                 num_cancellation_checks=self.num_cancellation_checks,
                 cancellation_check_seconds=self.cancellation_check_seconds,
             )

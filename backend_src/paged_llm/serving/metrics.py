@@ -23,6 +23,9 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_prefix_cache_hits_total | counter | prompt tokens served from the prefix cache |
 | paged_llm_prefix_cache_hit_ratio | gauge | hits / queries since start |
 | paged_llm_num_preemptions_total | counter | preemptions by recompute |
+| paged_llm_engine_gc_collections_total | counter | garbage collections in the engine core process |
+| paged_llm_engine_gc_pause_seconds_total | counter | time they stopped the core |
+| paged_llm_engine_gc_long_pauses_total | counter | those of 5 ms or more (longer than a decode step) |
 | paged_llm_prompt_tokens_total | counter | prompt tokens of accepted requests |
 | paged_llm_generation_tokens_total | counter | generated tokens |
 | paged_llm_request_outcomes_total{outcome} | counter | finished requests: stop, length, abort, error |
@@ -43,6 +46,7 @@ import threading
 from typing import Any
 
 from paged_llm.engine.stats import EngineStats
+from paged_llm.gc_pauses import LONG_PAUSE_S
 
 _TTFT_BUCKETS = [
     0.001,
@@ -223,6 +227,19 @@ class TritonMetrics:
         self._preemptions = metric(
             "paged_llm_num_preemptions_total", "Preemptions by recompute", family.COUNTER
         )
+        self._gc_collections = metric(
+            "paged_llm_engine_gc_collections_total", "Garbage collections in the engine core", family.COUNTER
+        )
+        self._gc_seconds = metric(
+            "paged_llm_engine_gc_pause_seconds_total",
+            "Seconds the engine core spent in garbage collection",
+            family.COUNTER,
+        )
+        self._gc_long_pauses = metric(
+            "paged_llm_engine_gc_long_pauses_total",
+            f"Engine core garbage collections of {LONG_PAUSE_S * 1e3:g} ms or more",
+            family.COUNTER,
+        )
         self._prompt_tokens = metric(
             "paged_llm_prompt_tokens_total", "Prompt tokens accepted", family.COUNTER
         )
@@ -271,6 +288,10 @@ class TritonMetrics:
                 self._advance("prefix_queries", self._prefix_queries, queried)
                 self._advance("prefix_hits", self._prefix_hits, hits)
                 self._advance("preemptions", self._preemptions, snapshot.num_preemptions_total)
+                engine_gc = snapshot.engine_gc
+                self._advance("gc_collections", self._gc_collections, engine_gc.num_collections)
+                self._advance("gc_seconds", self._gc_seconds, engine_gc.pause_s_total)
+                self._advance("gc_long_pauses", self._gc_long_pauses, engine_gc.num_long_pauses)
             self._advance("prompt_tokens", self._prompt_tokens, snapshot.num_prompt_tokens_total)
             self._advance("generation_tokens", self._generation_tokens, snapshot.num_generation_tokens_total)
             for outcome, counter in self._outcomes.items():
