@@ -255,6 +255,27 @@ def test_prompt_byte_cap_comes_from_config(tmp_path):
         capped.stop()
 
 
+def test_tokenizing_huge_prompts_does_not_hold_up_a_tiny_request(server):
+    """Two prompts of ~1 MB (just under the byte cap) take about a second each to tokenize, then fail
+    (far more tokens than max_model_len); a tiny request sent after them on the same stream is
+    answered first: large prompts are tokenized off Triton's execute thread, without the GIL."""
+    client = StreamClient(server.grpc_url)
+    huge = "many words " * 95_000  # 1,045,000 bytes
+    for request_id in ("huge1", "huge2"):
+        client.send(request_id, huge, sampling_parameters={"max_tokens": 1})
+    client.send("tiny", "hi", sampling_parameters={"max_tokens": 1})
+    finals = []
+    while len(finals) < 3:
+        result, error = client.next(timeout_s=120)
+        if error is not None:
+            finals.append(str(error))
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            finals.append(result.get_response().id)
+    assert finals[0] == "tiny", finals
+    assert all("prompt" in message and "max_model_len" in message for message in finals[1:]), finals
+    client.cancel()
+
+
 # ---------------------------------------------------------------------------------------- faults
 def test_injected_step_fault_fails_in_flight_requests_then_recovers(tmp_path):
     repository = make_model_repository(tmp_path / "models", {"fault_injection_step": "3"}, models=("llm",))

@@ -39,11 +39,16 @@ class FastTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added (what a prompt becomes)."""
-        return self.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text, add_special_tokens=False)
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
         """HF-style: `tokenizer(text)["input_ids"]`."""
-        return {"input_ids": self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
+        return {"input_ids": self._encode(text, add_special_tokens)}
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while it works (encode does not): a megabyte of prompt takes
+        # about a second to tokenize, and every other thread of the stub must keep running meanwhile.
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False, **_: Any) -> str:
         """HF's decode with clean_up_tokenization_spaces=False (what paged_llm always uses)."""

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -39,6 +40,8 @@ _HOUSEKEEPING_INTERVAL_S = 0.05
 _MIN_CANCEL_POLL_INTERVAL_S = 0.05  # each in-flight request is asked at most this often
 _CANCEL_POLL_DUTY = 0.05  # cancellation polling may take at most this share of one thread's time
 _METRICS_INTERVAL_S = 0.5
+_INLINE_TOKENIZE_CHARS = 16384  # longer text prompts are tokenized on a worker thread
+_TOKENIZE_THREADS = 2
 logger = logging.getLogger("paged_llm")
 
 
@@ -133,6 +136,15 @@ class TritonPythonModel:
             self.config.serving.response_send_threads,
         )
         self._server_watch = ServerShutdownWatch(endpoint_of_process(os.getppid()))
+        # Daemon threads (not a ThreadPoolExecutor, whose workers the interpreter joins at exit: a
+        # pb_utils call blocked on a dead server must never keep the stub from exiting).
+        self._admissions: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._tokenize_threads = [
+            threading.Thread(target=self._admission_loop, name=f"paged_llm-tokenize-{i}", daemon=True)
+            for i in range(_TOKENIZE_THREADS)
+        ]
+        for thread in self._tokenize_threads:
+            thread.start()
         self._stopping = threading.Event()
         self._finalized = threading.Event()
         self._housekeeping = threading.Thread(
@@ -150,30 +162,50 @@ class TritonPythonModel:
         return None
 
     def _accept(self, request: Any) -> None:
+        """On Triton's execute thread: read the request; tokenize a large prompt elsewhere."""
         self._server_watch.mark_open()
         sender = request.get_response_sender()
         try:
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
             parsed = parse_request(inputs, request.parameters(), self.config.limits)
             parsed = replace(parsed, requested_outputs=frozenset(request.requested_output_names()) or None)
+            timeout_us = request.timeout()
+        except InvalidRequestError as error:
+            self._streams.send_error(sender, error)
+            return
+        except Exception as error:  # a bug of ours: INTERNAL, one line to the client, traceback to the log
+            self._internal_error(sender, error)
+            return
+        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
+        if parsed.prompt_text is not None and len(parsed.prompt_text) > _INLINE_TOKENIZE_CHARS:
+            # Tokenizing a large prompt takes up to a second: not on the thread every request
+            # comes through (the tokenizer releases the GIL, so the rest of the stub runs on).
+            self._admissions.put((sender, parsed, deadline))
+        else:
+            self._admit(sender, parsed, deadline)
+
+    def _admission_loop(self) -> None:
+        while (item := self._admissions.get()) is not None:
+            self._admit(*item)
+
+    def _admit(self, sender: Any, parsed: Any, deadline: float | None) -> None:
+        """Tokenize, validate, and hand the request to the engine (or answer it with its error).
+        No is_cancelled() here: it is a round trip to the server (0.1-0.4 ms on the GPU hosts), which
+        256 requests arriving at once would pay one after the other; the housekeeping thread's
+        cancellation polling finds a request its client already gave up on."""
+        try:
+            if not self.engine.is_accepting:
+                raise EngineDeadError("the engine is not accepting requests (shutting down or dead)")
             if parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
                 prompt_ids = self.engine.tokenize(parsed.prompt_text or "")
             self.engine.validate(prompt_ids, parsed.params)
-        except InvalidRequestError as error:
+        except (InvalidRequestError, EngineDeadError) as error:
             self._streams.send_error(sender, error)
             return
-        except Exception as error:  # a bug of ours: INTERNAL, one line to the client, traceback to the log
-            logger.exception("reading a request failed")
-            self._streams.send_error(
-                sender, RuntimeError(f"internal error reading the request ({type(error).__name__})")
-            )
-            return
-        if request.is_cancelled():
-            self._streams.send_error(
-                sender, RequestAbortedError("cancelled by the client before it was queued")
-            )
+        except Exception as error:
+            self._internal_error(sender, error)
             return
         prompt_text = parsed.prompt_text
         if prompt_text is None:
@@ -184,12 +216,16 @@ class TritonPythonModel:
             parsed, prompt_text, len(prompt_ids), self.config.serving.max_merged_steps
         )
         stream = self._streams.open(request_id, sender, accumulator)
-        timeout_us = request.timeout()
-        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
         try:
             self.engine.add_request(request_id, prompt_ids, parsed.params, deadline)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.fail(stream, error)
+
+    def _internal_error(self, sender: Any, error: Exception) -> None:
+        logger.exception("reading a request failed")
+        self._streams.send_error(
+            sender, RuntimeError(f"internal error reading the request ({type(error).__name__})")
+        )
 
     def _on_outputs(self, outputs: list[Any]) -> None:
         """AsyncLLM's output thread (it may deliver a dead core's news before initialize() ends)."""
@@ -241,6 +277,10 @@ class TritonPythonModel:
         (each gets its CANCELLED final), then stops the engine core and our threads."""
         self._finalized.set()
         self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
+        for _ in self._tokenize_threads:  # what waits there is answered UNAVAILABLE now
+            self._admissions.put(None)
+        for thread in self._tokenize_threads:
+            thread.join(timeout=5.0)
         self._streams.stop()
         self._stopping.set()
         self._housekeeping.join(timeout=10.0)
