@@ -346,6 +346,41 @@ def test_repeated_load_unload_leaks_no_threads_processes_or_memory(tmp_path):
         explicit.stop()
 
 
+def test_unloading_cancels_streams_in_flight_after_the_grace_period(tmp_path):
+    """Triton finalizes a decoupled model only after every request in flight has ended: the stub
+    notices the unload itself (the server says the model is no longer ready), gives in-flight
+    requests shutdown_grace_s, then ends them with CANCELLED; the unload then completes."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    explicit = start_server(
+        repository, tmp_path / "server.log", ["--model-control-mode=explicit", "--load-model=llm"]
+    )
+    try:
+        clients = [StreamClient(explicit.grpc_url) for _ in range(3)]
+        for index, client in enumerate(clients):
+            client.send(f"u{index}", f"unload me {index}", stream=True, sampling_parameters=LONG)
+        for client in clients:
+            _result, error = client.next()  # each is running
+            assert error is None
+        assert http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})[0] == 200
+        for client in clients:
+            num_tokens = 0
+            while True:  # tokens until the grace period ends, then exactly one error: cancelled
+                result, error = client.next(timeout_s=60)
+                if error is not None:
+                    assert "shutting down" in str(error), str(error)
+                    break
+                assert not result.get_response().parameters["triton_final_response"].bool_param
+                num_tokens += len(result.as_numpy("output_ids"))
+            assert num_tokens < LONG["max_tokens"]
+            client.client.close()
+        index = lambda: json.loads(http_post(explicit.http_url, "/v2/repository/index", {})[1])  # noqa: E731
+        assert wait_for(lambda: next(m.get("state") for m in index() if m["name"] == "llm") == "UNAVAILABLE")
+        assert "the model is being unloaded" in explicit.log()
+        assert our_processes(explicit) == {"stubs": [], "cores": []}
+    finally:
+        explicit.stop()
+
+
 # ------------------------------------------------------------------------------------------- fuzz
 _KEYS = [
     "max_tokens",

@@ -71,6 +71,7 @@ class AsyncLLM:
         self._accepting = True
         self.dead_reason: str | None = None
         self._stop = threading.Event()
+        self._shutdown_lock = threading.Lock()
         self._thread = threading.Thread(target=self._output_loop, name="paged_llm-outputs", daemon=True)
         self._thread.start()
 
@@ -209,27 +210,28 @@ class AsyncLLM:
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stops accepting, lets in-flight requests run up to `grace_s`, aborts the rest (each gets
         its final), stops the output thread and the core."""
-        self._accepting = False
-        deadline = time.monotonic() + grace_s
-        while self.processor.has_unfinished_requests() and time.monotonic() < deadline:
-            if not self._thread.is_alive():
-                break
-            time.sleep(0.01)
-        self.abort_all(RequestAbortedError("the server is shutting down"))
-        while self.processor.has_unfinished_requests() and self._thread.is_alive():
-            time.sleep(0.01)
-        # The core ends the aborted sequences at its next loop and says so in its stats: wait for
-        # that (briefly), so that the last stats and metrics do not count requests that are gone.
-        # (A front end sharing the core does not report its stats: other front ends' requests.)
-        settle_deadline = time.monotonic() + (_CORE_SETTLE_S if self.owns_core else 0.0)
-        while self._thread.is_alive() and time.monotonic() < settle_deadline:
-            snapshot = self.stats.snapshot()
-            if snapshot.num_running == 0 and snapshot.num_waiting == 0:
-                break
-            time.sleep(0.01)
-        self._stop.set()
-        self._thread.join(timeout=10.0)
-        self.client.shutdown()
+        with self._shutdown_lock:  # finalize() and an unload or server-shutdown thread may race
+            self._accepting = False
+            deadline = time.monotonic() + grace_s
+            while self.processor.has_unfinished_requests() and time.monotonic() < deadline:
+                if not self._thread.is_alive():
+                    break
+                time.sleep(0.01)
+            self.abort_all(RequestAbortedError("the server is shutting down"))
+            while self.processor.has_unfinished_requests() and self._thread.is_alive():
+                time.sleep(0.01)
+            # The core ends the aborted sequences at its next loop and says so in its stats: wait for
+            # that (briefly), so that the last stats and metrics do not count requests that are gone.
+            # (A front end sharing the core does not report its stats: other front ends' requests.)
+            settle_deadline = time.monotonic() + (_CORE_SETTLE_S if self.owns_core else 0.0)
+            while self._thread.is_alive() and time.monotonic() < settle_deadline:
+                snapshot = self.stats.snapshot()
+                if snapshot.num_running == 0 and snapshot.num_waiting == 0:
+                    break
+                time.sleep(0.01)
+            self._stop.set()
+            self._thread.join(timeout=10.0)
+            self.client.shutdown()
 
     @property
     def is_accepting(self) -> bool:

@@ -24,6 +24,7 @@ The port and the exit timeout come from tritonserver's command line (/proc/<pid>
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import sys
@@ -31,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 _DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs default
@@ -42,6 +44,7 @@ class Endpoint:
     host: str
     port: int
     exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S  # how long the server waits for models at exit
+    protocol: str = "http"  # "http", or "grpc" when the server has HTTP off
 
 
 def _options(argv: list[str]) -> dict[str, str]:
@@ -74,7 +77,9 @@ def server_endpoint(argv: list[str]) -> Endpoint | None:
         except ValueError:
             continue
         host = options.get(f"{protocol}-address", "0.0.0.0")
-        return Endpoint("127.0.0.1" if host in ("0.0.0.0", "", "::") else host, port, exit_timeout_s)
+        return Endpoint(
+            "127.0.0.1" if host in ("0.0.0.0", "", "::") else host, port, exit_timeout_s, protocol
+        )
     return None
 
 
@@ -113,6 +118,39 @@ class ServerShutdownWatch:
         except OSError:
             pass  # a timeout or an unreachable address says nothing either way
         return self._closed
+
+
+class ModelUnloadWatch:
+    """`unloading()` turns True (and stays) once the server, which said this model version was
+    ready, says it no longer is: an unload has begun (`POST .../unload`, or a repository change
+    under polling). Triton 2.51 tells a Python model nothing until finalize(), and it calls that
+    only after every request in flight has sent its FINAL, so without this an unload waits for the
+    longest stream to end. Asked over HTTP (`GET /v2/models/<name>/versions/<v>/ready`); a server
+    without HTTP, or one that refuses the question (restricted API), leaves it False.
+    """
+
+    def __init__(self, endpoint: Endpoint | None, model_name: str, model_version: str) -> None:
+        self.endpoint = endpoint if endpoint is not None and endpoint.protocol == "http" else None
+        self._path = f"/v2/models/{quote(model_name, safe='')}/versions/{quote(model_version, safe='')}/ready"
+        self._seen_ready = False
+        self._unloading = False
+
+    def unloading(self) -> bool:
+        if self._unloading or self.endpoint is None:
+            return self._unloading
+        connection = http.client.HTTPConnection(self.endpoint.host, self.endpoint.port, timeout=0.5)
+        try:
+            connection.request("GET", self._path)
+            status = connection.getresponse().status
+        except (OSError, http.client.HTTPException):
+            return False  # says nothing: the server's own shutdown is ServerShutdownWatch's business
+        finally:
+            connection.close()
+        if status == 200:
+            self._seen_ready = True
+        elif status == 400:  # Triton's answer for a model that is not (or no longer) ready
+            self._unloading = self._seen_ready
+        return self._unloading
 
 
 def exit_when_server_dies(server_pid: int, interval_s: float = 0.5) -> threading.Thread:

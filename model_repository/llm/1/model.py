@@ -33,7 +33,12 @@ from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.serving.metrics import TritonMetrics
 from paged_llm.serving.response_accumulator import ResponseAccumulator
 from paged_llm.serving.response_streams import ResponseStreams
-from paged_llm.serving.server_watch import ServerShutdownWatch, endpoint_of_process, exit_when_server_dies
+from paged_llm.serving.server_watch import (
+    ModelUnloadWatch,
+    ServerShutdownWatch,
+    endpoint_of_process,
+    exit_when_server_dies,
+)
 from paged_llm.serving.triton_codec import INPUT_NAMES, parse_request, read_inputs
 
 _HOUSEKEEPING_INTERVAL_S = 0.05
@@ -135,7 +140,9 @@ class TritonPythonModel:
             self.engine.abort,
             self.config.serving.response_send_threads,
         )
-        self._server_watch = ServerShutdownWatch(endpoint_of_process(os.getppid()))
+        server_endpoint = endpoint_of_process(os.getppid())
+        self._server_watch = ServerShutdownWatch(server_endpoint)
+        self._unload_watch = ModelUnloadWatch(server_endpoint, args["model_name"], args["model_version"])
         # Daemon threads (not a ThreadPoolExecutor, whose workers the interpreter joins at exit: a
         # pb_utils call blocked on a dead server must never keep the stub from exiting).
         self._admissions: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -247,6 +254,7 @@ class TritonPythonModel:
                 self.metrics.update()
                 next_metrics = now + _METRICS_INTERVAL_S
                 self._check_server_shutdown()
+                self._check_model_unload()
         self.metrics.update()
 
     def _check_server_shutdown(self) -> None:
@@ -258,6 +266,23 @@ class TritonPythonModel:
         count = self.engine.abort_all(RequestAbortedError("the server is shutting down"))
         logger.info("tritonserver is shutting down (its port closed): ended %d requests", count)
         threading.Thread(target=self._leave_with_the_server, name="paged_llm-leave", daemon=True).start()
+
+    def _check_model_unload(self) -> None:
+        """Our model is being unloaded (see ModelUnloadWatch): Triton finalizes us only once every
+        request in flight has ended, so give them shutdown_grace_s and cancel the rest now."""
+        if not self.engine.is_accepting or not self._unload_watch.unloading():
+            return
+        logger.info(
+            "the model is being unloaded: %d requests in flight get %.1f s to finish, then CANCELLED",
+            self.engine.num_unfinished_requests,
+            self.config.serving.shutdown_grace_s,
+        )
+        threading.Thread(
+            target=self.engine.shutdown,
+            kwargs={"grace_s": self.config.serving.shutdown_grace_s},
+            name="paged_llm-unload",
+            daemon=True,
+        ).start()
 
     def _leave_with_the_server(self) -> None:
         endpoint = self._server_watch.endpoint
