@@ -4,6 +4,7 @@ logprobs, the TensorRT-LLM convention (llm_trtllm), and perf_analyzer streaming.
 from __future__ import annotations
 
 import json
+import queue
 import re
 import subprocess
 
@@ -15,7 +16,7 @@ from paged_llm.paths import repo_root
 from paged_llm.tools.launch import perf_analyzer_env, perf_analyzer_path
 from tests.e2e.client import http_post, make_inputs, stream, stream_many
 from tests.e2e.metrics import value as metric_value
-from tests.e2e.metrics import wait_for
+from tests.e2e.metrics import wait_for, wait_idle
 
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 
@@ -301,6 +302,35 @@ def test_llm_and_llm_trtllm_give_the_same_greedy_text(server):
     assert last.as_numpy("output_ids").ndim == 3 and last.as_numpy("sequence_length")[0][0] > 16
     log_probs = np.concatenate([r.as_numpy("output_log_probs").reshape(-1) for r in trt_stream.responses])
     assert log_probs.shape == (16,) and (log_probs <= 0).all()
+
+
+def test_cancelling_an_llm_trtllm_stream_ends_the_request_it_forwarded(server):
+    """llm_trtllm forwards its client's cancellation to llm (Triton 2.51's BLS cannot cancel): the
+    forwarded request ends CANCELLED long before its 3000 tokens, and the engine is idle again."""
+    wait_idle(server)
+    before = server.metrics()
+
+    def finals(code: str) -> float:
+        return metric_value(server.metrics(), "paged_llm_final_responses_total", code=code) - metric_value(
+            before, "paged_llm_final_responses_total", code=code
+        )
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer(
+        "llm_trtllm",
+        _trt_inputs("cancel me through the BLS model", max_tokens=3000, min_length=3000, stream=True),
+        request_id="trt-cancel",
+        enable_empty_final_response=True,
+    )
+    _result, error = events.get(timeout=60)  # it runs
+    assert error is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_for(lambda: finals("cancelled") + finals("success") >= 1, timeout_s=120)
+    assert (finals("cancelled"), finals("success")) == (1, 0)
+    wait_idle(server)
 
 
 def test_llm_trtllm_stop_words_and_seeded_sampling(server):

@@ -55,6 +55,7 @@ class Stream:
     cancelled: bool = False  # the client cancelled: no more data, one CANCELLED final
     closed: bool = False  # the FINAL response went out (or is going out)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    triton_request_id: str = ""  # the id the client gave the request (llm_trtllm: for its aborts)
 
 
 @dataclass
@@ -88,11 +89,18 @@ class ResponseStreams:
             thread.start()
 
     # ----------------------------------------------------------------------------- any thread
-    def open(self, request_id: str, sender: Any, accumulator: ResponseAccumulator) -> Stream:
-        stream = Stream(request_id, sender, accumulator)
+    def open(
+        self, request_id: str, sender: Any, accumulator: ResponseAccumulator, triton_request_id: str = ""
+    ) -> Stream:
+        stream = Stream(request_id, sender, accumulator, triton_request_id=triton_request_id)
         with self._lock:
             self._streams[request_id] = stream
         return stream
+
+    def find_by_triton_request_id(self, triton_request_id: str) -> Stream | None:
+        """The open stream of the request the client gave that id (a scan: aborts are rare)."""
+        with self._lock:
+            return next((s for s in self._streams.values() if s.triton_request_id == triton_request_id), None)
 
     def fail(self, stream: Stream, error: BaseException) -> None:
         """Ends a stream that never reached the engine."""

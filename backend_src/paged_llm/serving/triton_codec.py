@@ -131,6 +131,13 @@ def parse_request(
     )
 
 
+# llm_trtllm forwards each request to llm under an id with this prefix, and when its client cancels,
+# asks llm to end it with a request that carries only this parameter (Triton 2.51's BLS has no
+# cancel; the ids are random, so no other client can name one).
+FORWARDED_REQUEST_ID_PREFIX = "paged_llm_trtllm/"
+FORWARDED_ABORT_PARAMETER = "paged_llm_abort_forwarded_request"
+
+
 def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """A request's Triton parameters (HTTP generate turns unknown top-level keys into these), less
     the ones Triton's clients set themselves."""

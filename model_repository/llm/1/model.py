@@ -39,7 +39,14 @@ from paged_llm.serving.server_watch import (
     endpoint_of_process,
     exit_when_server_dies,
 )
-from paged_llm.serving.triton_codec import INPUT_NAMES, parse_request, read_inputs
+from paged_llm.serving.triton_codec import (
+    FORWARDED_ABORT_PARAMETER,
+    FORWARDED_REQUEST_ID_PREFIX,
+    INPUT_NAMES,
+    parse_request,
+    read_inputs,
+    request_parameter_mapping,
+)
 
 _HOUSEKEEPING_INTERVAL_S = 0.05
 _MIN_CANCEL_POLL_INTERVAL_S = 0.05  # each in-flight request is asked at most this often
@@ -173,10 +180,15 @@ class TritonPythonModel:
         self._server_watch.mark_open()
         sender = request.get_response_sender()
         try:
+            raw_parameters = request.parameters()
+            if FORWARDED_ABORT_PARAMETER in raw_parameters:
+                self._abort_forwarded(raw_parameters, sender)
+                return
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
-            parsed = parse_request(inputs, request.parameters(), self.config.limits)
+            parsed = parse_request(inputs, raw_parameters, self.config.limits)
             parsed = replace(parsed, requested_outputs=frozenset(request.requested_output_names()) or None)
             timeout_us = request.timeout()
+            triton_request_id = request.request_id()
         except InvalidRequestError as error:
             self._streams.send_error(sender, error)
             return
@@ -187,15 +199,15 @@ class TritonPythonModel:
         if parsed.prompt_text is not None and len(parsed.prompt_text) > _INLINE_TOKENIZE_CHARS:
             # Tokenizing a large prompt takes up to a second: not on the thread every request
             # comes through (the tokenizer releases the GIL, so the rest of the stub runs on).
-            self._admissions.put((sender, parsed, deadline))
+            self._admissions.put((sender, parsed, deadline, triton_request_id))
         else:
-            self._admit(sender, parsed, deadline)
+            self._admit(sender, parsed, deadline, triton_request_id)
 
     def _admission_loop(self) -> None:
         while (item := self._admissions.get()) is not None:
             self._admit(*item)
 
-    def _admit(self, sender: Any, parsed: Any, deadline: float | None) -> None:
+    def _admit(self, sender: Any, parsed: Any, deadline: float | None, triton_request_id: str = "") -> None:
         """Tokenize, validate, and hand the request to the engine (or answer it with its error).
         No is_cancelled() here: it is a round trip to the server (0.1-0.4 ms on the GPU hosts), which
         256 requests arriving at once would pay one after the other; the housekeeping thread's
@@ -222,11 +234,21 @@ class TritonPythonModel:
         accumulator = ResponseAccumulator(
             parsed, prompt_text, len(prompt_ids), self.config.serving.max_merged_steps
         )
-        stream = self._streams.open(request_id, sender, accumulator)
+        forwarded_id = triton_request_id if triton_request_id.startswith(FORWARDED_REQUEST_ID_PREFIX) else ""
+        stream = self._streams.open(request_id, sender, accumulator, forwarded_id)
         try:
             self.engine.add_request(request_id, prompt_ids, parsed.params, deadline)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.fail(stream, error)
+
+    def _abort_forwarded(self, raw_parameters: str, sender: Any) -> None:
+        """llm_trtllm's client cancelled: end the request it forwarded to us (Triton 2.51's BLS
+        cannot cancel a request it sent). Answered with an empty FINAL, found or not."""
+        target = str(request_parameter_mapping(raw_parameters).get(FORWARDED_ABORT_PARAMETER, ""))
+        stream = self._streams.find_by_triton_request_id(target) if target else None
+        if stream is not None:
+            self.engine.abort(stream.request_id, RequestAbortedError("cancelled by the client (llm_trtllm)"))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _internal_error(self, sender: Any, error: Exception) -> None:
         logger.exception("reading a request failed")

@@ -2,17 +2,29 @@
 
 One thread per in-flight request iterates the `llm` responses (BLS `exec(decoupled=True)` blocks) and
 sends the converted ones through this request's sender; the FINAL flag is passed through once.
+
+Cancellation: Triton 2.51's BLS cannot cancel a request it sent (the response iterator's cancel()
+came in a later release), so a watcher thread asks each in-flight request's `is_cancelled()`
+(a cancelled gRPC stream, a `generate_stream` client that went away) and, when it is, sends `llm`
+a second request naming the forwarded one (serving/triton_codec.py: FORWARDED_ABORT_PARAMETER);
+`llm` ends it with CANCELLED, which comes back through the forwarding thread.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 from paged_llm.errors import InvalidRequestError
-from paged_llm.serving.triton_codec import read_inputs
+from paged_llm.serving.triton_codec import (
+    FORWARDED_ABORT_PARAMETER,
+    FORWARDED_REQUEST_ID_PREFIX,
+    read_inputs,
+)
 from paged_llm.serving.trtllm_codec import (
     INPUT_NAMES,
     TrtllmResponseState,
@@ -21,6 +33,8 @@ from paged_llm.serving.trtllm_codec import (
 )
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_CANCEL_POLL_INTERVAL_S = 0.1
+_ABORT_RETRY_S = 1.0
 _LLM_OUTPUTS = [
     "text_output",
     "output_ids",
@@ -35,6 +49,12 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
+        # forwarded id -> the client's request, while its FINAL has not gone out (is_cancelled() on
+        # a request after its FINAL crashes tritonserver 2.51: only asked under this lock)
+        self._in_flight: dict[str, Any] = {}
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="trtllm-cancel", daemon=True)
+        self._watcher.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -56,18 +76,23 @@ class TritonPythonModel:
     def _forward(self, request: Any, sender: Any, forward: Any) -> None:
         """Streaming: each llm response is forwarded at once and an empty FINAL closes the stream.
         Non-streaming: llm sends one response; it goes out together with the FINAL flag."""
+        forwarded_id = ""
         try:
             state = TrtllmResponseState(forward)
+            forwarded_id = f"{FORWARDED_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
             inner = pb_utils.InferenceRequest(
                 model_name="llm",
                 inputs=[pb_utils.Tensor(name, array) for name, array in forward.inputs.items()],
                 requested_output_names=_LLM_OUTPUTS,
                 timeout=request.timeout(),
+                request_id=forwarded_id,
             )
+            with self._lock:
+                self._in_flight[forwarded_id] = request
             held: Any = None  # non-streaming: the converted response waiting for the FINAL flag
             for response in inner.exec(decoupled=True):
                 if response.has_error():
-                    sender.send(pb_utils.InferenceResponse(error=response.error()), flags=_FINAL)
+                    self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=response.error()))
                     return
                 outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
                 if not outputs:
@@ -80,22 +105,62 @@ class TritonPythonModel:
                     sender.send(reply)
                 else:
                     held = reply
-            if held is not None:
-                sender.send(held, flags=_FINAL)
-            else:
-                sender.send(flags=_FINAL)
+            self._send_final(forwarded_id, sender, held)
         except Exception as error:  # never leave the client without a final response
             pb_utils.Logger.log_error(f"llm_trtllm: forwarding failed: {error!r}")
             try:
                 internal = pb_utils.TritonError(f"llm_trtllm: {error}", pb_utils.TritonError.INTERNAL)
-                sender.send(pb_utils.InferenceResponse(error=internal), flags=_FINAL)
+                self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=internal))
             except Exception:
                 pass
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
+                self._in_flight.pop(forwarded_id, None)
+
+    def _send_final(self, forwarded_id: str, sender: Any, response: Any | None) -> None:
+        with self._lock:  # no is_cancelled() on this request from now on
+            self._in_flight.pop(forwarded_id, None)
+        if response is None:
+            sender.send(flags=_FINAL)
+        else:
+            sender.send(response, flags=_FINAL)
+
+    def _watch_cancellations(self) -> None:
+        """Forwards each cancellation to llm; again after a second if the request is still in flight
+        (the abort may have reached llm before the request itself, e.g. while it was tokenized)."""
+        aborted_at: dict[str, float] = {}
+        while not self._stopping.wait(_CANCEL_POLL_INTERVAL_S):
+            now = time.monotonic()
+            cancelled = []
+            with self._lock:
+                for forwarded_id, request in self._in_flight.items():
+                    if now - aborted_at.get(forwarded_id, -_ABORT_RETRY_S) < _ABORT_RETRY_S:
+                        continue
+                    if request.is_cancelled():
+                        cancelled.append(forwarded_id)
+                aborted_at = {k: v for k, v in aborted_at.items() if k in self._in_flight}
+            for forwarded_id in cancelled:
+                aborted_at[forwarded_id] = now
+                self._abort_forwarded(forwarded_id)
+
+    @staticmethod
+    def _abort_forwarded(forwarded_id: str) -> None:
+        abort = pb_utils.InferenceRequest(
+            model_name="llm",
+            inputs=[],
+            requested_output_names=[],
+            parameters={FORWARDED_ABORT_PARAMETER: forwarded_id},
+        )
+        try:
+            for _ in abort.exec(decoupled=True):  # one empty FINAL
+                pass
+        except Exception as error:
+            pb_utils.Logger.log_warn(f"llm_trtllm: could not forward a cancellation: {error!r}")
 
     def finalize(self) -> None:
+        self._stopping.set()
+        self._watcher.join(timeout=5.0)
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
