@@ -114,9 +114,11 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # the output thread fails everything in flight anyway
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt_field: str = "text_input"
+    ) -> None:
         """InvalidRequestError if the request can never be served by this model and pool."""
-        validate_prompt(self.info, prompt_token_ids)
+        validate_prompt(self.info, prompt_token_ids, prompt_field)
         validate_params(self.info, params)
 
     @property

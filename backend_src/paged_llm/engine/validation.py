@@ -8,14 +8,15 @@ from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import SamplingParams
 
 
-def validate_prompt(info: EngineCoreInfo, prompt_token_ids: list[int]) -> None:
-    """Raises InvalidRequestError for prompts that can never be served (checked before queueing)."""
+def validate_prompt(info: EngineCoreInfo, prompt_token_ids: list[int], field: str = "text_input") -> None:
+    """Raises InvalidRequestError for prompts that can never be served (checked before queueing).
+    `field`: the input the prompt came in (text_input or input_ids), named in the error."""
     num_tokens = len(prompt_token_ids)
     if num_tokens == 0:
-        raise InvalidRequestError("text_input", "the prompt is empty")
+        raise InvalidRequestError(field, "the prompt is empty")
     if num_tokens >= info.max_model_len:
         raise InvalidRequestError(
-            "text_input",
+            field,
             f"the prompt has {num_tokens} tokens but max_model_len is {info.max_model_len}, "
             f"which leaves no room for output (at most {info.max_model_len - 1} prompt tokens)",
         )
@@ -26,7 +27,7 @@ def validate_prompt(info: EngineCoreInfo, prompt_token_ids: list[int]) -> None:
     num_blocks = -(-(num_tokens + 1) // info.block_size_tokens)
     if num_blocks > info.num_kv_blocks:
         raise InvalidRequestError(
-            "text_input",
+            field,
             f"the prompt needs {num_blocks} KV blocks but the whole pool has {info.num_kv_blocks}",
         )
 

@@ -219,7 +219,8 @@ class TritonPythonModel:
                 prompt_ids = parsed.prompt_token_ids
             else:
                 prompt_ids = self.engine.tokenize(parsed.prompt_text or "")
-            self.engine.validate(prompt_ids, parsed.params)
+            prompt_field = "input_ids" if parsed.prompt_token_ids is not None else "text_input"
+            self.engine.validate(prompt_ids, parsed.params, prompt_field)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.send_error(sender, error)
             return
