@@ -85,10 +85,7 @@ class AsyncLLM:
     ) -> None:
         """Queues a request. Raises InvalidRequestError (bad input) or EngineDeadError (not serving);
         otherwise its outputs, and exactly one final, reach `on_outputs`."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
-        if not self._accepting:
-            raise EngineDeadError("the engine is shutting down")
+        self.check_accepting()
         self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic()
         with self._lock:
@@ -101,6 +98,13 @@ class AsyncLLM:
             with self._lock:
                 self.processor.remove_request(request_id)
             raise
+
+    def check_accepting(self) -> None:
+        """EngineDeadError (UNAVAILABLE) if a new request would be refused now."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
+        if not self._accepting:
+            raise EngineDeadError("the engine is shutting down")
 
     def abort(self, request_id: str, error: BaseException) -> None:
         """Ends a request; its final output (carrying `error`) follows on the output thread."""

@@ -213,8 +213,7 @@ class TritonPythonModel:
         256 requests arriving at once would pay one after the other; the housekeeping thread's
         cancellation polling finds a request its client already gave up on."""
         try:
-            if not self.engine.is_accepting:
-                raise EngineDeadError("the engine is not accepting requests (shutting down or dead)")
+            self.engine.check_accepting()  # before tokenizing: no work for a request to be refused
             if parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
