@@ -6,9 +6,11 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 from paged_llm.paths import repo_root
 from tests.e2e.client import http_post, make_inputs, sse_events, stream, stream_many
+from tests.e2e.metrics import wait_for, wait_idle
 
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 
@@ -112,9 +114,16 @@ def test_metrics_count_successful_requests(server):
         assert match, "no success counter for llm"
         return float(match.group(1))
 
-    before = successes()
+    # Triton records a request's statistics after the client has its final response: let the
+    # earlier tests' last ones land first (a loaded machine widens that window), and ours after.
+    wait_idle(server)
+    previous = [successes()]
+    assert wait_for(lambda: previous.append(successes()) or previous[-1] == previous[-2], interval_s=1.0)
+    before = previous[-1]
     for _ in range(3):
         assert stream(server.grpc_url, "count me", sampling_parameters=GREEDY).finals == 1
+    assert wait_for(lambda: successes() - before >= 3, timeout_s=10)
+    time.sleep(1.0)  # nothing else arrives
     assert successes() - before == 3
 
 

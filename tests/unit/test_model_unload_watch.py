@@ -49,3 +49,11 @@ def test_no_http_endpoint_or_no_answer_is_never_an_unload(server):
     _Ready.statuses[:] = [200, 403]  # a restricted health API says nothing about the model
     watch = ModelUnloadWatch(server, "llm", "1")
     assert not watch.unloading() and not watch.unloading()
+
+
+def test_a_request_seen_counts_as_ready(server):
+    """The unload may begin before the first look: a request that arrived proves the model was READY."""
+    _Ready.statuses[:] = [400]
+    watch = ModelUnloadWatch(server, "llm", "1")
+    watch.mark_ready()
+    assert watch.unloading()

@@ -129,16 +129,27 @@ class ModelUnloadWatch:
     without HTTP, or one that refuses the question (restricted API), leaves it False.
     """
 
-    def __init__(self, endpoint: Endpoint | None, model_name: str, model_version: str) -> None:
+    def __init__(
+        self, endpoint: Endpoint | None, model_name: str, model_version: str, timeout_s: float = 5.0
+    ) -> None:
+        """`timeout_s`: a busy server can take seconds to answer; ask from a thread of its own."""
         self.endpoint = endpoint if endpoint is not None and endpoint.protocol == "http" else None
+        self._timeout_s = timeout_s
         self._path = f"/v2/models/{quote(model_name, safe='')}/versions/{quote(model_version, safe='')}/ready"
         self._seen_ready = False
         self._unloading = False
 
+    def mark_ready(self) -> None:
+        """A request arrived, so Triton had the model READY (an unload may begin before the first
+        look at it)."""
+        self._seen_ready = True
+
     def unloading(self) -> bool:
         if self._unloading or self.endpoint is None:
             return self._unloading
-        connection = http.client.HTTPConnection(self.endpoint.host, self.endpoint.port, timeout=0.5)
+        connection = http.client.HTTPConnection(
+            self.endpoint.host, self.endpoint.port, timeout=self._timeout_s
+        )
         try:
             connection.request("GET", self._path)
             status = connection.getresponse().status

@@ -52,6 +52,7 @@ _HOUSEKEEPING_INTERVAL_S = 0.05
 _MIN_CANCEL_POLL_INTERVAL_S = 0.05  # each in-flight request is asked at most this often
 _CANCEL_POLL_DUTY = 0.05  # cancellation polling may take at most this share of one thread's time
 _METRICS_INTERVAL_S = 0.5
+_UNLOAD_POLL_INTERVAL_S = 0.5
 _INLINE_TOKENIZE_CHARS = 16384  # longer text prompts are tokenized on a worker thread
 _TOKENIZE_THREADS = 2
 logger = logging.getLogger("paged_llm")
@@ -165,6 +166,7 @@ class TritonPythonModel:
             target=self._housekeeping_loop, name="paged_llm-housekeeping", daemon=True
         )
         self._housekeeping.start()
+        threading.Thread(target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True).start()
         # What initialize() built lives as long as the model: keep it out of every later garbage
         # collection, which then scans only what the requests create (shorter pauses of the stub).
         gc.freeze()
@@ -178,6 +180,7 @@ class TritonPythonModel:
     def _accept(self, request: Any) -> None:
         """On Triton's execute thread: read the request; tokenize a large prompt elsewhere."""
         self._server_watch.mark_open()
+        self._unload_watch.mark_ready()
         sender = request.get_response_sender()
         try:
             raw_parameters = request.parameters()
@@ -276,7 +279,6 @@ class TritonPythonModel:
                 self.metrics.update()
                 next_metrics = now + _METRICS_INTERVAL_S
                 self._check_server_shutdown()
-                self._check_model_unload()
         self.metrics.update()
 
     def _check_server_shutdown(self) -> None:
@@ -289,22 +291,21 @@ class TritonPythonModel:
         logger.info("tritonserver is shutting down (its port closed): ended %d requests", count)
         threading.Thread(target=self._leave_with_the_server, name="paged_llm-leave", daemon=True).start()
 
-    def _check_model_unload(self) -> None:
-        """Our model is being unloaded (see ModelUnloadWatch): Triton finalizes us only once every
-        request in flight has ended, so give them shutdown_grace_s and cancel the rest now."""
-        if not self.engine.is_accepting or not self._unload_watch.unloading():
+    def _watch_for_unload(self) -> None:
+        """Its own thread (the server may take seconds to answer under load). Once our model is
+        being unloaded (see ModelUnloadWatch): Triton finalizes us only after every request in
+        flight has ended, so give them shutdown_grace_s and cancel the rest now."""
+        while not self._stopping.wait(_UNLOAD_POLL_INTERVAL_S):
+            if self.engine.is_accepting and self._unload_watch.unloading():
+                break
+        else:
             return
         logger.info(
             "the model is being unloaded: %d requests in flight get %.1f s to finish, then CANCELLED",
             self.engine.num_unfinished_requests,
             self.config.serving.shutdown_grace_s,
         )
-        threading.Thread(
-            target=self.engine.shutdown,
-            kwargs={"grace_s": self.config.serving.shutdown_grace_s},
-            name="paged_llm-unload",
-            daemon=True,
-        ).start()
+        self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
 
     def _leave_with_the_server(self) -> None:
         endpoint = self._server_watch.endpoint
