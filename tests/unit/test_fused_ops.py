@@ -47,8 +47,9 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "with_norm"), [(16, True), (128, True), (64, False), (80, False)])
-def test_qk_norm_rope_matches_torch_on_strided_views(dtype, head_dim, with_norm):
-    tokens, q_heads, kv_heads = 7, 4, 2
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (6, 3)])  # 6 and 3: padded head tiles
+def test_qk_norm_rope_matches_torch_on_strided_views(dtype, head_dim, with_norm, q_heads, kv_heads):
+    tokens = 7
     qkv = randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=4)
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)  # non-contiguous views, as in the model
