@@ -19,10 +19,11 @@ from paged_llm.sequence import Sequence
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: abc.Sequence[int], salt: bytes) -> BlockHash:
-    digest = hashlib.blake2b(digest_size=16, key=salt[:64])
-    digest.update(parent or b"root")
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+    return _hash_block_bytes(parent or b"root", array("q", token_ids).tobytes(), salt[:64])
+
+
+def _hash_block_bytes(parent: bytes, token_bytes: bytes | memoryview, key: bytes) -> BlockHash:
+    return hashlib.blake2b(parent + token_bytes, digest_size=16, key=key).digest()
 
 
 class KVCacheManager:
@@ -66,11 +67,19 @@ class KVCacheManager:
         size = self.block_size_tokens
         num_full_blocks = seq.num_tokens // size
         hashes = seq.block_hashes
-        while len(hashes) < num_full_blocks:
-            index = len(hashes)
-            parent = hashes[-1] if hashes else None
-            tokens = seq.all_token_ids[index * size : (index + 1) * size]
-            hashes.append(hash_block_tokens(parent, tokens, self.hash_salt))
+        first = len(hashes)
+        if first >= num_full_blocks:
+            return
+        # The same digests as hash_block_tokens, block by block, from one conversion of all the new
+        # blocks' tokens: admitting a 16k-token step hashes ~1,000 blocks on the engine's hot path.
+        tokens = array("q", seq.all_token_ids[first * size : num_full_blocks * size])
+        token_bytes = memoryview(tokens.tobytes())
+        stride = size * tokens.itemsize
+        key = self.hash_salt[:64]
+        parent = hashes[-1] if hashes else b"root"
+        for offset in range(0, len(token_bytes), stride):
+            parent = _hash_block_bytes(parent, token_bytes[offset : offset + stride], key)
+            hashes.append(parent)
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a sequence that has no KV yet, as (blocks, num_tokens).
