@@ -16,7 +16,8 @@ import pytest
 
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
 from paged_llm.tools.server_process import SHM_DIR, remove_orphaned_shm_regions
-from tests.e2e.client import make_inputs, stream, stream_many
+from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, STUB_CHECK_INTERVAL_S
+from tests.e2e.client import http_post, make_inputs, stream, stream_many
 from tests.e2e.metrics import value, wait_for
 from tests.e2e.server import RunningServer, free_ports, make_model_repository, start_server
 from tests.e2e.test_robustness import StreamClient, our_processes
@@ -171,6 +172,48 @@ def test_make_serve_stops_everything_under_load(tmp_path, signum):
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_make_serve_exits_non_zero_when_a_stub_dies_but_not_on_an_unload(tmp_path):
+    """Triton 2.51 keeps a model READY after its stub was killed, and never ends the requests it had.
+    `make serve`'s launcher watches the stubs: an unload (the model is no longer ready) and a load
+    pass; a kill -9 of the stub with streams in flight stops the server, every process of ours
+    goes, and the launcher exits with DEAD_STUB_EXIT_STATUS so a supervisor restarts it."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    http, grpc, metrics = free_ports(3)
+    log = open(tmp_path / "serve.log", "w")  # the launcher writes it while it runs
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "paged_llm.tools.launch", "serve", "--model-repository", str(repository),
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+         "--exit-timeout-secs", "3", "--", "--model-control-mode=explicit", "--load-model=llm"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    server = RunningServer(launcher, ServerPorts(http, grpc, metrics), tmp_path / "serve.log")
+    try:
+        assert wait_for(server.is_ready, timeout_s=180, interval_s=0.25), server.log()[-3000:]
+        assert http_post(server.http_url, "/v2/repository/models/llm/unload", {})[0] == 200
+        assert wait_for(lambda: not _stubs(launcher.pid), timeout_s=60)
+        assert http_post(server.http_url, "/v2/repository/models/llm/load", {}, timeout_s=120)[0] == 200
+        time.sleep(2 * STUB_CHECK_INTERVAL_S)  # the watch has seen the unload and the new stub
+        assert launcher.poll() is None, server.log()[-3000:]
+        stubs = _stubs(launcher.pid)
+        assert len(stubs) == 1
+        pids = [launcher.pid, *(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))]
+        clients = _load(server)
+        stubs[0].kill()
+        assert launcher.wait(timeout=EXIT_BOUND_S + 15) == DEAD_STUB_EXIT_STATUS, server.log()[-3000:]
+        assert "the Python stub of instance llm_0_0 of model 'llm' (version 1)" in server.log()
+        _assert_gone_within_bound(pids, "the launcher's exit")
+        for client in clients:
+            client.client.close()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def _stubs(launcher_pid: int) -> list[psutil.Process]:
+    children = psutil.Process(launcher_pid).children(recursive=True)
+    return [p for p in children if p.name() == "triton_python_backend_stub" and p.status() != "zombie"]
 
 
 def test_a_test_run_killed_hard_leaves_no_server_behind(tmp_path):

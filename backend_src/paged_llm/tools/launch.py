@@ -255,6 +255,15 @@ def exposure_error(address: str, extra_args: list[str]) -> str | None:
     )
 
 
+def _http_host(address: str) -> str:
+    """Where a client on this machine reaches a server bound to `address`."""
+    if address in ("0.0.0.0", "127.0.0.1"):
+        return "127.0.0.1"
+    if address in ("::", "::1"):
+        return "[::1]"
+    return f"[{address}]" if ":" in address else address
+
+
 def _serve(args: argparse.Namespace) -> int:
     error = exposure_error(args.address, args.extra)
     if error is not None:
@@ -264,7 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
     command = server_command(
         Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra
     )
-    host = "127.0.0.1" if args.address in ("0.0.0.0", "127.0.0.1") else args.address
+    host = _http_host(args.address)
     print(
         f"Starting tritonserver on {args.address} "
         f"(HTTP {ports.http}, gRPC {ports.grpc}, metrics {ports.metrics}).\n"
@@ -275,7 +284,8 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return run_supervised(command, server_env(), args.exit_timeout_secs)
+    http_url = f"http://{_http_host(args.address)}:{ports.http}"
+    return run_supervised(command, server_env(), args.exit_timeout_secs, http_url=http_url)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,10 @@ but it hangs in its own teardown when it gives up on a model that a client's ope
 alive (serving/server_watch.py). So: the first SIGINT or SIGTERM is passed on (Ctrl-C reaches the
 whole process group anyway); if the server has not exited `grace_s` after its exit timeout, it and
 whatever it started are killed. The exit status is the server's (128 + signal if it was killed).
+
+With `http_url`, the stubs below the server are watched (tools/stub_watch.py): a stub that dies
+while Triton still calls its model ready stops the server the same way, and the exit status is
+then DEAD_STUB_EXIT_STATUS, so that a supervisor (systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ import subprocess
 import sys
 import time
 
+from paged_llm.tools.stub_watch import StubWatch
+
 KILL_MARGIN_S = 2.0  # after the server's own exit timeout
+STUB_CHECK_INTERVAL_S = 1.0
+DEAD_STUB_EXIT_STATUS = 3
 
 
 def _descendants(pid: int) -> list[int]:
@@ -38,11 +46,16 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def run_supervised(command: list[str], env: dict[str, str], exit_timeout_s: float) -> int:
+def run_supervised(
+    command: list[str], env: dict[str, str], exit_timeout_s: float, http_url: str | None = None
+) -> int:
     process = subprocess.Popen(command, env=env)
     kill_at: list[float] = []  # set by the first stop signal
+    dead_stub: list[str] = []
+    watch = StubWatch(process.pid, http_url) if http_url else None
+    next_check = time.monotonic() + STUB_CHECK_INTERVAL_S
 
-    def on_stop_signal(signum: int, _frame: object) -> None:
+    def stop(signum: int) -> None:
         if not kill_at:
             kill_at.append(time.monotonic() + exit_timeout_s + KILL_MARGIN_S)
             try:
@@ -50,15 +63,23 @@ def run_supervised(command: list[str], env: dict[str, str], exit_timeout_s: floa
             except ProcessLookupError:
                 pass
 
-    signal.signal(signal.SIGINT, on_stop_signal)
-    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGINT, lambda signum, _frame: stop(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop(signum))
     while True:
         try:
-            return process.wait(timeout=0.2)
+            status = process.wait(timeout=0.2)
+            return DEAD_STUB_EXIT_STATUS if dead_stub else status
         except subprocess.TimeoutExpired:
             pass
         if kill_at and time.monotonic() >= kill_at[0]:
             break
+        if watch is not None and not kill_at and time.monotonic() >= next_check:
+            next_check = time.monotonic() + STUB_CHECK_INTERVAL_S
+            dead_stub = watch.check()
+            for message in dead_stub:
+                print(f"paged_llm: {message}: stopping the server", file=sys.stderr, flush=True)
+            if dead_stub:
+                stop(signal.SIGTERM)
     stuck = [process.pid, *_descendants(process.pid)]
     print(
         f"paged_llm: tritonserver did not exit within {exit_timeout_s:.0f} s + {KILL_MARGIN_S:.0f} s of the "
@@ -71,4 +92,5 @@ def run_supervised(command: list[str], env: dict[str, str], exit_timeout_s: floa
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return process.wait()
+    status = process.wait()
+    return DEAD_STUB_EXIT_STATUS if dead_stub else status
