@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -209,6 +210,39 @@ def test_make_serve_exits_non_zero_when_a_stub_dies_but_not_on_an_unload(tmp_pat
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_server_that_fails_on_a_busy_port_after_loading_leaves_nothing(tmp_path):
+    """tritonserver binds its ports only after loading every model; when one is taken (here
+    the gRPC port, held by a listener as another server would hold it) it fails and exits, and
+    the loaded stub and its engine core must not outlive it (`launch serve` checks the ports
+    first; a server started otherwise, or a port taken in between, ends up here)."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    http, grpc, metrics = free_ports(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", grpc))
+        taken.listen()
+        command = server_command(repository, ServerPorts(http, grpc, metrics), exit_timeout_secs=3)
+        log = open(tmp_path / "server.log", "w")
+        server = subprocess.Popen(command, env=server_env(), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+        try:
+            seen: set[int] = set()
+
+            def exited() -> bool:
+                if server.poll() is None:
+                    seen.update(p.pid for p in psutil.Process(server.pid).children(recursive=True))
+                return server.poll() is not None
+
+            assert wait_for(exited, timeout_s=180, interval_s=0.1)
+            log_text = (tmp_path / "server.log").read_text()
+            assert "paged_llm" in log_text and "Address already in use" in log_text, log_text[-3000:]
+            assert seen, "the model never started loading"
+            _assert_gone_within_bound(sorted(seen), "tritonserver's exit on a busy port")
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 def _stubs(launcher_pid: int) -> list[psutil.Process]:

@@ -20,6 +20,7 @@ import argparse
 import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -264,12 +265,42 @@ def _http_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
+def busy_ports(address: str, ports: ServerPorts, extra_args: list[str] | None = None) -> list[str]:
+    """The endpoints whose port cannot be bound on `address` now ("HTTP port 8000 ..."), checked
+    before tritonserver loads any model: it binds its ports only after loading them all, and a
+    server that failed on a busy port used to leave a loaded stub behind."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    busy = []
+    endpoints = (("HTTP", "http", ports.http), ("gRPC", "grpc", ports.grpc))
+    for name, flag, port in (*endpoints, ("metrics", "metrics", ports.metrics)):
+        if "false" in _flag_values(extra_args or [], f"--allow-{flag}"):
+            continue  # that endpoint is off
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # As servers do: a port held only by closed connections (TIME_WAIT) is free. A listener
+            # is not, even one that set SO_REUSEPORT (gRPC does; without the check a second server
+            # would share its port and take half of its connections).
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as error:
+                busy.append(f"{name} port {port} on {address} ({error.strerror or error})")
+    return busy
+
+
 def _serve(args: argparse.Namespace) -> int:
     error = exposure_error(args.address, args.extra)
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
     ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
+    busy = busy_ports(args.address, ports, args.extra)
+    if busy:
+        print(
+            f"error: cannot serve: {'; '.join(busy)}. Another server is running there? Stop it, or pick "
+            "other ports (make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...).",
+            file=sys.stderr,
+        )
+        return 2
     command = server_command(
         Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra
     )
