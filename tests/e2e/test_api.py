@@ -95,6 +95,8 @@ MALFORMED = [
     ("trtllm-beam-width", "llm_trtllm", "Hi", {"beam_width": 2}, "beam_width: only 1 is supported"),
     ("trtllm-top-p", "llm_trtllm", "Hi", {"top_p": 7.0}, "top_p"),
     ("trtllm-max-tokens", "llm_trtllm", "Hi", {"max_tokens": -4}, "max_tokens"),
+    # refused by llm, not llm_trtllm: the error crosses the BLS hop (as the paged_llm_error output)
+    ("trtllm-too-long-prompt", "llm_trtllm", "hello " * 5000, {}, "but max_model_len is 4096"),
 ]
 
 

@@ -346,6 +346,62 @@ def test_repeated_load_unload_leaks_no_threads_processes_or_memory(tmp_path):
         explicit.stop()
 
 
+def test_unloading_llm_under_llm_and_bls_streams_finalizes_it_and_a_reload_serves(tmp_path):
+    """Unload `llm` while 8 streams of its own and 2 of `llm_trtllm` (each forwarding one request
+    to `llm` over BLS) run, then load it again: the old stub is finalized and exits, every stream
+    gets one final, exactly one stub of `llm` runs afterwards and it serves."""
+    from tests.e2e.test_api import _trt_inputs
+
+    repository = make_model_repository(tmp_path / "models")
+    explicit = start_server(
+        repository,
+        tmp_path / "server.log",
+        ["--model-control-mode=explicit", "--load-model=llm", "--load-model=llm_trtllm"],
+    )
+
+    def llm_stubs() -> list[psutil.Process]:
+        children = psutil.Process(explicit.process.pid).children()
+        return [
+            p for p in children if "stub" in p.name() and "llm_0_0" in p.cmdline() and p.status() != "zombie"
+        ]
+
+    try:
+        [old_stub] = llm_stubs()
+        clients = [StreamClient(explicit.grpc_url) for _ in range(10)]
+        for index, client in enumerate(clients[:8]):
+            client.send(f"u{index}", f"unload me {index}", stream=True, sampling_parameters=LONG)
+        for index, client in enumerate(clients[8:]):
+            client.client.async_stream_infer(
+                "llm_trtllm",
+                _trt_inputs(f"bls {index}", max_tokens=3000, min_length=3000, stream=True),
+                request_id=f"b{index}",
+                enable_empty_final_response=True,
+            )
+        for client in clients:
+            _result, error = client.next()  # each is running
+            assert error is None
+        assert http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})[0] == 200
+        for number, client in enumerate(clients):  # tokens until the grace period ends, then one final
+            while True:
+                try:
+                    result, error = client.next(timeout_s=60)
+                except queue.Empty:
+                    raise AssertionError(f"client {number}: no final\n{explicit.log()[-3000:]}") from None
+                if error is not None:
+                    assert "shutting down" in str(error), (number, str(error))
+                    break
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            client.client.close()
+        assert wait_for(lambda: not psutil.pid_exists(old_stub.pid) or old_stub.status() == "zombie", 60)
+        assert "paged_llm finalized" in explicit.log()
+        assert http_post(explicit.http_url, "/v2/repository/models/llm/load", {}, timeout_s=120)[0] == 200
+        assert len(llm_stubs()) == 1
+        assert stream(explicit.grpc_url, "again", sampling_parameters={"max_tokens": 4}).finals == 1
+    finally:
+        explicit.stop()
+
+
 def test_unloading_cancels_streams_in_flight_after_the_grace_period(tmp_path):
     """Triton finalizes a decoupled model only after every request in flight has ended: the stub
     notices the unload itself (the server says the model is no longer ready), gives in-flight

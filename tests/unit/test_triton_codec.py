@@ -65,3 +65,12 @@ def test_malformed_inputs_name_the_field(inputs, field):
     with pytest.raises(InvalidRequestError) as info:
         parse_request(inputs, None, LIMITS)
     assert info.value.field == field
+
+
+def test_forwarded_errors_round_trip_through_their_output():
+    from paged_llm.serving.triton_codec import decode_forwarded_error, encode_forwarded_error, is_forwarded
+
+    array = encode_forwarded_error("cancelled", "the server is shutting down\twith a tab")
+    assert array.dtype == object and array.shape == (1,)
+    assert decode_forwarded_error(array) == ("cancelled", "the server is shutting down\twith a tab")
+    assert is_forwarded("paged_llm_trtllm/0f1e") and not is_forwarded("client-id")

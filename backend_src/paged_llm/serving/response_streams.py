@@ -29,6 +29,7 @@ from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
 from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
 from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
+from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error, is_forwarded
 
 logger = logging.getLogger(__name__)
 AbortFn = Callable[[str, BaseException], None]
@@ -107,13 +108,19 @@ class ResponseStreams:
         with stream.lock:
             if not stream.closed:
                 self._close(stream)
-                self.send_error(stream.sender, error)
+                self.send_error(stream.sender, error, is_forwarded(stream.triton_request_id))
 
-    def send_error(self, sender: Any, error: BaseException) -> None:
-        """An error as the request's FINAL response (for a sender that has no Stream, too)."""
+    def send_error(self, sender: Any, error: BaseException, forwarded: bool = False) -> None:
+        """An error as the request's FINAL response (for a sender that has no Stream, too). To
+        llm_trtllm (`forwarded`) it goes as an ordinary response holding FORWARDED_ERROR_OUTPUT:
+        Triton 2.51's BLS loses an error response that follows data (triton_codec.py)."""
         code, label = error_code(self._pb, error)
         self._metrics.count_final(label)
-        response = self._pb.InferenceResponse(error=self._pb.TritonError(str(error), code))
+        if forwarded:
+            tensor = self._pb.Tensor(FORWARDED_ERROR_OUTPUT, encode_forwarded_error(label, str(error)))
+            response = self._pb.InferenceResponse(output_tensors=[tensor])
+        else:
+            response = self._pb.InferenceResponse(error=self._pb.TritonError(str(error), code))
         try:
             sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as send_error:  # the client may be gone already
@@ -147,7 +154,7 @@ class ResponseStreams:
                     response = Response(None, True, RequestAbortedError("cancelled by the client"))
         # The send itself runs outside the lock, so the cancellation poller never waits on it.
         if response.error is not None:
-            self.send_error(stream.sender, response.error)
+            self.send_error(stream.sender, response.error, is_forwarded(stream.triton_request_id))
             return False
         pb = self._pb
         tensors = [pb.Tensor(name, array) for name, array in response.tensors.items()]

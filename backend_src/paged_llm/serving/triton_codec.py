@@ -136,6 +136,27 @@ def parse_request(
 # cancel; the ids are random, so no other client can name one).
 FORWARDED_REQUEST_ID_PREFIX = "paged_llm_trtllm/"
 FORWARDED_ABORT_PARAMETER = "paged_llm_abort_forwarded_request"
+# Triton 2.51's BLS loses an error response that follows data responses (measured: after some of a
+# forwarded request's tokens, llm's CANCELLED final never reached the caller's `exec(decoupled=True)`
+# iterator, which waited forever; an error as the first and only response arrives), so llm ends a
+# forwarded request that failed with an ordinary FINAL response holding only this output:
+# "<label>\t<message>", label as in paged_llm_final_responses_total (cancelled, invalid_arg, ...).
+FORWARDED_ERROR_OUTPUT = "paged_llm_error"
+
+
+def is_forwarded(triton_request_id: str) -> bool:
+    return triton_request_id.startswith(FORWARDED_REQUEST_ID_PREFIX)
+
+
+def encode_forwarded_error(label: str, message: str) -> np.ndarray:
+    return np.array([f"{label}\t{message}".encode()], dtype=np.object_)
+
+
+def decode_forwarded_error(array: np.ndarray) -> tuple[str, str]:
+    item = array.reshape(-1)[0]
+    text = item.decode(errors="replace") if isinstance(item, bytes) else str(item)
+    label, _, message = text.partition("\t")
+    return label, message
 
 
 def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:

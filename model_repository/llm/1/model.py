@@ -41,8 +41,8 @@ from paged_llm.serving.server_watch import (
 )
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
-    FORWARDED_REQUEST_ID_PREFIX,
     INPUT_NAMES,
+    is_forwarded,
     parse_request,
     read_inputs,
     request_parameter_mapping,
@@ -182,6 +182,7 @@ class TritonPythonModel:
         self._server_watch.mark_open()
         self._unload_watch.mark_ready()
         sender = request.get_response_sender()
+        forwarded = is_forwarded(request.request_id())
         try:
             raw_parameters = request.parameters()
             if FORWARDED_ABORT_PARAMETER in raw_parameters:
@@ -193,10 +194,10 @@ class TritonPythonModel:
             timeout_us = request.timeout()
             triton_request_id = request.request_id()
         except InvalidRequestError as error:
-            self._streams.send_error(sender, error)
+            self._streams.send_error(sender, error, forwarded)
             return
         except Exception as error:  # a bug of ours: INTERNAL, one line to the client, traceback to the log
-            self._internal_error(sender, error)
+            self._internal_error(sender, error, forwarded)
             return
         deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
         if parsed.prompt_text is not None and len(parsed.prompt_text) > _INLINE_TOKENIZE_CHARS:
@@ -224,10 +225,10 @@ class TritonPythonModel:
             prompt_field = "input_ids" if parsed.prompt_token_ids is not None else "text_input"
             self.engine.validate(prompt_ids, parsed.params, prompt_field)
         except (InvalidRequestError, EngineDeadError) as error:
-            self._streams.send_error(sender, error)
+            self._streams.send_error(sender, error, is_forwarded(triton_request_id))
             return
         except Exception as error:
-            self._internal_error(sender, error)
+            self._internal_error(sender, error, is_forwarded(triton_request_id))
             return
         prompt_text = parsed.prompt_text
         if prompt_text is None:
@@ -237,7 +238,7 @@ class TritonPythonModel:
         accumulator = ResponseAccumulator(
             parsed, prompt_text, len(prompt_ids), self.config.serving.max_merged_steps
         )
-        forwarded_id = triton_request_id if triton_request_id.startswith(FORWARDED_REQUEST_ID_PREFIX) else ""
+        forwarded_id = triton_request_id if is_forwarded(triton_request_id) else ""
         stream = self._streams.open(request_id, sender, accumulator, forwarded_id)
         try:
             self.engine.add_request(request_id, prompt_ids, parsed.params, deadline)
@@ -253,10 +254,10 @@ class TritonPythonModel:
             self.engine.abort(stream.request_id, RequestAbortedError("cancelled by the client (llm_trtllm)"))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _internal_error(self, sender: Any, error: Exception) -> None:
+    def _internal_error(self, sender: Any, error: Exception, forwarded: bool = False) -> None:
         logger.exception("reading a request failed")
         self._streams.send_error(
-            sender, RuntimeError(f"internal error reading the request ({type(error).__name__})")
+            sender, RuntimeError(f"internal error reading the request ({type(error).__name__})"), forwarded
         )
 
     def _on_outputs(self, outputs: list[Any]) -> None:

@@ -3,6 +3,10 @@
 One thread per in-flight request iterates the `llm` responses (BLS `exec(decoupled=True)` blocks) and
 sends the converted ones through this request's sender; the FINAL flag is passed through once.
 
+Errors: Triton 2.51's BLS loses an error response that follows data responses (the iterator then
+waits forever), so llm sends a forwarded request's error as an ordinary FINAL holding only the
+`paged_llm_error` output, turned back into the error here.
+
 Cancellation: Triton 2.51's BLS cannot cancel a request it sent (the response iterator's cancel()
 came in a later release), so a watcher thread asks each in-flight request's `is_cancelled()`
 (a cancelled gRPC stream, a `generate_stream` client that went away) and, when it is, sends `llm`
@@ -22,7 +26,9 @@ import triton_python_backend_utils as pb_utils
 from paged_llm.errors import InvalidRequestError
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
+    FORWARDED_ERROR_OUTPUT,
     FORWARDED_REQUEST_ID_PREFIX,
+    decode_forwarded_error,
     read_inputs,
 )
 from paged_llm.serving.trtllm_codec import (
@@ -33,9 +39,13 @@ from paged_llm.serving.trtllm_codec import (
 )
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# labels of llm's forwarded errors -> TritonError code names (pb_utils.TritonError exists only
+# once the stub runs a model, not when it imports this file to auto-complete the config)
+_ERROR_CODE_NAMES = {"invalid_arg": "INVALID_ARG", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED"}
 _CANCEL_POLL_INTERVAL_S = 0.1
 _ABORT_RETRY_S = 1.0
 _LLM_OUTPUTS = [
+    FORWARDED_ERROR_OUTPUT,
     "text_output",
     "output_ids",
     "num_input_tokens",
@@ -95,6 +105,12 @@ class TritonPythonModel:
                     self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=response.error()))
                     return
                 outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+                if FORWARDED_ERROR_OUTPUT in outputs:  # llm's error, as data (see the docstring)
+                    label, message = decode_forwarded_error(outputs[FORWARDED_ERROR_OUTPUT])
+                    code = getattr(pb_utils.TritonError, _ERROR_CODE_NAMES.get(label, "INTERNAL"))
+                    error = pb_utils.TritonError(message, code)
+                    self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=error))
+                    return
                 if not outputs:
                     continue  # the empty final response of the llm stream
                 converted = state.convert(outputs)
