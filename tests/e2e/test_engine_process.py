@@ -363,3 +363,63 @@ def test_two_instances_share_one_engine_core_and_stop_cleanly(tmp_path):
         _assert_gone_within_bound(pids, "SIGTERM")
     finally:
         running.stop()
+
+
+STRESS_CYCLES = 20
+
+
+def test_twenty_start_load_sigterm_cycles_leave_nothing_and_stop_in_time(tmp_path):
+    """Issue "Hardening" row 7 (a SIGTERM after varied requests once left llm loaded and processes
+    alive): 20 times start a server with llm and llm_trtllm, put mixed load on it (gRPC streams on
+    both models, an HTTP generate_stream, a cancelled stream), SIGTERM it with that load in
+    flight. Every time: the server exits within its exit timeout (+ a margin for a loaded
+    machine), llm is finalized, and no process of ours is left."""
+    repository = make_model_repository(tmp_path / "models")
+    for cycle in range(STRESS_CYCLES):
+        _start_load_sigterm(repository, tmp_path / f"server_{cycle}.log", cycle)
+
+
+def _start_load_sigterm(repository, log_path, cycle: int) -> None:
+    from tests.e2e.test_api import _trt_inputs
+
+    exit_timeout_s, stop_margin_s = 3, 7.0  # start_server's --exit-timeout-secs; a loaded machine
+    server = start_server(repository, log_path)
+    try:
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        pids = [server.process.pid, *(p.pid for p in children)]
+        assert len(pids) == 4, pids  # tritonserver, two stubs, llm's engine core
+        clients = _load(server, count=3)
+        trt = StreamClient(server.grpc_url)
+        trt.client.async_stream_infer(
+            "llm_trtllm", _trt_inputs(f"stress {cycle}", max_tokens=3000, min_length=3000, stream=True),
+            request_id=f"t{cycle}", enable_empty_final_response=True,
+        )  # fmt: skip
+        cancelled = StreamClient(server.grpc_url)
+        cancelled.send(f"c{cycle}", "to be cancelled", stream=True, sampling_parameters=LONG)
+        body = {"text_input": "over http", "max_tokens": 3000, "ignore_eos": True}
+        route = "/v2/models/llm/generate_stream"
+        threading.Thread(
+            target=_ignore_errors, args=(http_post, server.http_url, route, body, 30), daemon=True
+        ).start()
+        trt.next()
+        cancelled.next()
+        cancelled.cancel()
+        stopped_at = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        for client in [*clients, trt]:
+            client.client.close()
+        exited = wait_for(lambda: server.process.poll() is not None, exit_timeout_s + stop_margin_s, 0.1)
+        took = time.monotonic() - stopped_at
+        assert exited, f"cycle {cycle}: tritonserver still running {took:.1f} s after SIGTERM"
+        _assert_gone_within_bound(pids, f"SIGTERM, cycle {cycle}")
+        log = log_path.read_text()
+        assert log.count("paged_llm finalized") == 1, f"cycle {cycle}: llm not finalized\n{log[-3000:]}"
+    finally:
+        server.stop()
+
+
+def _ignore_errors(function, *args) -> None:
+    try:
+        function(*args)
+    except Exception:
+        pass

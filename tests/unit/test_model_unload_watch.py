@@ -57,3 +57,45 @@ def test_a_request_seen_counts_as_ready(server):
     watch = ModelUnloadWatch(server, "llm", "1")
     watch.mark_ready()
     assert watch.unloading()
+
+
+def test_shutdown_is_a_refused_or_reset_connection_after_an_answer():
+    """Triton 2.51 drains HTTP connections on SIGTERM with its port still accepting, resetting
+    each new connection: that counts as shutting down, like a refused port; a timeout does not."""
+    import socket
+    import struct
+
+    from paged_llm.serving.server_watch import ServerShutdownWatch
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    mode = ["answer"]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            if mode[0] == "answer":
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                conn.close()
+            elif mode[0] == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()  # RST
+            # "silent": keep it open and say nothing (a busy server)
+
+    threading.Thread(target=serve, daemon=True).start()
+    watch = ServerShutdownWatch(Endpoint("127.0.0.1", port))
+    assert not watch.shutting_down()  # answered
+    mode[0] = "silent"
+    assert not watch.shutting_down()  # a timeout says nothing
+    mode[0] = "reset"
+    assert watch.shutting_down()
+    assert watch.shutting_down()  # it stays
+    listener.close()
+    never_open = ServerShutdownWatch(Endpoint("127.0.0.1", port))
+    assert not never_open.shutting_down()  # refused, but never seen answering: says nothing

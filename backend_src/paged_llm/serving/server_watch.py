@@ -95,7 +95,12 @@ def endpoint_of_process(pid: int) -> Endpoint | None:
 
 
 class ServerShutdownWatch:
-    """`shutting_down()` turns True (and stays) once the server's port, seen open, is refused."""
+    """`shutting_down()` turns True (and stays) once the server, seen answering, stops: its port is
+    refused, or (HTTP) it still accepts connections but resets them. Triton 2.51 keeps its HTTP port
+    listening while it drains open HTTP connections for up to the exit timeout, resetting every new
+    one (measured); a `generate_stream` client keeps its connection open until its request ends,
+    so the model must notice then, or the whole exit timeout goes by and Triton exits without
+    unloading it."""
 
     def __init__(self, endpoint: Endpoint | None) -> None:
         self.endpoint = endpoint
@@ -110,14 +115,35 @@ class ServerShutdownWatch:
     def shutting_down(self) -> bool:
         if self._closed or self.endpoint is None:
             return self._closed
-        try:
-            with socket.create_connection((self.endpoint.host, self.endpoint.port), _CONNECT_TIMEOUT_S):
-                self._seen_open = True
-        except ConnectionRefusedError:
+        answer = self._probe(self.endpoint)
+        if answer == "open":
+            self._seen_open = True
+        elif answer == "closed":
             self._closed = self._seen_open
-        except OSError:
-            pass  # a timeout or an unreachable address says nothing either way
         return self._closed
+
+    @staticmethod
+    def _probe(endpoint: Endpoint) -> str:
+        """open, closed or unknown (a timeout or an unreachable address says nothing)."""
+        if endpoint.protocol != "http":
+            try:
+                with socket.create_connection((endpoint.host, endpoint.port), _CONNECT_TIMEOUT_S):
+                    return "open"
+            except ConnectionRefusedError:
+                return "closed"
+            except OSError:
+                return "unknown"
+        connection = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=_CONNECT_TIMEOUT_S)
+        try:
+            connection.request("GET", "/v2/health/live")
+            connection.getresponse().read()
+            return "open"  # whatever the status: it answered
+        except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+            return "closed"  # refused, or accepted and reset: draining (RemoteDisconnected is a reset)
+        except (OSError, http.client.HTTPException):
+            return "unknown"
+        finally:
+            connection.close()
 
 
 class ModelUnloadWatch:
