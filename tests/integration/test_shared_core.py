@@ -12,7 +12,7 @@ import pytest
 
 from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
 from paged_llm.engine.async_llm import AsyncLLM
-from paged_llm.engine.core_client import AttachedCoreClient, ProcessCoreClient
+from paged_llm.engine.core_process_client import AttachedCoreClient, ProcessCoreClient
 from paged_llm.errors import EngineDeadError, RequestAbortedError
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import make_engine, run_to_completion

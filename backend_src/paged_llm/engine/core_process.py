@@ -1,8 +1,8 @@
 """The engine core process: `python -m paged_llm.engine.core_process --fd FD --parent-pid PID`.
 
-Started by ProcessCoreClient (engine/core_client.py) with one end of a socketpair as FD. It reads the
-EngineConfig, builds the EngineCore (the only place CUDA is initialised), answers with EngineCoreInfo
-(or CoreStartupFailed) and runs the busy loop, which never waits on the socket:
+Started by ProcessCoreClient (engine/core_process_client.py) with one end of a socketpair as FD. It
+reads the EngineConfig, builds the EngineCore (the only place CUDA is initialised), answers with
+EngineCoreInfo (or CoreStartupFailed) and runs the busy loop, which never waits on the socket:
 
     front end ──frames──> reader thread ──inbox──> busy loop ──frames──> front end
                                                        └─(socket full)─> writer thread ──┘

@@ -4,7 +4,7 @@ Triton's Python backend sends a model instance's responses from that instance's 
 one stub sends at most ~7,000-8,000 responses/s (measured on an H100 host: at 64 streams and
 ~15k tok/s the responses carried 2 tokens each; with two instances, 1.0-1.1). So several instances
 of the `llm` model (`instance_group { count: N }`) share one engine core on a device: the first one
-starts the core process with a listening socket (engine/core_client.py: `connect_engine_core`),
+starts the core process with a listening socket (engine/core_process_client.py: `connect_engine_core`),
 the others connect to it, and each is a front end with its own requests:
 
     front end 0 (started the core) ──socketpair──┐

@@ -1,0 +1,345 @@
+"""The engine core in a process of its own, seen from the front end: start it (or join the one
+another Triton instance of the model started), then talk to it over a socket.
+
+`ProcessCoreClient` starts `python -m paged_llm.engine.core_process` and owns it;
+`AttachedCoreClient` joins a core that another instance owns (engine/front_ends.py);
+`connect_engine_core` decides which, by an abstract Unix socket named after the model.
+Both speak the same framed-pickle link (engine/ipc.py) through `_LinkedCoreClient`.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import paged_llm
+from paged_llm.config import ConfigError, EngineConfig
+from paged_llm.engine.core_types import (
+    AbortRequest,
+    AttachFrontEnd,
+    CoreStartupFailed,
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FrontEndAttached,
+    Shutdown,
+    UtilityCall,
+)
+from paged_llm.engine.ipc import FramedSocket
+from paged_llm.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+def python_executable() -> str:
+    """The interpreter to start the core with. Inside Triton's stub `sys.executable` may be the stub
+    binary, so fall back to this environment's own `bin/python3`, then to `python3` on PATH (the
+    interpreter whose environment the stub itself uses)."""
+    if sys.executable and Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    for candidate in (
+        Path(sys.exec_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}",
+        Path(sys.exec_prefix) / "bin" / "python3",
+    ):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("python3")
+    if found is None:
+        raise RuntimeError("cannot find a python3 executable to start the engine core process")
+    return found
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class _LinkedCoreClient:
+    """A core at the other end of a FramedSocket: the one this process started, or a shared one."""
+
+    request_id_prefix = ""  # the core routes outputs back to its front ends by this (front_ends.py)
+    owns_core = True
+
+    def __init__(self, link: FramedSocket) -> None:
+        self._link = link
+        self._call_ids = itertools.count()
+        self._exited = threading.Event()  # the core (or our link to it) is gone
+        self.death_reason: str | None = None
+
+    def _reason(self) -> str:
+        return self.death_reason or "the engine core process closed its connection"
+
+    def _link_lost(self) -> None:
+        """The link failed: give whoever records why a moment to do so."""
+        self._exited.wait(timeout=2.0)
+
+    def _send(self, message: object) -> None:
+        if self._exited.is_set():
+            raise EngineDeadError(self._reason())
+        try:
+            self._link.send(message)
+        except OSError as error:
+            self._link_lost()
+            raise EngineDeadError(f"{self._reason()} ({error})") from None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, aborts: list[AbortRequest]) -> None:
+        for abort in aborts:
+            self._send(abort)
+
+    def send_utility(self, name: str) -> int:
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, name))
+        return call_id
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        try:
+            return self._link.recv(timeout_s)
+        except (EOFError, OSError):
+            self._link_lost()
+            raise EngineDeadError(self._reason()) from None
+
+    def poll_outputs(self) -> EngineCoreOutputs | None:
+        if not self._link.poll():
+            return None
+        return self.get_outputs(0.0)
+
+
+class ProcessCoreClient(_LinkedCoreClient):
+    """The core in its own process, over a socketpair (engine/ipc.py).
+
+    A supervisor thread starts the process and waits for it, so a death is noticed at once (and
+    logged with its exit status); it also closes our end of the link, which wakes the reader.
+    `listener`: a listening Unix socket handed to the core, on which other front ends attach.
+    """
+
+    STARTUP_POLL_S = 0.5
+
+    def __init__(
+        self, config: EngineConfig, watch_pid: int | None = None, listener: socket.socket | None = None
+    ) -> None:
+        self._watch_pid = watch_pid
+        self._listener = listener
+        self._python = config.serving.engine_python or python_executable()
+        ours, theirs = socket.socketpair()
+        super().__init__(FramedSocket(ours))
+        self._theirs = theirs
+        self._started = threading.Event()
+        self.process: subprocess.Popen | None = None
+        self._start_error: BaseException | None = None
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="paged_llm-core-supervisor", daemon=True
+        )
+        self._supervisor.start()
+        self._started.wait()
+        theirs.close()
+        if self._start_error is not None:
+            raise RuntimeError(f"could not start the engine core process: {self._start_error}")
+        self.info = self._handshake(config)
+
+    def _supervise(self) -> None:
+        """Starts the core process and waits for it. The process's parent-death signal is tied to
+        this thread, which lives exactly as long as the process."""
+        package_root = str(Path(paged_llm.__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        command = [
+            self._python,
+            "-m",
+            "paged_llm.engine.core_process",
+            "--fd",
+            str(self._theirs.fileno()),
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            logging.getLevelName(logging.getLogger("paged_llm").getEffectiveLevel()),
+        ]
+        pass_fds = [self._theirs.fileno()]
+        if self._watch_pid is not None:
+            command += ["--watch-pid", str(self._watch_pid)]
+        if self._listener is not None:
+            command += ["--listen-fd", str(self._listener.fileno())]
+            pass_fds.append(self._listener.fileno())
+        try:
+            self.process = subprocess.Popen(command, pass_fds=pass_fds, env=env, close_fds=True)
+        except OSError as error:
+            self._start_error = error
+            self._started.set()
+            return
+        self._started.set()
+        returncode = self.process.wait()
+        self.death_reason = f"the engine core process (pid {self.process.pid}) {describe_exit(returncode)}"
+        if returncode != 0:
+            logger.error("%s", self.death_reason)
+        self._exited.set()
+        try:
+            self._link.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on the link
+        except OSError:
+            pass
+
+    def _handshake(self, config: EngineConfig) -> EngineCoreInfo:
+        self._send(config)
+        while True:  # loading a large model takes minutes: wait as long as the process lives
+            try:
+                reply = self._link.recv(self.STARTUP_POLL_S)
+            except (EOFError, OSError):
+                self._exited.wait(timeout=5.0)
+                raise RuntimeError(f"{self._reason()} before it was ready (see the log above)") from None
+            if reply is None:
+                continue
+            if isinstance(reply, CoreStartupFailed):
+                self.shutdown()
+                if reply.is_config_error:
+                    raise ConfigError(reply.message)
+                raise RuntimeError(f"the engine core failed to start: {reply.message}")
+            return reply
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Asks the core to stop, waits up to `timeout_s`, then kills it. Idempotent."""
+        if self.process is None or self._exited.is_set():
+            self._link.close()
+            return
+        try:
+            self._link.send(Shutdown("the engine is shutting down"))
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while not self._exited.wait(timeout=0.05):
+            # Keep reading so the core never blocks on a full socket while it says goodbye.
+            try:
+                self._link.recv(0.0)
+            except (EOFError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                logger.warning("the engine core did not stop within %.1f s: killing it", timeout_s)
+                self.process.kill()
+                self._exited.wait(timeout=5.0)
+                break
+        self._link.close()
+
+
+class AttachedCoreClient(_LinkedCoreClient):
+    """A core that another front end (another Triton instance of this model) started, reached
+    through its listening socket. Its requests carry our prefix; shutdown() only detaches."""
+
+    owns_core = False
+    STARTUP_POLL_S = 0.5
+
+    def __init__(self, address: bytes) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)  # ConnectionRefusedError: nobody listens (yet, or any more)
+        except OSError:
+            sock.close()
+            raise
+        super().__init__(FramedSocket(sock))
+        self.pid: int | None = None
+        self._send(AttachFrontEnd(os.getpid()))
+        while True:  # the core answers once its model is loaded: wait as long as the link lives
+            try:
+                reply = self._link.recv(self.STARTUP_POLL_S)
+            except (EOFError, OSError):
+                self._link.close()
+                raise RuntimeError(
+                    "the engine core started by another instance of this model stopped before it was "
+                    "ready (see that instance's log)"
+                ) from None
+            if reply is not None:
+                break
+        if not isinstance(reply, FrontEndAttached):
+            self._link.close()
+            raise RuntimeError(f"unexpected answer from the shared engine core: {type(reply).__name__}")
+        self.info = reply.info
+        self.front_end_id = reply.front_end_id
+        self.request_id_prefix = reply.request_id_prefix
+
+    def _reason(self) -> str:
+        return self.death_reason or (
+            "the shared engine core closed its connection (the instance that started it stopped, "
+            "or the core died)"
+        )
+
+    def _link_lost(self) -> None:
+        self._exited.set()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Detaches: the core aborts what is left of ours and closes the link. Idempotent."""
+        if not self._exited.is_set():
+            try:
+                self._link.send(Shutdown("the front end detached"))
+                deadline = time.monotonic() + min(timeout_s, 2.0)
+                while time.monotonic() < deadline:  # read until the core closes its side
+                    self._link.recv(0.05)
+            except (EOFError, OSError):
+                pass
+            self._exited.set()
+        self._link.close()
+
+
+ATTACH_RETRY_S = 30.0  # how long an instance keeps trying to join a shared core that is starting
+
+
+def shared_core_address(name: str) -> bytes:
+    """A Linux abstract Unix socket address: no file, gone when its last socket closes."""
+    return b"\0paged_llm/" + name.encode()
+
+
+def connect_engine_core(
+    config: EngineConfig, watch_pid: int | None = None, share_name: str | None = None
+) -> ProcessCoreClient | AttachedCoreClient:
+    """The engine core in its own process. With `share_name`, every caller that passes the same name
+    shares one core: the first one to bind the name starts the core (which listens there), the
+    others attach to it (engine/front_ends.py)."""
+    if share_name is None:
+        return ProcessCoreClient(config, watch_pid)
+    address = shared_core_address(share_name)
+    deadline = time.monotonic() + ATTACH_RETRY_S
+    while True:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+        except OSError as error:
+            listener.close()
+            if error.errno != errno.EADDRINUSE:
+                raise
+            try:
+                client = AttachedCoreClient(address)
+            except ConnectionRefusedError:  # bound but not listening yet, or just closed: retry
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"could not start or join the shared engine core {share_name!r}"
+                    ) from None
+                time.sleep(0.05)
+                continue
+            logger.info(
+                "attached to the shared engine core %r as front end %d", share_name, client.front_end_id
+            )
+            return client
+        try:
+            listener.listen(64)
+            return ProcessCoreClient(config, watch_pid, listener)
+        finally:
+            listener.close()  # the core process holds its own copy
