@@ -58,6 +58,12 @@ class SchedulerConfig:
     # While sequences decode, prefill gets at most this many tokens of a step (0: no separate limit,
     # only max_num_batched_tokens); bounds inter-token latency when prompts keep arriving.
     max_prefill_tokens_while_decoding: int = 0
+    # queue: a request that cannot start yet waits (up to max_queued_requests of them); reject: it is
+    # refused at once (UNAVAILABLE) when max_num_seqs sequences are already live.
+    admission_policy: str = "queue"
+    # A request still waiting to start after this many seconds ends with UNAVAILABLE and never runs
+    # (0: it waits as long as it takes).
+    queue_max_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -69,6 +75,10 @@ class SchedulerConfig:
             raise ConfigError(f"max_prefill_tokens_while_decoding must be >= 0, got {value}")
         if self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.admission_policy not in ("queue", "reject"):
+            raise ConfigError(f"admission_policy must be queue or reject, got {self.admission_policy!r}")
+        if not self.queue_max_wait_s >= 0.0:  # also refuses NaN
+            raise ConfigError(f"queue_max_wait_s must be >= 0, got {self.queue_max_wait_s}")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ class InvalidRequestError(ValueError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at `max_queued_requests` (becomes UNAVAILABLE)."""
+    """The engine refuses the request for load (becomes UNAVAILABLE): the waiting queue is at
+    `max_queued_requests`, `admission_policy` reject found it at capacity, or it waited longer than
+    `queue_max_wait_s`. Retrying later may succeed."""
 
 
 class EngineDeadError(RuntimeError):

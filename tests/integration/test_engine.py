@@ -4,6 +4,7 @@ front end (AsyncLLM) over a core in a thread and in its own process."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
 from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.engine.llm_engine import LLMEngine
-from paged_llm.errors import InvalidRequestError, RequestAbortedError
+from paged_llm.errors import InvalidRequestError, QueueFullError, RequestAbortedError
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import make_engine, run_to_completion
 
@@ -140,6 +141,40 @@ def test_a_prompt_larger_than_the_pool_is_rejected(tiny_model_dir):
     assert engine.max_model_len == 16  # lowered to what the pool can hold
     with pytest.raises(InvalidRequestError, match="max_model_len is 16"):
         engine.add_request("big", [1] * 20, greedy())
+
+
+def test_admission_policy_reject_refuses_beyond_max_num_seqs_and_accepts_again(tiny_model_dir, prompts):
+    engine = make_engine(tiny_model_dir, max_num_seqs=3, admission_policy="reject")
+    engine.add_request("a", prompts[1], greedy(4))
+    engine.add_request("b", prompts[2], greedy(4, n=2))  # 3 sequences live: at capacity
+    with pytest.raises(QueueFullError, match=r"at capacity \(3 of max_num_seqs=3 sequences live"):
+        engine.add_request("c", prompts[3], greedy(4))
+    assert engine.core.num_unfinished_requests == 2  # the refused one never reached the queue
+    while engine.has_unfinished_requests():
+        engine.step()
+    [[after]] = run_to_completion(engine, [prompts[3]], greedy(4))  # capacity is back
+    assert after.finish_reason == "length" and engine.core.kv_cache.usage == 0
+
+
+def test_queue_max_wait_ends_a_request_that_never_started_but_not_a_running_one(tiny_model_dir, prompts):
+    engine = make_engine(tiny_model_dir, max_num_seqs=1, queue_max_wait_s=30.0)
+    engine.add_request("running", prompts[1], greedy(6))
+    engine.step()  # "running" starts and holds the only slot
+    # "stale" arrived 60 s ago (longer than queue_max_wait_s) and cannot start while "running" runs.
+    engine.add_request("stale", prompts[2], greedy(6), arrival_time=time.monotonic() - 60.0)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.check_integrity()
+    stale = finals["stale"]
+    assert isinstance(stale.error, QueueFullError)
+    assert "in the queue without starting, more than queue_max_wait_s=30" in str(stale.error)
+    assert not any(delta.token_ids for delta in stale.sequences)  # it never ran
+    assert finals["running"].error is None
+    assert finals["running"].sequences[0].finish_reason == "length"
+    assert engine.core.kv_cache.usage == 0
 
 
 def test_injected_step_fault_fails_in_flight_requests_and_engine_recovers(tiny_model_dir, prompts):

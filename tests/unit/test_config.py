@@ -17,6 +17,8 @@ def test_parameters_from_config_pbtxt():
             "gpu_memory_utilization": "0.8",
             "device": "cpu",
             "max_n": "4",
+            "admission_policy": "reject",
+            "queue_max_wait_s": "2.5",
         }
     )
     assert config.model.model == "/models/x" and config.model.max_model_len is None
@@ -24,6 +26,7 @@ def test_parameters_from_config_pbtxt():
     assert config.cache.enable_prefix_caching is False and config.cache.gpu_memory_utilization == 0.8
     assert config.scheduler.max_num_seqs == 8 and config.device.device == "cpu"
     assert config.limits.max_n == 4
+    assert config.scheduler.admission_policy == "reject" and config.scheduler.queue_max_wait_s == 2.5
 
 
 @pytest.mark.parametrize(
@@ -35,6 +38,8 @@ def test_parameters_from_config_pbtxt():
         ({"max_num_seqs": "0"}, "max_num_seqs must be >= 1"),
         ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
         ({"block_size_tokens": "abc"}, "block_size_tokens"),
+        ({"admission_policy": "drop"}, "admission_policy must be queue or reject, got 'drop'"),
+        ({"queue_max_wait_s": "-1"}, "queue_max_wait_s must be >= 0"),
     ],
 )
 def test_bad_parameters_fail_loading_with_a_clear_message(parameters, message):

@@ -161,10 +161,18 @@ class EngineCore:
             raise InvalidRequestError("request id", f"{request.request_id!r} is already in flight")
         validate_prompt(self.info, request.prompt_token_ids)
         validate_params(self.info, request.params)
-        max_queued = self.config.scheduler.max_queued_requests
+        params = request.params
+        scheduler_config = self.config.scheduler
+        max_queued = scheduler_config.max_queued_requests
         if self.scheduler.num_waiting >= max_queued:
             raise QueueFullError(f"the waiting queue is full ({max_queued} requests); retry later")
-        params = request.params
+        if scheduler_config.admission_policy == "reject":
+            num_live = sum(r.num_samples - len(r.reported_finished) for r in self._requests.values())
+            if num_live + params.n > scheduler_config.max_num_seqs:
+                raise QueueFullError(
+                    f"the engine is at capacity ({num_live} of max_num_seqs={scheduler_config.max_num_seqs}"
+                    " sequences live, admission_policy reject); retry later"
+                )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         prompt = list(request.prompt_token_ids)
         sequences = [
@@ -272,6 +280,8 @@ class EngineCore:
         finish_step(); aborts in between are fine: the step's results for them are dropped, and
         their blocks are only reused by a later schedule(), after this step's sync."""
         self._expire_deadlines()
+        if self.config.scheduler.queue_max_wait_s > 0.0:
+            self._expire_queue_waits()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return None
@@ -341,6 +351,33 @@ class EngineCore:
         for record in expired:
             waited = now - record.arrival_time
             self.abort_request(record.request_id, reason=f"timed out after {waited:.3f} s (request timeout)")
+
+    def _expire_queue_waits(self) -> None:
+        """Ends requests that waited longer than queue_max_wait_s without starting (UNAVAILABLE);
+        a preempted sequence waits again, but it has run, so it is not counted as queued."""
+        now = time.monotonic()
+        max_wait_s = self.config.scheduler.queue_max_wait_s
+        expired = [
+            record
+            for record in self._requests.values()
+            if record.sequences
+            and record.sequences[0].first_scheduled_time is None
+            and now - record.arrival_time > max_wait_s
+        ]
+        for record in expired:
+            waited_s = now - record.arrival_time
+            logger.info(
+                "request %s never started within queue_max_wait_s (%.3f s)", record.request_id, waited_s
+            )
+            self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
+            self._close(
+                record,
+                CoreError(
+                    "unavailable",
+                    f"waited {waited_s:.3f} s in the queue without starting, more than "
+                    f"queue_max_wait_s={max_wait_s:g}; retry later",
+                ),
+            )
 
     def _fail_step(self, scheduled: list[ScheduledSequence], error: Exception) -> None:
         """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving."""

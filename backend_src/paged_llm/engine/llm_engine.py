@@ -61,12 +61,16 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         deadline: float | None = None,
+        arrival_time: float | None = None,
     ) -> None:
-        """Validates and queues a request; InvalidRequestError if it can never be served."""
+        """Validates and queues a request; InvalidRequestError if it can never be served,
+        QueueFullError if it is refused for load. `arrival_time`: time.monotonic() when it arrived
+        (default now; queue_max_wait_s counts from it)."""
         prompt = list(prompt_token_ids)
         validate_prompt(self.info, prompt)
         validate_params(self.info, params)
-        arrival_time = time.monotonic()
+        if arrival_time is None:
+            arrival_time = time.monotonic()
         core_id = self.processor.add_request(request_id, prompt, params, arrival_time)
         try:
             self.client.add_request(EngineCoreRequest(core_id, prompt, params, arrival_time, deadline))
