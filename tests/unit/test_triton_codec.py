@@ -9,7 +9,7 @@ import pytest
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import RequestLimits
-from paged_llm.serving.triton_codec import parse_request
+from paged_llm.serving.triton_codec import parse_request, request_parameter_mapping, wants_error_output
 
 LIMITS = RequestLimits()
 
@@ -74,3 +74,15 @@ def test_forwarded_errors_round_trip_through_their_output():
     assert array.dtype == object and array.shape == (1,)
     assert decode_forwarded_error(array) == ("cancelled", "the server is shutting down\twith a tab")
     assert is_forwarded("paged_llm_trtllm/0f1e") and not is_forwarded("client-id")
+
+
+def test_error_output_is_asked_for_by_a_parameter_or_a_forwarded_id_and_is_no_sampling_parameter():
+    assert wants_error_output("", '{"paged_llm_error_output": true}')
+    assert wants_error_output("paged_llm_trtllm/abc", "")
+    assert not wants_error_output("", '{"paged_llm_error_output": false}')
+    assert not wants_error_output("", '{"paged_llm_error_output": "true"}')  # only a JSON true
+    assert not wants_error_output("", "")
+    assert not wants_error_output("", "{not json paged_llm_error_output")
+    # Without sampling_parameters the request parameters are the sampling parameters: the flag is
+    # not one of them.
+    assert request_parameter_mapping('{"paged_llm_error_output": true, "max_tokens": 3}') == {"max_tokens": 3}

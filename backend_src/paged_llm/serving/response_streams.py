@@ -29,7 +29,7 @@ from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
 from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
 from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
-from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error, is_forwarded
+from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
 logger = logging.getLogger(__name__)
 AbortFn = Callable[[str, BaseException], None]
@@ -57,6 +57,7 @@ class Stream:
     closed: bool = False  # the FINAL response went out (or is going out)
     lock: threading.Lock = field(default_factory=threading.Lock)
     triton_request_id: str = ""  # the id the client gave the request (llm_trtllm: for its aborts)
+    errors_as_output: bool = False  # its error goes as FORWARDED_ERROR_OUTPUT (triton_codec.py)
 
 
 @dataclass
@@ -91,9 +92,20 @@ class ResponseStreams:
 
     # ----------------------------------------------------------------------------- any thread
     def open(
-        self, request_id: str, sender: Any, accumulator: ResponseAccumulator, triton_request_id: str = ""
+        self,
+        request_id: str,
+        sender: Any,
+        accumulator: ResponseAccumulator,
+        triton_request_id: str = "",
+        errors_as_output: bool = False,
     ) -> Stream:
-        stream = Stream(request_id, sender, accumulator, triton_request_id=triton_request_id)
+        stream = Stream(
+            request_id,
+            sender,
+            accumulator,
+            triton_request_id=triton_request_id,
+            errors_as_output=errors_as_output,
+        )
         with self._lock:
             self._streams[request_id] = stream
         return stream
@@ -108,15 +120,16 @@ class ResponseStreams:
         with stream.lock:
             if not stream.closed:
                 self._close(stream)
-                self.send_error(stream.sender, error, is_forwarded(stream.triton_request_id))
+                self.send_error(stream.sender, error, stream.errors_as_output)
 
-    def send_error(self, sender: Any, error: BaseException, forwarded: bool = False) -> None:
+    def send_error(self, sender: Any, error: BaseException, as_output: bool = False) -> None:
         """An error as the request's FINAL response (for a sender that has no Stream, too). To
-        llm_trtllm (`forwarded`) it goes as an ordinary response holding FORWARDED_ERROR_OUTPUT:
-        Triton 2.51's BLS loses an error response that follows data (triton_codec.py)."""
+        llm_trtllm and clients that ask (`as_output`) it goes as an ordinary response holding
+        FORWARDED_ERROR_OUTPUT: Triton 2.51's BLS loses an error response that follows data, and its
+        gRPC stream loses the status code (triton_codec.py)."""
         code, label = error_code(self._pb, error)
         self._metrics.count_final(label)
-        if forwarded:
+        if as_output:
             tensor = self._pb.Tensor(FORWARDED_ERROR_OUTPUT, encode_forwarded_error(label, str(error)))
             response = self._pb.InferenceResponse(output_tensors=[tensor])
         else:
@@ -154,7 +167,7 @@ class ResponseStreams:
                     response = Response(None, True, RequestAbortedError("cancelled by the client"))
         # The send itself runs outside the lock, so the cancellation poller never waits on it.
         if response.error is not None:
-            self.send_error(stream.sender, response.error, is_forwarded(stream.triton_request_id))
+            self.send_error(stream.sender, response.error, stream.errors_as_output)
             return False
         pb = self._pb
         tensors = [pb.Tensor(name, array) for name, array in response.tensors.items()]

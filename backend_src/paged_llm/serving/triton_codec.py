@@ -27,7 +27,7 @@ RETURN_FLAGS = (
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS)
 # Request parameters Triton itself may attach; never sampling parameters.
-_IGNORED_REQUEST_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
+_IGNORED_REQUEST_PARAMETERS = frozenset({"triton_enable_empty_final_response", "paged_llm_error_output"})
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,26 @@ FORWARDED_ABORT_PARAMETER = "paged_llm_abort_forwarded_request"
 FORWARDED_ERROR_OUTPUT = "paged_llm_error"
 
 
+# A client that sets this request parameter to true gets its request's error the same way, as an
+# ordinary FINAL holding FORWARDED_ERROR_OUTPUT: over a gRPC stream Triton 2.51 passes an error's
+# message but not its status code, and the OpenAI server needs the code (400 vs 503 vs 500).
+ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"
+
+
 def is_forwarded(triton_request_id: str) -> bool:
     return triton_request_id.startswith(FORWARDED_REQUEST_ID_PREFIX)
+
+
+def wants_error_output(triton_request_id: str, raw_parameters: str | Mapping[str, Any] | None) -> bool:
+    """Whether the request's error goes as FORWARDED_ERROR_OUTPUT (llm_trtllm's, or asked for)."""
+    if is_forwarded(triton_request_id):
+        return True
+    if not raw_parameters or ERROR_OUTPUT_PARAMETER not in raw_parameters:
+        return False
+    try:
+        return request_parameter_mapping_raw(raw_parameters).get(ERROR_OUTPUT_PARAMETER) is True
+    except InvalidRequestError:
+        return False
 
 
 def encode_forwarded_error(label: str, message: str) -> np.ndarray:
@@ -159,9 +177,8 @@ def decode_forwarded_error(array: np.ndarray) -> tuple[str, str]:
     return label, message
 
 
-def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """A request's Triton parameters (HTTP generate turns unknown top-level keys into these), less
-    the ones Triton's clients set themselves."""
+def request_parameter_mapping_raw(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's Triton parameters as a dict (all of them)."""
     if raw is None or raw == "":
         return {}
     if isinstance(raw, str):
@@ -170,6 +187,13 @@ def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, 
         mapping = dict(raw)
     if not isinstance(mapping, dict):
         raise InvalidRequestError("parameters", "must be a JSON object")
+    return mapping
+
+
+def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's Triton parameters (HTTP generate turns unknown top-level keys into these), less
+    the ones Triton's clients and ours set for transport."""
+    mapping = request_parameter_mapping_raw(raw)
     return {k: v for k, v in mapping.items() if k not in _IGNORED_REQUEST_PARAMETERS}
 
 

@@ -46,6 +46,7 @@ from paged_llm.serving.triton_codec import (
     parse_request,
     read_inputs,
     request_parameter_mapping,
+    wants_error_output,
 )
 
 _HOUSEKEEPING_INTERVAL_S = 0.05
@@ -182,9 +183,11 @@ class TritonPythonModel:
         self._server_watch.mark_open()
         self._unload_watch.mark_ready()
         sender = request.get_response_sender()
-        forwarded = is_forwarded(request.request_id())
+        errors_as_output = False
         try:
+            triton_request_id = request.request_id()
             raw_parameters = request.parameters()
+            errors_as_output = wants_error_output(triton_request_id, raw_parameters)
             if FORWARDED_ABORT_PARAMETER in raw_parameters:
                 self._abort_forwarded(raw_parameters, sender)
                 return
@@ -192,26 +195,32 @@ class TritonPythonModel:
             parsed = parse_request(inputs, raw_parameters, self.config.limits)
             parsed = replace(parsed, requested_outputs=frozenset(request.requested_output_names()) or None)
             timeout_us = request.timeout()
-            triton_request_id = request.request_id()
         except InvalidRequestError as error:
-            self._streams.send_error(sender, error, forwarded)
+            self._streams.send_error(sender, error, errors_as_output)
             return
         except Exception as error:  # a bug of ours: INTERNAL, one line to the client, traceback to the log
-            self._internal_error(sender, error, forwarded)
+            self._internal_error(sender, error, errors_as_output)
             return
         deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
         if parsed.prompt_text is not None and len(parsed.prompt_text) > _INLINE_TOKENIZE_CHARS:
             # Tokenizing a large prompt takes up to a second: not on the thread every request
             # comes through (the tokenizer releases the GIL, so the rest of the stub runs on).
-            self._admissions.put((sender, parsed, deadline, triton_request_id))
+            self._admissions.put((sender, parsed, deadline, triton_request_id, errors_as_output))
         else:
-            self._admit(sender, parsed, deadline, triton_request_id)
+            self._admit(sender, parsed, deadline, triton_request_id, errors_as_output)
 
     def _admission_loop(self) -> None:
         while (item := self._admissions.get()) is not None:
             self._admit(*item)
 
-    def _admit(self, sender: Any, parsed: Any, deadline: float | None, triton_request_id: str = "") -> None:
+    def _admit(
+        self,
+        sender: Any,
+        parsed: Any,
+        deadline: float | None,
+        triton_request_id: str = "",
+        errors_as_output: bool = False,
+    ) -> None:
         """Tokenize, validate, and hand the request to the engine (or answer it with its error).
         No is_cancelled() here: it is a round trip to the server (0.1-0.4 ms on the GPU hosts), which
         256 requests arriving at once would pay one after the other; the housekeeping thread's
@@ -225,10 +234,10 @@ class TritonPythonModel:
             prompt_field = "input_ids" if parsed.prompt_token_ids is not None else "text_input"
             self.engine.validate(prompt_ids, parsed.params, prompt_field)
         except (InvalidRequestError, EngineDeadError) as error:
-            self._streams.send_error(sender, error, is_forwarded(triton_request_id))
+            self._streams.send_error(sender, error, errors_as_output)
             return
         except Exception as error:
-            self._internal_error(sender, error, is_forwarded(triton_request_id))
+            self._internal_error(sender, error, errors_as_output)
             return
         prompt_text = parsed.prompt_text
         if prompt_text is None:
@@ -239,7 +248,7 @@ class TritonPythonModel:
             parsed, prompt_text, len(prompt_ids), self.config.serving.max_merged_steps
         )
         forwarded_id = triton_request_id if is_forwarded(triton_request_id) else ""
-        stream = self._streams.open(request_id, sender, accumulator, forwarded_id)
+        stream = self._streams.open(request_id, sender, accumulator, forwarded_id, errors_as_output)
         try:
             self.engine.add_request(request_id, prompt_ids, parsed.params, deadline)
         except (InvalidRequestError, EngineDeadError) as error:
@@ -254,10 +263,10 @@ class TritonPythonModel:
             self.engine.abort(stream.request_id, RequestAbortedError("cancelled by the client (llm_trtllm)"))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _internal_error(self, sender: Any, error: Exception, forwarded: bool = False) -> None:
+    def _internal_error(self, sender: Any, error: Exception, as_output: bool = False) -> None:
         logger.exception("reading a request failed")
         self._streams.send_error(
-            sender, RuntimeError(f"internal error reading the request ({type(error).__name__})"), forwarded
+            sender, RuntimeError(f"internal error reading the request ({type(error).__name__})"), as_output
         )
 
     def _on_outputs(self, outputs: list[Any]) -> None:

@@ -1,0 +1,3 @@
+from paged_llm.frontend.server import main
+
+raise SystemExit(main())

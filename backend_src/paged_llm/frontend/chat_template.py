@@ -1,0 +1,96 @@
+"""Chat prompts: the checkpoint's own chat template (tokenizer_config.json) renders the messages.
+
+The rendered text goes to the model as `text_input`; our llm model tokenizes it without adding
+special tokens (as vLLM does for chat), so the template's own BOS / role markers are the only ones.
+Where a model's checkpoint is found: `--tokenizer [MODEL=]DIR`, else the llm model's `model`
+parameter in its Triton config (the built-in tiny model's name, or an absolute directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from paged_llm.frontend.errors import OpenAIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+
+class ChatTemplates:
+    def __init__(self, tokenizer_dirs: dict[str, Path], default_dir: Path | None, backend: Any) -> None:
+        self._dirs = dict(tokenizer_dirs)
+        self._default_dir = default_dir
+        self._backend = backend
+        self._tokenizers: dict[str, Any] = {}
+        self._lock = asyncio.Lock()
+
+    async def _find_dir(self, model: str) -> Path | None:
+        if model in self._dirs:
+            return self._dirs[model]
+        if self._default_dir is not None:
+            return self._default_dir
+        try:
+            parameters = await self._backend.model_parameters(model)
+        except Exception as error:
+            logger.info("no model config for %s: %s", model, error)
+            return None
+        name = parameters.get("model", "")
+        from paged_llm.models.builtin import TINY_MODEL_NAME, resolve_model_dir
+
+        if name == TINY_MODEL_NAME or Path(name).is_absolute():
+            try:
+                return await asyncio.to_thread(resolve_model_dir, name)
+            except Exception as error:
+                logger.info("model %s: checkpoint %r not usable here: %s", model, name, error)
+        return None
+
+    async def tokenizer(self, model: str) -> Any:
+        """The model's HF tokenizer (loaded once), or a 400 saying how to give one."""
+        async with self._lock:
+            if model not in self._tokenizers:
+                directory = await self._find_dir(model)
+                if directory is None:
+                    raise bad_request(
+                        f"no tokenizer for model {model!r}: start the server with --tokenizer {model}=DIR "
+                        "(a checkpoint directory with tokenizer_config.json)",
+                        "model",
+                    )
+                from transformers import AutoTokenizer
+
+                self._tokenizers[model] = await asyncio.to_thread(
+                    AutoTokenizer.from_pretrained, str(directory)
+                )
+            return self._tokenizers[model]
+
+    async def render(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        tokenizer = await self.tokenizer(model)
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request(f"model {model!r} has no chat template; use /v1/completions", "model")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+        except OpenAIError:
+            raise
+        except Exception as error:  # the template's raise_exception(), or a kwarg it rejects
+            raise bad_request(f"the chat template rejected the messages: {error}", "messages") from None
+        if not isinstance(text, str) or not text:
+            raise bad_request("the chat template rendered an empty prompt", "messages")
+        return text
+
+    async def decode(self, model: str, token_ids: list[int]) -> str:
+        tokenizer = await self.tokenizer(model)
+        return tokenizer.decode(token_ids)

@@ -1,0 +1,256 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, validated at the edge.
+
+Unknown fields are rejected with 400 "Unrecognized request argument supplied: NAME", as OpenAI's
+API does. Besides OpenAI's fields, the vLLM extras our engine implements are accepted (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+include_stop_str_in_output; chat: add_generation_prompt, chat_template_kwargs). Ranges checked here
+are OpenAI's; the engine checks its own limits (max_n, max_model_len, vocabulary) and answers
+INVALID_ARG naming the field, which becomes a 400 too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from paged_llm.frontend.errors import OpenAIError, bad_request
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = None  # accepted and not used (OpenAI: for abuse monitoring)
+    logit_bias: dict[str, float] | None = None  # only empty / null: the engine has no logit bias
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def common_sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        """The llm model's sampling_parameters (API.md): only what the client set, plus max_tokens
+        (None: up to max_model_len)."""
+        sampling: dict[str, Any] = {"max_tokens": max_tokens, "n": self.n}
+        for name in (
+            "temperature",
+            "top_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "ignore_eos",
+            "stop_token_ids",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                sampling[name] = value
+        if self.stop is not None:
+            sampling["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if logprobs is not None:
+            sampling["logprobs"] = logprobs
+        return sampling
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        return self.common_sampling(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. tool_call_id, reasoning_content: kept for the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """What the chat template sees: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part_index, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"content part type {part.get('type')!r} is not supported (text only)",
+                        f"messages[{index}].content[{part_index}]",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        message = self.model_dump(exclude_none=True)
+        message["content"] = content if content is not None else ""
+        return message
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("only response_format type text is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.common_sampling(max_tokens, logprobs)
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> Any:
+    """The request body as `model`, or a 400 OpenAIError naming the offending field."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise bad_request(f"the request body is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as error:
+        raise _first_validation_error(error) from None
+    body.check_unsupported()
+    return body
+
+
+def _first_validation_error(error: ValidationError) -> OpenAIError:
+    first = error.errors(include_url=False)[0]
+    location = _format_location(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {location}", location)
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter: '{location}'", location)
+    if any(_is_union_branch(part) for part in first.get("loc", ())):
+        return bad_request(f"Invalid type for '{location}': {_union_hint(location)}", location)
+    message = first.get("msg", "invalid value")
+    return bad_request(f"Invalid value for '{location}': {message}", location or None)
+
+
+_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "none", "function-after", "function-before"})
+_UNION_HINTS = {
+    "prompt": "expected a string, a list of strings, a list of token ids or a list of such lists",
+    "stop": "expected a string or a list of strings",
+    "content": "expected a string or a list of content parts",
+}
+
+
+def _is_union_branch(part: Any) -> bool:
+    return isinstance(part, str) and (part in _BRANCH_NAMES or "[" in part or part.startswith("function-"))
+
+
+def _union_hint(location: str) -> str:
+    return _UNION_HINTS.get(location.rsplit(".", 1)[-1], "none of the accepted types")
+
+
+def _format_location(loc: tuple[Any, ...]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch names are dropped."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif isinstance(part, str) and not _is_union_branch(part):
+            text += f".{part}" if text else part
+    return text

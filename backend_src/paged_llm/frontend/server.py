@@ -1,0 +1,95 @@
+"""`python -m paged_llm.frontend`: the OpenAI-compatible server in front of a running tritonserver.
+
+python -m paged_llm.frontend --triton-url 127.0.0.1:8001 --port 9000 --tokenizer llm=/ckpt/Qwen3-0.6B
+PAGED_LLM_API_KEY=secret python -m paged_llm.frontend ...   (or --api-key, repeatable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from paged_llm.frontend.app import FrontendSettings, create_app
+
+API_KEY_ENV = "PAGED_LLM_API_KEY"
+
+
+def parse_tokenizers(values: list[str]) -> tuple[dict[str, Path], Path | None]:
+    """`--tokenizer DIR` (every model) and `--tokenizer MODEL=DIR`."""
+    per_model: dict[str, Path] = {}
+    default = None
+    for value in values:
+        name, sep, directory = value.partition("=")
+        if sep:
+            per_model[name] = Path(directory).expanduser().resolve()
+        else:
+            default = Path(value).expanduser().resolve()
+    return per_model, default
+
+
+def api_keys(values: list[str]) -> tuple[str, ...]:
+    keys = list(values)
+    if os.environ.get(API_KEY_ENV):
+        keys += [k for k in os.environ[API_KEY_ENV].split(",") if k]
+    return tuple(keys)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.frontend", description=__doc__.split("\n")[0])
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (host:port)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; also ${API_KEY_ENV}, "
+        "comma-separated)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        help="[MODEL=]DIR: checkpoint directory whose chat template and tokenizer serve MODEL (default: "
+        "the llm model's own `model` parameter, when it is absolute or the built-in tiny model)",
+    )
+    parser.add_argument("--health-model", default="llm", help="/health is ready when this model is")
+    parser.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    per_model, default = parse_tokenizers(args.tokenizer)
+    for directory in [*per_model.values(), *([default] if default else [])]:
+        if not (directory / "tokenizer_config.json").is_file():
+            print(f"error: --tokenizer {directory}: no tokenizer_config.json there", file=sys.stderr)
+            return 2
+    settings = FrontendSettings(
+        triton_url=args.triton_url,
+        api_keys=api_keys(args.api_key),
+        health_model=args.health_model,
+        tokenizer_dirs=per_model,
+        default_tokenizer_dir=default,
+        max_body_bytes=args.max_body_bytes,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+
+    uvicorn.run(
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=3,
+        access_log=args.log_level in ("info", "debug"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
