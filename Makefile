@@ -1,5 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
-#   make serve   start tritonserver (127.0.0.1, ports 8000/8001/8002) on the built-in tiny model
+#   make serve   serve the built-in tiny model: the OpenAI API on 127.0.0.1:9000 and tritonserver
+#                (HTTP 8000, gRPC 8001, metrics 8002), via `paged-llm serve`
+#   make serve-triton  tritonserver alone on model_repository/
 #   make test    lint + all tests (unit, integration on CPU, end-to-end against a real tritonserver)
 # Both bootstrap what they need (scripts/setup.sh: .venv, pinned deps, backend dir, tiny model).
 SHELL := /bin/bash
@@ -8,16 +10,22 @@ PY := $(VENV)/bin/python
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
+MODEL ?= tiny-qwen3
 ADDRESS ?= 127.0.0.1
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit lint format bench-offline clean
+.PHONY: setup serve serve-triton test test-unit lint format bench-offline clean
 
 setup:
 	@bash scripts/setup.sh
 
 serve: setup
+	$(VENV)/bin/paged-llm serve $(MODEL) --address $(ADDRESS) --port $(OPENAI_PORT) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+serve-triton: setup
 	$(PY) -m paged_llm.tools.launch serve --model-repository $(MODEL_REPOSITORY) --address $(ADDRESS) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 

@@ -1,0 +1,1 @@
+"""Command line of the package: `paged-llm serve` (cli/serve.py)."""

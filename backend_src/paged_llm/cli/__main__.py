@@ -1,0 +1,3 @@
+from paged_llm.cli.serve import main
+
+raise SystemExit(main())

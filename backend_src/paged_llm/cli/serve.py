@@ -1,0 +1,272 @@
+"""`paged-llm serve MODEL`: tritonserver with the llm model on MODEL, and the OpenAI server in front.
+
+  paged-llm serve tiny-qwen3                        # the built-in tiny model (what `make serve` runs)
+  paged-llm serve ~/models/Qwen3-0.6B --device cuda --port 9000 --api-key "$KEY"
+
+Steps: write a model repository for the checkpoint under $PAGED_LLM_HOME/serve/<name>, start
+tritonserver on it (every port on --address, loopback by default), wait until the model is ready,
+start the OpenAI server (python -m paged_llm.frontend) on --port, wait until its /health is ready,
+print the URLs and a curl line. Ctrl-C (or SIGTERM) stops both and waits for them; tritonserver is
+killed if it has not exited within its exit timeout (supervise.py says why). A stub that dies, or
+either server that exits, stops the other one too; the exit status is then non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from paged_llm.frontend.server import API_KEY_ENV
+from paged_llm.models.tiny_model import TINY_MODEL_NAME
+from paged_llm.paths import paged_llm_home
+from paged_llm.tools.launch import ServerPorts, _http_host, busy_ports, server_command, server_env
+from paged_llm.tools.server_process import make_model_repository
+from paged_llm.tools.stub_watch import StubWatch
+from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S, _descendants
+
+EXIT_TIMEOUT_S = 5
+_POLL_S = 0.25
+
+
+@dataclass
+class _Children:
+    server: subprocess.Popen
+    frontend: subprocess.Popen | None = None
+
+
+def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
+    """The llm model's config.pbtxt parameters for these flags (strings, as Triton keeps them)."""
+    parameters = {"model": args.model_path, "device": args.device, "dtype": args.dtype}
+    for flag in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "max_num_batched_tokens"):
+        value = getattr(args, flag)
+        if value is not None:
+            parameters[flag] = str(value)
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: --engine-arg {item!r}: expected key=value")
+        parameters[key] = value
+    return parameters
+
+
+def write_repository(args: argparse.Namespace) -> Path:
+    root = (
+        Path(args.model_repository_dir)
+        if args.model_repository_dir
+        else paged_llm_home() / "serve" / args.served_model_name
+    )
+    # Under the default name, llm_trtllm (the TensorRT-LLM backend's interface, forwarding to llm)
+    # comes along, as in the project's model repository.
+    models = ("llm", "llm_trtllm") if args.served_model_name == "llm" else ("llm",)
+    make_model_repository(root, engine_parameters(args), models=models)
+    if args.served_model_name != "llm":  # Triton names a model after its directory
+        shutil.rmtree(root / args.served_model_name, ignore_errors=True)
+        (root / "llm").rename(root / args.served_model_name)
+    for stale in root.iterdir():  # an earlier run under another layout
+        if stale.is_dir() and stale.name not in (args.served_model_name, *models):
+            shutil.rmtree(stale, ignore_errors=True)
+    return root
+
+
+def _get_status(url: str, timeout_s: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except (OSError, ValueError):
+        return None
+
+
+def _port_busy(address: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError:
+            return True
+    return False
+
+
+def _stop(children: _Children, signum: int) -> None:
+    for process in (children.frontend, children.server):
+        if process is not None and process.poll() is None:
+            try:
+                process.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_until(check, process: subprocess.Popen, timeout_s: float, stopping: list[int]) -> bool:
+    """Polls `check()` until it holds; False if `process` exited, a stop signal came, or time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stopping and process.poll() is None:
+        if check():
+            return True
+        time.sleep(_POLL_S)
+    return False
+
+
+def _banner(args: argparse.Namespace, ports: ServerPorts) -> str:
+    host = _http_host(args.address)
+    name = args.served_model_name
+    key_header = ' -H "Authorization: Bearer $PAGED_LLM_API_KEY"' if args.has_keys else ""
+    body = f'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
+    return (
+        f"paged-llm is serving {args.model} as model '{name}':\n"
+        f"  OpenAI API  http://{host}:{args.port}/v1  (/v1/models, /v1/completions, /v1/chat/completions)\n"
+        f"  Triton      HTTP {host}:{ports.http}, gRPC {host}:{ports.grpc}, "
+        f"metrics http://{host}:{ports.metrics}/metrics\n"
+        "Try:\n"
+        f"  curl -s http://{host}:{args.port}/v1/chat/completions{key_header} "
+        f"-H 'Content-Type: application/json' -d '{body}'\n"
+        "Ctrl-C stops both servers."
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    if args.model == TINY_MODEL_NAME:
+        args.model_path = TINY_MODEL_NAME
+        tokenizer_dir = None
+    else:
+        path = Path(args.model).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            print(f"error: {args.model}: not a checkpoint directory (no config.json)", file=sys.stderr)
+            return 2
+        args.model_path = str(path)
+        tokenizer_dir = path
+    ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
+    busy = busy_ports(args.address, ports)
+    if _port_busy(args.address, args.port):
+        busy.append(f"OpenAI port {args.port} on {args.address}")
+    if busy:
+        print(
+            f"error: cannot serve: {'; '.join(busy)} busy. Pick other ports (--port, --http-port, ...).",
+            file=sys.stderr,
+        )
+        return 2
+    keys = [*args.api_key, *[k for k in os.environ.get(API_KEY_ENV, "").split(",") if k]]
+    args.has_keys = bool(keys)
+    repository = write_repository(args)
+    stopping: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
+    host = _http_host(args.address)
+    print(
+        f"Starting tritonserver on {args.address} (model repository {repository})",
+        file=sys.stderr,
+        flush=True,
+    )
+    command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S)
+    children = _Children(subprocess.Popen(command, env=server_env()))
+    ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
+    if _wait_until(lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping):
+        frontend_command = [
+            sys.executable, "-m", "paged_llm.frontend",
+            "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
+            "--health-model", args.served_model_name, "--log-level", args.log_level,
+        ]  # fmt: skip
+        if tokenizer_dir is not None:
+            frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
+        env = dict(os.environ)
+        env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
+        children.frontend = subprocess.Popen(frontend_command, env=env)
+        health_url = f"http://{host}:{args.port}/health"
+        if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
+            print(_banner(args, ports), file=sys.stderr, flush=True)
+    return _supervise(children, f"http://{host}:{ports.http}", stopping)
+
+
+def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
+    """Runs until a stop signal or until a child exits; then stops both and returns the status."""
+    watch = StubWatch(children.server.pid, http_url)
+    next_check = time.monotonic()
+    failure = 0
+    while not stopping:
+        if children.server.poll() is not None:
+            failure = children.server.returncode or 1
+            print(f"paged-llm: tritonserver exited ({children.server.returncode})", file=sys.stderr)
+            break
+        if children.frontend is not None and children.frontend.poll() is not None:
+            failure = 1
+            print(f"paged-llm: the OpenAI server exited ({children.frontend.returncode})", file=sys.stderr)
+            break
+        if children.frontend is None:  # startup failed or timed out
+            failure = 1
+            print("paged-llm: the model did not become ready; stopping", file=sys.stderr)
+            break
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + 1.0
+            dead = watch.check()
+            if dead:
+                for message in dead:
+                    print(f"paged-llm: {message}: stopping", file=sys.stderr)
+                failure = DEAD_STUB_EXIT_STATUS
+                break
+        time.sleep(_POLL_S)
+    signum = stopping[0] if stopping else signal.SIGTERM
+    _stop(children, signum)
+    kill_at = time.monotonic() + EXIT_TIMEOUT_S + KILL_MARGIN_S
+    for process in (children.frontend, children.server):
+        if process is None:
+            continue
+        try:
+            process.wait(timeout=max(0.1, kill_at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"paged-llm: pid {process.pid} did not exit in time: killing it", file=sys.stderr)
+            for pid in [process.pid, *_descendants(process.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+    return failure
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-llm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser("serve", help="serve a checkpoint: tritonserver + the OpenAI API")
+    add = serve_parser.add_argument
+    add("model", nargs="?", default=TINY_MODEL_NAME, help=f"checkpoint directory, or {TINY_MODEL_NAME}")
+    add("--served-model-name", default="llm", help="the model's name in both APIs")
+    add("--address", default="127.0.0.1", help="address every server binds (default: loopback only)")
+    add("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)), help="OpenAI API port")
+    add("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    add("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    add("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    add("--api-key", action="append", default=[], help=f"repeatable; also ${API_KEY_ENV} (comma-separated)")
+    add("--device", default="auto", help="auto | cpu | cuda | npu")
+    add("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    add("--max-model-len", type=int)
+    add("--max-num-seqs", type=int)
+    add("--max-num-batched-tokens", type=int)
+    add("--gpu-memory-utilization", type=float)
+    add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
+    add(
+        "--model-repository-dir",
+        help="where to write the model repository (default: $PAGED_LLM_HOME/serve/NAME)",
+    )
+    add("--startup-timeout-s", type=float, default=900.0)
+    add("--log-level", default="warning", help="the OpenAI server's log level")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

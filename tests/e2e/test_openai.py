@@ -1,0 +1,479 @@
+"""The OpenAI-compatible server end to end: `paged-llm serve` on the tiny model (real tritonserver,
+real OpenAI server process), driven by the official `openai` SDK and by raw HTTP for what the SDK
+would refuse to send."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+
+from paged_llm.tools.server_process import free_ports, make_model_repository, start_server
+from tests.e2e.metrics import value, wait_for
+
+API_KEY = "test-key-123"
+pytestmark = pytest.mark.timeout(600)
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen
+    port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def triton_metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def client(self, key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, dict[str, str]]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode(), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(), dict(error.headers)
+    except OSError:  # not listening (yet)
+        return 0, "", {}
+
+
+def post(
+    base_url: str, path: str, body: bytes | dict[str, Any], key: str | None = API_KEY
+) -> tuple[int, Any, dict[str, str]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(f"{base_url}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = response.read().decode()
+            status, response_headers = response.status, {k.lower(): v for k, v in response.headers.items()}
+    except urllib.error.HTTPError as error:
+        text, status, response_headers = (
+            error.read().decode(),
+            error.code,
+            {k.lower(): v for k, v in error.headers.items()},
+        )
+    try:
+        return status, json.loads(text), response_headers
+    except json.JSONDecodeError:
+        return status, text, response_headers
+
+
+def _wait_healthy(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
+        if _get(f"{base_url}/health")[0] == 200:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"not healthy after {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+def _stop_group(process: subprocess.Popen, signum: int = signal.SIGINT, timeout_s: float = 30.0) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signum)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("openai")
+    port, http_port, grpc_port, metrics_port = free_ports(4)
+    log_path = root / "serve.log"
+    command = [
+        sys.executable, "-m", "paged_llm.cli", "serve", "tiny-qwen3",
+        "--port", str(port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--metrics-port", str(metrics_port), "--model-repository-dir", str(root / "models"),
+        "--api-key", API_KEY,
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    running = Served(process, port, metrics_port, log_path)
+    try:
+        _wait_healthy(running.base_url, process, log_path)
+        yield running
+    finally:
+        _stop_group(process)
+
+
+def test_completions_and_chat_streaming_and_not_agree_and_count_tokens(served, tiny_tokenizer):
+    client = served.client()
+    prompt = "The capital of France is"
+    whole = client.completions.create(model="llm", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    [choice] = whole.choices
+    streamed = list(
+        client.completions.create(
+            model="llm",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    assert streamed[-1].usage == whole.usage and not streamed[-1].choices
+    # usage: the engine's own counts (tokenized without special tokens, as the llm model does)
+    assert whole.usage.prompt_tokens == len(tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert whole.usage.completion_tokens == len(choice.logprobs.tokens) == 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    assert choice.finish_reason == "length" and "".join(choice.logprobs.tokens) == choice.text
+
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "more"}]},
+    ]
+    chat = client.chat.completions.create(model="llm", messages=messages, max_tokens=10, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="llm", messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    rendered = tiny_tokenizer.apply_chat_template(
+        [{**m, "content": "Tell me more"} if isinstance(m["content"], list) else m for m in messages],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert chat.usage.prompt_tokens == len(tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    assert chat.usage.completion_tokens == 10 and chunks[-1].usage == chat.usage
+
+
+def test_n_stop_seed_echo_and_several_prompts(served):
+    client = served.client()
+    two = client.completions.create(
+        model="llm", prompt="Once upon", max_tokens=8, n=2, seed=11, temperature=1.0
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.choices[0].text != two.choices[1].text  # samples of one request get their own seeds
+    assert two.usage.completion_tokens == 16
+    again = client.completions.create(
+        model="llm", prompt="Once upon", max_tokens=8, n=2, seed=11, temperature=1.0
+    )
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]  # seed: reproducible
+    other = client.completions.create(
+        model="llm", prompt="Once upon", max_tokens=8, n=2, seed=12, temperature=1.0
+    )
+    assert [c.text for c in other.choices] != [c.text for c in two.choices]
+
+    greedy = client.completions.create(model="llm", prompt="A B C", max_tokens=16, temperature=0).choices[0]
+    stop = greedy.text[len(greedy.text) // 2 :][:3]
+    assert stop.strip(), greedy.text
+    stopped = client.completions.create(
+        model="llm", prompt="A B C", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == greedy.text[: greedy.text.index(stop)]
+
+    echoed = client.completions.create(
+        model="llm", prompt=["x y", "z"], max_tokens=4, temperature=0, echo=True
+    )
+    assert [c.index for c in echoed.choices] == [0, 1]
+    assert echoed.choices[0].text.startswith("x y") and echoed.choices[1].text.startswith("z")
+    by_ids = client.completions.create(model="llm", prompt=[[1, 2, 3]], max_tokens=3, temperature=0)
+    assert by_ids.usage.prompt_tokens == 3 and by_ids.usage.completion_tokens == 3
+
+
+def test_logprobs_have_the_asked_number_of_alternatives(served):
+    client = served.client()
+    chat = client.chat.completions.create(
+        model="llm", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, logprobs=True,
+        top_logprobs=3,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(e.token for e in content) == chat.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        alternatives = [t.logprob for t in entry.top_logprobs]
+        assert alternatives == sorted(alternatives, reverse=True)
+        assert entry.logprob == pytest.approx(alternatives[0], abs=1e-4)  # greedy: the most likely one
+        assert entry.bytes == list(entry.token.encode())
+    completion = client.completions.create(model="llm", prompt="Hi", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
+    assert all(len(top) in (1, 2) for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+
+
+def test_keys_models_health_version_and_metrics(served):
+    with pytest.raises(openai.AuthenticationError):
+        served.client("wrong").models.list()
+    status, body, headers = post(
+        served.base_url, "/v1/completions", {"model": "llm", "prompt": "x"}, key=None
+    )
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert headers.get("www-authenticate") == "Bearer"
+    assert _get(f"{served.base_url}/health")[0] == 200  # open without a key
+    assert _get(f"{served.base_url}/metrics")[0] == 401
+    assert [m.id for m in served.client().models.list().data] == ["llm", "llm_trtllm"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        served.client().completions.create(model="no-such-model", prompt="x")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    status, text, _ = _get(f"{served.base_url}/version", auth)
+    assert status == 200 and json.loads(text)["triton_version"] == "2.51.0"
+    status, text, _ = _get(f"{served.base_url}/metrics", auth)
+    assert status == 200
+    assert value(text, "paged_llm_openai_requests_total", route="completions", status="200") >= 1
+    assert value(text, "paged_llm_openai_requests_total", route="completions", status="404") >= 1
+    assert value(text, "paged_llm_openai_time_to_first_token_seconds_count") >= 0
+    assert value(text, "paged_llm_openai_requests_in_flight") == 0
+
+
+MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", {"prompt": "x"}, "model"),
+    ("/v1/completions", {"model": "llm"}, "prompt"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "foo": 1}, "foo"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "temperature": 5}, "temperature"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": "llm", "prompt": 5}, "prompt"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "stop": 5}, "stop"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "stream": "maybe"}, "stream"),
+    ("/v1/completions", {"model": "llm", "prompt": ""}, "prompt"),  # found by the engine
+    ("/v1/completions", {"model": "llm", "prompt": [[999999999]]}, "prompt"),  # outside the vocabulary
+    ("/v1/completions", {"model": "llm", "prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"model": "llm", "prompt": "x", "stream": True, "max_tokens": 100000}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "llm", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "llm", "messages": [{"role": "bot", "content": "x"}]},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "llm", "messages": [{"role": "user", "content": 5}]},
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     {"model": "llm", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "llm", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+     "tools"),
+]  # fmt: skip
+
+
+def test_malformed_bodies_get_400_in_openai_shape_and_the_server_keeps_serving(served):
+    assert len(MALFORMED) >= 15
+    for path, body, param in MALFORMED:
+        status, answer, _ = post(served.base_url, path, body)
+        assert status == 400, (body, answer)
+        error = answer["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], (body, answer)
+        if param is not None:
+            assert error["param"] == param, (body, answer)
+    # A body over the cap (16 MiB by default) is refused from its Content-Length, before it is read.
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    connection.putrequest("POST", "/v1/completions")
+    for name, header in (("Content-Type", "application/json"), ("Content-Length", str(17 << 20)),
+                         ("Authorization", f"Bearer {API_KEY}")):  # fmt: skip
+        connection.putheader(name, header)
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413 and "limit" in json.loads(response.read())["error"]["message"]
+    connection.close()
+    ok = served.client().completions.create(model="llm", prompt="still serving", max_tokens=3)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_sixty_four_concurrent_streams_all_complete(served):
+    async def one(client: openai.AsyncOpenAI, index: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model="llm", messages=[{"role": "user", "content": f"stream {index}"}], max_tokens=8, stream=True,
+            stream_options={"include_usage": True}, seed=index,
+        )  # fmt: skip
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None
+        return text, usage.completion_tokens
+
+    async def run() -> list[tuple[str, int]]:
+        client = served.async_client()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 64 and all(tokens == 8 for _, tokens in results)
+
+
+def test_a_client_dropped_mid_stream_frees_its_kv_blocks(served):
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    body = {"model": "llm", "prompt": "long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    connection.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    events = 0
+    while events < 5:
+        line = response.readline()
+        events += line.startswith(b"data:")
+    assert value(served.triton_metrics(), "paged_llm_num_requests_running") >= 0  # metrics reachable
+    connection.close()  # mid-stream: 5 of 3000 tokens read
+
+    def freed() -> bool:
+        text = served.triton_metrics()
+        return (
+            value(text, "paged_llm_kv_cache_usage_ratio") == 0.0
+            and value(text, "paged_llm_num_requests_running") == 0
+            and value(text, "paged_llm_final_responses_total", code="cancelled") >= 1
+        )
+
+    assert wait_for(freed, timeout_s=60), served.triton_metrics()[-3000:]
+
+
+# ----------------------------------------------------------------------------------- admission
+@pytest.fixture(scope="module")
+def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[tuple[Any, str]]:
+    """One tritonserver with two copies of llm (max_num_seqs=1): llm_reject (admission_policy reject)
+    and llm_wait (queue_max_wait_s=0.5), and an OpenAI server (no keys) in front."""
+    root = tmp_path_factory.mktemp("admission")
+    repository = root / "models"
+    for name, parameters in (
+        ("llm_reject", {"max_num_seqs": "1", "admission_policy": "reject"}),
+        ("llm_wait", {"max_num_seqs": "1", "queue_max_wait_s": "0.5"}),
+    ):
+        make_model_repository(root / f"staging_{name}", parameters, models=("llm",))
+        repository.mkdir(exist_ok=True)
+        shutil.move(root / f"staging_{name}" / "llm", repository / name)
+    server = start_server(repository, root / "server.log")
+    [port] = free_ports(1)
+    log_path = root / "frontend.log"
+    with open(log_path, "w") as log:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", server.grpc_url, "--port", str(port),
+             "--health-model", "llm_reject"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base_url, frontend, log_path)
+        yield server, base_url
+    finally:
+        _stop_group(frontend, signal.SIGTERM)
+        server.stop()
+
+
+def _open_long_stream(base_url: str, model: str) -> tuple[http.client.HTTPConnection, Any]:
+    """A streaming request that holds the model's only slot until closed (its first event read)."""
+    connection = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=120)
+    body = {"model": model, "prompt": "hold", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    connection.request(
+        "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    while not response.readline().startswith(b"data:"):
+        pass
+    return connection, response
+
+
+def test_admission_policy_reject_answers_503_with_retry_after_and_runs_nothing(admission):
+    server, base_url = admission
+    connection, _ = _open_long_stream(base_url, "llm_reject")
+    try:
+        before = value(server.metrics(), "paged_llm_prompt_tokens_total", model="llm_reject")
+        status, answer, headers = post(
+            base_url, "/v1/completions", {"model": "llm_reject", "prompt": "x"}, key=None
+        )
+        assert status == 503, answer
+        assert "at capacity" in answer["error"]["message"] and headers.get("retry-after") == "1"
+        assert value(server.metrics(), "paged_llm_prompt_tokens_total", model="llm_reject") == before
+    finally:
+        connection.close()
+
+    def accepted_again() -> bool:
+        return (
+            post(base_url, "/v1/completions", {"model": "llm_reject", "prompt": "x", "max_tokens": 2}, None)[
+                0
+            ]
+            == 200
+        )
+
+    assert wait_for(accepted_again, timeout_s=60)
+
+
+def test_queue_max_wait_ends_a_request_that_never_started_with_503(admission):
+    server, base_url = admission
+    connection, _ = _open_long_stream(base_url, "llm_wait")
+    try:
+        status, answer, headers = post(
+            base_url, "/v1/completions", {"model": "llm_wait", "prompt": "y"}, key=None
+        )
+        assert status == 503, answer
+        assert "queue_max_wait_s=0.5" in answer["error"]["message"] and headers.get("retry-after") == "1"
+        text = server.metrics()
+        assert value(text, "paged_llm_final_responses_total", model="llm_wait", code="unavailable") >= 1
+    finally:
+        connection.close()
+
+
+def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):
+    """A second `paged-llm serve` (no keys), stopped like Ctrl-C: SIGINT to its process group."""
+    port, http_port, grpc_port, metrics_port = free_ports(4)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.cli", "serve", "--port", str(port),
+             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+             "--metrics-port", str(metrics_port),
+             "--model-repository-dir", str(tmp_path / "models")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    _wait_healthy(base_url, process, log_path)
+    assert "curl -s http://127.0.0.1:" in log_path.read_text()
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, answer, _ = post(base_url, "/v1/chat/completions", chat, None)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    assert len(descendants) >= 3  # tritonserver, a stub, the OpenAI server (and the engine core)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    _gone, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
