@@ -8,6 +8,10 @@ request, like vLLM's benchmark_serving.py (metrics defined in paged_llm/tools/be
   python scripts/bench_serving.py --launch REPO --compare-offline --num-prompts 256 \\
       --input-len 100:1024 --output-len 100:1024 --request-rate inf
 
+Through the OpenAI server: `--endpoint openai` (or `both`: gRPC and OpenAI in turn on the same
+server, printing what the OpenAI path adds to TTFT p50 and ITL p50); with --launch the OpenAI server
+is started too, else give --openai-url.
+
 Load: `--concurrency C[,C2,...]` keeps C requests in flight (each level is one run, the sweep is
 plotted), or `--request-rate R` sends Poisson arrivals at R requests/s (`inf`: all at once).
 Several workloads in one invocation (one server start, one offline engine):
@@ -109,6 +113,41 @@ async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> Re
     return record
 
 
+async def _one_openai_request(session: Any, base_url: str, model: str, job: Job) -> RequestRecord:
+    """The same job through the OpenAI server: /v1/completions, streamed (SSE), prompt as token ids.
+    Each SSE event is one Triton response; tokens per response are spread evenly (as --text-only)."""
+    body = {"model": model, "prompt": job.prompt_token_ids, "max_tokens": job.num_output_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    record = RequestRecord(job.index, time.monotonic())
+    num_tokens = 0
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return record
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.monotonic()
+                event = json.loads(line[6:])
+                if "error" in event:
+                    record.error = str(event["error"].get("message"))[:200]
+                    break
+                if event.get("choices"):
+                    record.arrival_times.append(now)
+                if event.get("usage"):
+                    num_tokens = event["usage"]["completion_tokens"]
+    except Exception as error:  # the connection itself failed
+        record.error = f"{type(error).__name__}: {error}"[:200]
+    if record.error is None and record.arrival_times:
+        count, extra = divmod(num_tokens, len(record.arrival_times))
+        record.tokens_per_response = [count + (i < extra) for i in range(len(record.arrival_times))]
+    if record.error is None and record.num_output_tokens != job.num_output_tokens:
+        record.error = f"got {record.num_output_tokens} tokens, expected {job.num_output_tokens}"
+    return record
+
+
 class _GcPauses:
     """The client's own garbage-collection pauses (a pause stalls every stream of the process)."""
 
@@ -135,9 +174,29 @@ async def _run_worker(
     text_only: bool,
     pauses: _GcPauses,
 ):
-    import tritonclient.grpc.aio as grpcclient
+    if url.startswith("http"):  # the OpenAI server
+        import aiohttp
 
-    client = grpcclient.InferenceServerClient(url)
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
+
+        async def send(job: Job) -> RequestRecord:
+            return await _one_openai_request(session, url, model, job)
+
+        async def close() -> None:
+            await session.close()
+    else:
+        import tritonclient.grpc.aio as grpcclient
+
+        client = grpcclient.InferenceServerClient(url)
+
+        async def send(job: Job) -> RequestRecord:
+            return await _one_request(client, model, job, text_only)
+
+        async def close() -> None:
+            await client.close()
+
     # What exists now (modules, the channel) lives through the run: keep it out of the collections
     # that run during it, so a full collection in the client does not show up as a server ITL spike.
     gc.collect()
@@ -149,7 +208,7 @@ async def _run_worker(
 
             async def timed(job: Job) -> RequestRecord:
                 await asyncio.sleep(max(0.0, start_at + job.send_offset_s - time.monotonic()))
-                return await _one_request(client, model, job, text_only)
+                return await send(job)
 
             return list(await asyncio.gather(*(timed(job) for job in jobs)))
         queue = list(jobs)
@@ -157,12 +216,12 @@ async def _run_worker(
 
         async def lane() -> None:
             while queue:
-                records.append(await _one_request(client, model, queue.pop(0), text_only))
+                records.append(await send(queue.pop(0)))
 
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         return records
     finally:
-        await client.close()
+        await close()
 
 
 def _worker_main(url, model, jobs, concurrency, start_at, text_only, results) -> None:
@@ -370,6 +429,45 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def _start_frontend(grpc_url: str, model: str, num_workers: int) -> tuple[Any, str]:
+    """The OpenAI server (python -m paged_llm.frontend) in front of `grpc_url`, once healthy."""
+    import subprocess
+    import urllib.request
+
+    from paged_llm.tools.server_process import free_ports
+
+    [port] = free_ports(1)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url, "--port", str(port),
+         "--health-model", model, "--workers", str(num_workers)]
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, base_url
+        except OSError:
+            time.sleep(0.25)
+    process.kill()
+    raise RuntimeError("the OpenAI server did not become healthy")
+
+
+def _other_tokens(jobs: list[Job], vocab_limit: int) -> list[Job]:
+    """The same lengths with other token ids: no prefix-cache hit on what an earlier run sent."""
+    return [replace(j, prompt_token_ids=[(t + 7919) % vocab_limit for t in j.prompt_token_ids]) for j in jobs]
+
+
+def _openai_added(grpc: dict[str, Any], openai: dict[str, Any]) -> dict[str, float]:
+    return {
+        "ttft_p50_ms": openai["ttft_ms"]["p50"] - grpc["ttft_ms"]["p50"],
+        "itl_p50_ratio": openai["itl_ms"]["p50"] / grpc["itl_ms"]["p50"]
+        if grpc["itl_ms"]["p50"]
+        else float("nan"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -380,6 +478,23 @@ def main() -> int:
         "--launch", type=Path, help="start tritonserver on this model repository, stop it after"
     )
     parser.add_argument("--model", default="llm", help="Triton model name (vllm_backend request interface)")
+    parser.add_argument(
+        "--endpoint",
+        choices=("grpc", "openai", "both"),
+        default="grpc",
+        help="send through Triton's gRPC streaming, the OpenAI server (/v1/completions, SSE), or both in "
+        "turn on the same server (the OpenAI run gets other prompt tokens of the same lengths, so the "
+        "prefix cache does not favour it), with the OpenAI path's added TTFT and ITL",
+    )
+    parser.add_argument(
+        "--openai-url", help="base URL of a running OpenAI server (default: one is started in front of --url)"
+    )
+    parser.add_argument(
+        "--openai-workers",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="processes of the OpenAI server this script starts (as `paged-llm serve` picks them)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", default="128:128", help="uniform range, e.g. 100:1024")
     parser.add_argument("--output-len", default="128:128", help="uniform range, e.g. 100:1024")
@@ -446,14 +561,27 @@ def main() -> int:
         print(f"starting tritonserver on {args.launch} (log: {log_path})", file=sys.stderr)
         server = start_server(args.launch.resolve(), log_path, timeout_s=1800.0)
     url = server.grpc_url if server else args.url
+    frontend = None
+    openai_url = args.openai_url
+    if args.endpoint != "grpc" and openai_url is None:
+        frontend, openai_url = _start_frontend(url, args.model, args.openai_workers)
     try:
         if warmup:
             run_served(url, args.model, warmup, len(warmup), 1)
+            if openai_url:
+                run_served(openai_url, args.model, warmup, len(warmup), 1)
         for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
+            if args.endpoint == "openai":
+                run = replace(run, jobs=_other_tokens(run.jobs, args.vocab_limit))
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             counters_before = _server_counters(server)
             served, client_gc = run_served(
-                url, args.model, run.jobs, run.concurrency, args.client_processes, args.text_only
+                openai_url if args.endpoint == "openai" else url,
+                args.model,
+                run.jobs,
+                run.concurrency,
+                args.client_processes,
+                args.text_only,
             )
             summary = summarize(served)
             summary["client_gc"] = client_gc
@@ -481,7 +609,27 @@ def main() -> int:
                 )
             if summary["engine_gc"]:
                 print(_format_gc("engine core GC", **summary["engine_gc"]), flush=True)
+            if args.endpoint == "both":
+                via_openai, _ = run_served(
+                    openai_url, args.model, _other_tokens(run.jobs, args.vocab_limit), run.concurrency,
+                    args.client_processes,
+                )  # fmt: skip
+                openai_summary = summarize(via_openai)
+                results[-1]["served_openai"] = openai_summary
+                results[-1]["openai_added"] = _openai_added(summary, openai_summary)
+                print(
+                    format_summary(f"served via the OpenAI server, {run.label}", openai_summary), flush=True
+                )
+                added = results[-1]["openai_added"]
+                print(
+                    f"   OpenAI path adds: TTFT p50 {added['ttft_p50_ms']:+.2f} ms (target <= 2), "
+                    f"ITL p50 {added['itl_p50_ratio'] - 1:+.1%} (target <= 10%)",
+                    flush=True,
+                )
     finally:
+        if frontend is not None:
+            frontend.terminate()
+            frontend.wait(timeout=30)
         if server is not None:
             server.stop()
     if args.compare_offline is not None:
@@ -517,7 +665,8 @@ def main() -> int:
         args.json.write_text(json.dumps(payload, indent=2))
     if args.plot:
         _plot(results, args.plot)
-    return 1 if any(r["served"]["num_errors"] for r in results) else 0
+    errors = sum(r["served"]["num_errors"] + r.get("served_openai", {}).get("num_errors", 0) for r in results)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

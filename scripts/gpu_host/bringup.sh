@@ -10,6 +10,7 @@
 #                  first (Triton 2.51's stub misreads every tensor under numpy 2: it was built
 #                  with a pybind11 that predates numpy 2's dtype layout)
 #   clientlibs/    tritonclient + python-rapidjson for the benchmark client, pytest for tests/gpu
+#   frontendlibs/  the OpenAI server's packages and aiohttp (from .gpu/frontend_wheels)
 # and exports STUB_PYTHON (run servers and benchmarks with it: the stub takes the environment of the
 # python3 first on PATH) and HOST_PYTHON (the engine core runs in it, numpy 2 and all: set a model's
 # `engine_python` parameter to it).
@@ -32,13 +33,18 @@ if [ ! -x "$_work/bin/py-spy" ] && ls "$_root"/.gpu/wheels/py_spy-*.whl >/dev/nu
     cp "$_work"/pyspy/py_spy-*.data/scripts/py-spy "$_work/bin/" && chmod +x "$_work/bin/py-spy"
 fi
 export PATH="$_work/bin:$PATH"
+if [ ! -f "$_work/frontendlibs/.complete" ] && [ -d "$_root/.gpu/frontend_wheels" ]; then
+  for _wheel in "$_root"/.gpu/frontend_wheels/*.whl; do _unzip "$_wheel" "$_work/frontendlibs"; done
+  touch "$_work/frontendlibs/.complete"
+fi
 
 if [ ! -x "$_work/stubenv/bin/python3" ]; then
   "$HOST_PYTHON" -m venv --without-pip "$_work/stubenv"
   _stub_site="$("$_work/stubenv/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   _unzip "$_root"/.gpu/wheels/numpy-1.26.4-*.whl "$_stub_site"
   # .pth lines are appended to sys.path after the venv's own site-packages: numpy 1.26 wins.
-  printf '%s\n' "$_root/backend_src" "$_work/clientlibs" "$_host_site" > "$_stub_site/zz_paged_llm_host.pth"
+  printf '%s\n' "$_root/backend_src" "$_work/clientlibs" "$_work/frontendlibs" "$_host_site" \
+    > "$_stub_site/zz_paged_llm_host.pth"
 fi
 export STUB_PYTHON="$_work/stubenv/bin/python3"
 export PAGED_LLM_TRITON_ROOT="$_work/triton_root" PAGED_LLM_HOME="$_work/home"

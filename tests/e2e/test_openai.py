@@ -117,7 +117,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator
         sys.executable, "-m", "paged_llm.cli", "serve", "tiny-qwen3",
         "--port", str(port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--model-repository-dir", str(root / "models"),
-        "--api-key", API_KEY,
+        "--api-key", API_KEY, "--openai-workers", "2",  # /metrics then sums two processes
     ]  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -250,12 +250,19 @@ def test_keys_models_health_version_and_metrics(served):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     status, text, _ = _get(f"{served.base_url}/version", auth)
     assert status == 200 and json.loads(text)["triton_version"] == "2.51.0"
-    status, text, _ = _get(f"{served.base_url}/metrics", auth)
-    assert status == 200
-    assert value(text, "paged_llm_openai_requests_total", route="completions", status="200") >= 1
-    assert value(text, "paged_llm_openai_requests_total", route="completions", status="404") >= 1
-    assert value(text, "paged_llm_openai_time_to_first_token_seconds_count") >= 0
-    assert value(text, "paged_llm_openai_requests_in_flight") == 0
+    assert _get(f"{served.base_url}/metrics", auth)[0] == 200
+
+    def counted() -> bool:  # each worker publishes its figures every second; any one answers
+        text = _get(f"{served.base_url}/metrics", auth)[1]
+        return (
+            value(text, "paged_llm_openai_requests_total", route="completions", status="200") >= 1
+            and value(text, "paged_llm_openai_requests_total", route="completions", status="404") >= 1
+            and value(text, "paged_llm_openai_requests_total", route="completions", status="401") == 0
+            and value(text, "paged_llm_openai_time_to_first_token_seconds_count", route="completions") >= 0
+            and value(text, "paged_llm_openai_requests_in_flight") == 0
+        )
+
+    assert wait_for(counted, timeout_s=30), _get(f"{served.base_url}/metrics", auth)[1]
 
 
 MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
@@ -467,7 +474,8 @@ def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     _wait_healthy(base_url, process, log_path)
-    assert "curl -s http://127.0.0.1:" in log_path.read_text()
+    # The launcher prints its URLs once it saw the OpenAI server healthy too (it polls as well).
+    assert wait_for(lambda: "curl -s http://127.0.0.1:" in log_path.read_text(), timeout_s=30)
     chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     status, answer, _ = post(base_url, "/v1/chat/completions", chat, None)
     assert status == 200 and answer["usage"]["completion_tokens"] == 2

@@ -176,6 +176,7 @@ def serve(args: argparse.Namespace) -> int:
             sys.executable, "-m", "paged_llm.frontend",
             "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
             "--health-model", args.served_model_name, "--log-level", args.log_level,
+            "--workers", str(args.openai_workers),
         ]  # fmt: skip
         if tokenizer_dir is not None:
             frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
@@ -260,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--startup-timeout-s", type=float, default=900.0)
     add("--log-level", default="warning", help="the OpenAI server's log level")
+    add(
+        "--openai-workers",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="OpenAI server processes (default: a quarter of the cores, at most 4)",
+    )
     return parser
 
 

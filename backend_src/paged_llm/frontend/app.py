@@ -11,33 +11,34 @@ away (before or during the stream) closes the gRPC streams, which cancels the Tr
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
+import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.frontend.chat_template import ChatTemplates
+from paged_llm.frontend.edge import ApiKeyMiddleware, ClientDisconnected, read_body, until_disconnect
 from paged_llm.frontend.errors import OpenAIError
+from paged_llm.frontend.generation import Generation, merge_streams
 from paged_llm.frontend.metrics import FrontendMetrics
 from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.frontend.responses import (
     SSE_DONE,
-    Choice,
     CompletionLogprobs,
     ResponseBuilder,
     chat_logprobs,
     sse,
-    usage,
 )
 from paged_llm.frontend.triton_backend import GenerationChunk, GenerationRequest, TritonBackend
 
@@ -46,9 +47,8 @@ try:
     __version__ = importlib.metadata.version("paged_llm")
 except importlib.metadata.PackageNotFoundError:  # running from a checkout that was not installed
     __version__ = "0+unknown"
-T = TypeVar("T")
 _MODELS_CACHE_S = 2.0
-_OPEN_PATHS = frozenset({"/health"})
+_METRICS_PUBLISH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,149 +59,39 @@ class FrontendSettings:
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # model -> checkpoint dir (chat, echo)
     default_tokenizer_dir: Path | None = None
     max_body_bytes: int = 16 << 20
+    # With several worker processes: each writes its figures here every second, and /metrics in
+    # any of them answers the sum.
+    metrics_dir: Path | None = None
 
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
-
-
-class ApiKeyMiddleware:
-    """Every route but /health needs `Authorization: Bearer KEY` once keys are set. Pure ASGI (not
-    BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
-
-    def __init__(self, app: Any, keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.keys = [key.encode() for key in keys]
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
-        matched = False
-        for key in self.keys:  # every key compared, each in constant time
-            matched |= hmac.compare_digest(token, key)
-        return matched
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in _OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if self._authorized(header):
-            await self.app(scope, receive, send)
-            return
-        message = (
-            "Incorrect API key provided." if header else "Missing API key: send Authorization: Bearer KEY."
-        )
-        error = OpenAIError(401, message, None, "invalid_api_key")
-        await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-            scope, receive, send
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "triton_url": self.triton_url,
+                "api_keys": list(self.api_keys),
+                "health_model": self.health_model,
+                "tokenizer_dirs": {k: str(v) for k, v in self.tokenizer_dirs.items()},
+                "default_tokenizer_dir": str(self.default_tokenizer_dir)
+                if self.default_tokenizer_dir
+                else None,
+                "max_body_bytes": self.max_body_bytes,
+                "metrics_dir": str(self.metrics_dir) if self.metrics_dir else None,
+            }
         )
 
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise OpenAIError(413, f"the request body is {declared} bytes, more than the limit of {max_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise OpenAIError(413, f"the request body is more than the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """`awaitable`'s result, or ClientDisconnected (and `awaitable` cancelled) if the client left."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientDisconnected()
-    return task.result()
-
-
-class _Done:
-    pass
-
-
-async def merge_streams(
-    backend: TritonBackend, requests: list[GenerationRequest]
-) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """The chunks of several requests as they come, tagged with the request's position."""
-    if len(requests) == 1:
-        async with aclosing(backend.generate(requests[0])) as chunks:
-            async for chunk in chunks:
-                yield 0, chunk
-        return
-    queue: asyncio.Queue[tuple[int, GenerationChunk | None, BaseException | _Done | None]] = asyncio.Queue()
-
-    async def pump(position: int, request: GenerationRequest) -> None:
-        try:
-            async with aclosing(backend.generate(request)) as chunks:
-                async for chunk in chunks:
-                    await queue.put((position, chunk, None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:
-            await queue.put((position, None, error))
-        await queue.put((position, None, _Done()))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            position, chunk, status = await queue.get()
-            if isinstance(status, _Done):
-                remaining -= 1
-            elif status is not None:
-                raise status
-            else:
-                assert chunk is not None
-                yield position, chunk
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@dataclass
-class _Generation:
-    """One OpenAI request in flight: its choices and token counts."""
-
-    n: int
-    num_prompts: int
-    choices: list[Choice] = field(default_factory=list)
-    prompt_tokens: dict[int, int] = field(default_factory=dict)
-    first_token_seen: bool = False
-
-    def __post_init__(self) -> None:
-        self.choices = [Choice(i) for i in range(self.n * self.num_prompts)]
-
-    def absorb(self, position: int, chunk: GenerationChunk) -> list[tuple[Choice, Any]]:
-        if chunk.num_prompt_tokens is not None:
-            self.prompt_tokens[position] = chunk.num_prompt_tokens
-        touched = []
-        for delta in chunk.sequences:
-            choice = self.choices[position * self.n + delta.index]
-            choice.add(delta)
-            touched.append((choice, delta))
-        return touched
-
-    def usage(self) -> dict[str, int]:
-        return usage(sum(self.prompt_tokens.values()), sum(c.num_tokens for c in self.choices))
+    @staticmethod
+    def from_json(text: str) -> FrontendSettings:
+        data = json.loads(text)
+        return FrontendSettings(
+            triton_url=data["triton_url"],
+            api_keys=tuple(data["api_keys"]),
+            health_model=data["health_model"],
+            tokenizer_dirs={k: Path(v) for k, v in data["tokenizer_dirs"].items()},
+            default_tokenizer_dir=Path(data["default_tokenizer_dir"])
+            if data["default_tokenizer_dir"]
+            else None,
+            max_body_bytes=data["max_body_bytes"],
+            metrics_dir=Path(data["metrics_dir"]) if data["metrics_dir"] else None,
+        )
 
 
 def create_app(settings: FrontendSettings) -> FastAPI:
@@ -213,10 +103,38 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         backend = TritonBackend(settings.triton_url)
         state["backend"] = backend
         state["chat"] = ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, backend)
+        publisher = asyncio.create_task(_publish_metrics()) if settings.metrics_dir else None
         try:
             yield
         finally:
+            if publisher is not None:
+                publisher.cancel()
+                _write_metrics()
             await backend.close()
+
+    def _write_metrics() -> None:
+        assert settings.metrics_dir is not None
+        path = settings.metrics_dir / f"{os.getpid()}.json"
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(metrics.to_dict()))
+        temporary.replace(path)  # atomic: a reader never sees half a file
+
+    async def _publish_metrics() -> None:
+        while True:
+            _write_metrics()
+            await asyncio.sleep(_METRICS_PUBLISH_S)
+
+    def _other_workers_metrics() -> list[dict]:
+        if settings.metrics_dir is None:
+            return []
+        states = []
+        for path in settings.metrics_dir.glob("*.json"):
+            if path.stem != str(os.getpid()):
+                try:
+                    states.append(json.loads(path.read_text()))
+                except (OSError, ValueError):
+                    continue  # a worker replacing its file right now
+        return states
 
     app = FastAPI(title="paged_llm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     if settings.api_keys:
@@ -262,7 +180,9 @@ def create_app(settings: FrontendSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            metrics.render(_other_workers_metrics()), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -338,7 +258,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             for i, prompt in enumerate(prompts)
         ]
         builder = ResponseBuilder("completion", request_id, body.model)
-        generation = _Generation(body.n, len(prompts))
+        generation = Generation(body.n, len(prompts))
         chunks = merge_streams(state["backend"], generation_requests)
         if not body.stream:
             await until_disconnect(request, _drain(chunks, generation, start))
@@ -357,15 +277,16 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                         for position, chunk in pending:
                             _note_first_token(chunk, start, "completions", generation)
                             for choice, delta in generation.absorb(position, chunk):
-                                if not delta.text and delta.finish_reason is None and not delta.token_ids:
+                                if not delta.text and delta.finish_reason is None and not delta.num_tokens:
                                     continue
                                 text = delta.text
                                 if not choice.started:
                                     text = echo_texts[choice.index] + text
                                     choice.started = True
-                                logprobs = None
-                                if body.logprobs is not None:
-                                    logprobs = logprob_builders[choice.index].add(delta.logprobs or [])
+                                if body.logprobs is None:
+                                    yield builder.text_event(choice.index, text, delta.finish_reason)
+                                    continue
+                                logprobs = logprob_builders[choice.index].add(delta.logprobs or [])
                                 yield sse(
                                     builder.completion_chunk(
                                         choice.index, text, logprobs, delta.finish_reason
@@ -404,7 +325,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         )
         logprobs_k = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder("chat", request_id, body.model)
-        generation = _Generation(body.n, 1)
+        generation = Generation(body.n, 1)
         chunks = merge_streams(state["backend"], [generation_request])
         if not body.stream:
             await until_disconnect(request, _drain(chunks, generation, start))
@@ -424,10 +345,10 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                         for position, chunk in pending:
                             _note_first_token(chunk, start, "chat_completions", generation)
                             for choice, delta in generation.absorb(position, chunk):
-                                if delta.text or delta.token_ids:
-                                    logprobs = None
-                                    if logprobs_k is not None:
-                                        logprobs = chat_logprobs(delta.logprobs or [], logprobs_k)
+                                if (delta.text or delta.num_tokens) and logprobs_k is None:
+                                    yield builder.text_event(choice.index, delta.text, None)
+                                elif delta.text or delta.num_tokens:
+                                    logprobs = chat_logprobs(delta.logprobs or [], logprobs_k)
                                     yield sse(
                                         builder.chat_chunk(
                                             choice.index, {"content": delta.text}, logprobs, None
@@ -449,14 +370,14 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def _drain(
-        chunks: AsyncIterator[tuple[int, GenerationChunk]], generation: _Generation, start: float
+        chunks: AsyncIterator[tuple[int, GenerationChunk]], generation: Generation, start: float
     ) -> None:
         async with aclosing(chunks):
             async for position, chunk in chunks:
                 generation.absorb(position, chunk)
 
-    def _note_first_token(chunk: GenerationChunk, start: float, route: str, generation: _Generation) -> None:
-        if not generation.first_token_seen and any(d.token_ids for d in chunk.sequences):
+    def _note_first_token(chunk: GenerationChunk, start: float, route: str, generation: Generation) -> None:
+        if not generation.first_token_seen and any(d.num_tokens for d in chunk.sequences):
             generation.first_token_seen = True
             metrics.first_token(route, time.monotonic() - start)
 
@@ -474,6 +395,6 @@ async def _next(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int
         return None
 
 
-def _counts(generation: _Generation) -> tuple[int, int]:
+def _counts(generation: Generation) -> tuple[int, int]:
     used = generation.usage()
     return used["prompt_tokens"], used["completion_tokens"]

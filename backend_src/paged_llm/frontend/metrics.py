@@ -21,6 +21,14 @@ class _Histogram:
         self.total += value
         self.count += 1
 
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts), "total": self.total, "count": self.count}
+
+    def add(self, other: dict) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other["counts"], strict=True)]
+        self.total += other["total"]
+        self.count += other["count"]
+
     def lines(self, name: str, labels: str) -> list[str]:
         out, cumulative = [], 0
         for bound, count in zip((*_LATENCY_BUCKETS_S, float("inf")), self.counts):
@@ -63,33 +71,63 @@ class FrontendMetrics:
             self.prompt_tokens += num_prompt_tokens
             self.completion_tokens += num_completion_tokens
 
-    def render(self) -> str:
+    def to_dict(self) -> dict:
+        """This process's figures, for a sibling worker's /metrics (see merged_text)."""
         with self._lock:
-            lines = [
-                f"# HELP {_PREFIX}_requests_total Requests answered, by route and HTTP status.",
-                f"# TYPE {_PREFIX}_requests_total counter",
-            ]
-            for (route, status), count in sorted(self.requests.items()):
-                lines.append(f'{_PREFIX}_requests_total{{route="{route}",status="{status}"}} {count}')
-            lines += [
-                f"# HELP {_PREFIX}_requests_in_flight Generation requests being served now.",
-                f"# TYPE {_PREFIX}_requests_in_flight gauge",
-                f"{_PREFIX}_requests_in_flight {self.in_flight}",
-                f"# HELP {_PREFIX}_prompt_tokens_total Prompt tokens of finished requests.",
-                f"# TYPE {_PREFIX}_prompt_tokens_total counter",
-                f"{_PREFIX}_prompt_tokens_total {self.prompt_tokens}",
-                f"# HELP {_PREFIX}_generation_tokens_total Generated tokens sent to clients.",
-                f"# TYPE {_PREFIX}_generation_tokens_total counter",
-                f"{_PREFIX}_generation_tokens_total {self.completion_tokens}",
-                f"# HELP {_PREFIX}_request_duration_seconds Time from request to last byte, by route.",
-                f"# TYPE {_PREFIX}_request_duration_seconds histogram",
-            ]
-            for route, histogram in sorted(self.durations.items()):
-                lines += histogram.lines(f"{_PREFIX}_request_duration_seconds", f'route="{route}"')
-            lines += [
-                f"# HELP {_PREFIX}_time_to_first_token_seconds Time from request to its first token.",
-                f"# TYPE {_PREFIX}_time_to_first_token_seconds histogram",
-            ]
-            for route, histogram in sorted(self.time_to_first_token.items()):
-                lines += histogram.lines(f"{_PREFIX}_time_to_first_token_seconds", f'route="{route}"')
-        return "\n".join(lines) + "\n"
+            return {
+                "requests": [[route, status, count] for (route, status), count in self.requests.items()],
+                "in_flight": self.in_flight,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "durations": {r: h.to_dict() for r, h in self.durations.items()},
+                "time_to_first_token": {r: h.to_dict() for r, h in self.time_to_first_token.items()},
+            }
+
+    def render(self, others: list[dict] | None = None) -> str:
+        """Prometheus text of this process's figures plus `others` (the other workers' to_dict())."""
+        return merged_text([self.to_dict(), *(others or [])])
+
+
+def merged_text(states: list[dict]) -> str:
+    """Prometheus text of the sum of several processes' figures."""
+    requests: dict[tuple[str, int], int] = defaultdict(int)
+    durations: dict[str, _Histogram] = defaultdict(_Histogram)
+    first_token: dict[str, _Histogram] = defaultdict(_Histogram)
+    in_flight = prompt_tokens = completion_tokens = 0
+    for state in states:
+        for route, status, count in state["requests"]:
+            requests[(route, int(status))] += count
+        in_flight += state["in_flight"]
+        prompt_tokens += state["prompt_tokens"]
+        completion_tokens += state["completion_tokens"]
+        for target, key in ((durations, "durations"), (first_token, "time_to_first_token")):
+            for route, histogram in state[key].items():
+                target[route].add(histogram)
+    lines = [
+        f"# HELP {_PREFIX}_requests_total Requests answered, by route and HTTP status.",
+        f"# TYPE {_PREFIX}_requests_total counter",
+    ]
+    for (route, status), count in sorted(requests.items()):
+        lines.append(f'{_PREFIX}_requests_total{{route="{route}",status="{status}"}} {count}')
+    lines += [
+        f"# HELP {_PREFIX}_requests_in_flight Generation requests being served now.",
+        f"# TYPE {_PREFIX}_requests_in_flight gauge",
+        f"{_PREFIX}_requests_in_flight {in_flight}",
+        f"# HELP {_PREFIX}_prompt_tokens_total Prompt tokens of finished requests.",
+        f"# TYPE {_PREFIX}_prompt_tokens_total counter",
+        f"{_PREFIX}_prompt_tokens_total {prompt_tokens}",
+        f"# HELP {_PREFIX}_generation_tokens_total Generated tokens sent to clients.",
+        f"# TYPE {_PREFIX}_generation_tokens_total counter",
+        f"{_PREFIX}_generation_tokens_total {completion_tokens}",
+        f"# HELP {_PREFIX}_request_duration_seconds Time from request to last byte, by route.",
+        f"# TYPE {_PREFIX}_request_duration_seconds histogram",
+    ]
+    for route, histogram in sorted(durations.items()):
+        lines += histogram.lines(f"{_PREFIX}_request_duration_seconds", f'route="{route}"')
+    lines += [
+        f"# HELP {_PREFIX}_time_to_first_token_seconds Time from request to its first token.",
+        f"# TYPE {_PREFIX}_time_to_first_token_seconds histogram",
+    ]
+    for route, histogram in sorted(first_token.items()):
+        lines += histogram.lines(f"{_PREFIX}_time_to_first_token_seconds", f'route="{route}"')
+    return "\n".join(lines) + "\n"

@@ -104,7 +104,7 @@ class Choice:
 
     def add(self, delta: SequenceDelta) -> None:
         self.text.append(delta.text)
-        self.num_tokens += len(delta.token_ids)
+        self.num_tokens += delta.num_tokens
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -127,6 +127,26 @@ class ResponseBuilder:
         self.id = request_id
         self.model = model
         self.created = int(time.time())
+        self._prefix: str | None = None
+
+    def _event_prefix(self) -> str:
+        """`data: {"id":...,"choices":[{"index":` of this request's chunks, built once: a chunk per
+        token is the hot path, and json.dumps of the whole dict costs several times more."""
+        if self._prefix is None:
+            envelope = json.dumps(self._envelope(chunk=True), ensure_ascii=False)
+            self._prefix = f'data: {envelope[:-1]},"choices":[{{"index":'
+        return self._prefix
+
+    def text_event(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        """The SSE event of a chunk with new text and no logprobs (the common case), as
+        completion_chunk / chat_chunk would build it."""
+        reason = "null" if finish_reason is None else json.dumps(finish_reason)
+        text_json = json.dumps(text, ensure_ascii=False)
+        if self.kind == "chat":
+            body = f'{index},"delta":{{"content":{text_json}}},"logprobs":null,"finish_reason":{reason}}}]}}'
+        else:
+            body = f'{index},"text":{text_json},"logprobs":null,"finish_reason":{reason}}}]}}'
+        return f"{self._event_prefix()}{body}\n\n".encode()
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         if self.kind == "chat":

@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from paged_llm.frontend.app import FrontendSettings, create_app
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
+_SETTINGS_ENV = "PAGED_LLM_FRONTEND_SETTINGS"
 
 
 def parse_tokenizers(values: list[str]) -> tuple[dict[str, Path], Path | None]:
@@ -58,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--health-model", default="llm", help="/health is ready when this model is")
     parser.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes sharing the port (one Python process streams about 8k SSE events/s; "
+        "/metrics sums them all)",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -69,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (directory / "tokenizer_config.json").is_file():
             print(f"error: --tokenizer {directory}: no tokenizer_config.json there", file=sys.stderr)
             return 2
+    metrics_dir = Path(tempfile.mkdtemp(prefix="paged_llm_frontend_metrics.")) if args.workers > 1 else None
     settings = FrontendSettings(
+        metrics_dir=metrics_dir,
         triton_url=args.triton_url,
         api_keys=api_keys(args.api_key),
         health_model=args.health_model,
@@ -80,15 +93,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
-    uvicorn.run(
-        create_app(settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=3,
-        access_log=args.log_level in ("info", "debug"),
-    )
+    options = {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "timeout_graceful_shutdown": 3,
+        "access_log": args.log_level in ("info", "debug"),
+    }
+    if args.workers <= 1:
+        uvicorn.run(create_app(settings), **options)
+        return 0
+    os.environ[_SETTINGS_ENV] = settings.to_json()  # the workers build their app from it
+    try:
+        uvicorn.run(
+            "paged_llm.frontend.server:app_from_environment", factory=True, workers=args.workers, **options
+        )
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def app_from_environment() -> Any:
+    """uvicorn's factory in each worker process (--workers > 1)."""
+    return create_app(FrontendSettings.from_json(os.environ[_SETTINGS_ENV]))
 
 
 if __name__ == "__main__":

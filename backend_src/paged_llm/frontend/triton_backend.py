@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 ERROR_OUTPUT = "paged_llm_error"
 ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"
 # `paged_llm_error` labels (as in paged_llm_final_responses_total) -> HTTP status.
+_PAGED_LLM_OUTPUTS = ("text_output", "num_output_tokens", "finish_reason", "num_input_tokens", ERROR_OUTPUT)
 _STATUS_OF_LABEL = {
     "invalid_arg": 400,
     "not_found": 404,
@@ -50,7 +52,8 @@ class SequenceDelta:
 
     index: int
     text: str
-    token_ids: list[int]
+    num_tokens: int  # new tokens of this sample in this response
+    token_ids: list[int]  # their ids, when the model sent output_ids (empty otherwise)
     logprobs: (
         list[dict[str, dict[str, Any]]] | None
     )  # per position: {token_id: {logprob, rank, decoded_token}}
@@ -80,10 +83,8 @@ def classify_error_message(message: str) -> BackendError:
     return BackendError(500, message)
 
 
-def error_from_output(array: np.ndarray) -> BackendError:
-    item = array.reshape(-1)[0]
-    text = item.decode(errors="replace") if isinstance(item, bytes) else str(item)
-    label, _, message = text.partition("\t")
+def error_from_output(values: list[str]) -> BackendError:
+    label, _, message = values[0].partition("\t")
     status = _STATUS_OF_LABEL.get(label, 500)
     param = message.split(": ", 1)[0] if status == 400 and ": " in message else None
     return BackendError(status, message, _openai_param(param))
@@ -126,28 +127,49 @@ def build_inputs(request: GenerationRequest) -> list[Any]:
     return inputs
 
 
-def _strings(result: Any, name: str) -> list[str] | None:
-    array = result.as_numpy(name)
-    if array is None:
-        return None
-    return [
-        v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)
-    ]
+def _decode_bytes(raw: bytes) -> list[str]:
+    """Triton's raw BYTES layout: per element a little-endian uint32 length, then the bytes."""
+    items, offset, end = [], 0, len(raw)
+    while offset < end:
+        (length,) = _UINT32.unpack_from(raw, offset)
+        offset += 4
+        items.append(raw[offset : offset + length].decode("utf-8", errors="replace"))
+        offset += length
+    return items
 
 
-def parse_result(result: Any, is_final: bool) -> GenerationChunk:
+_UINT32 = struct.Struct("<I")
+
+
+def response_outputs(response: Any) -> dict[str, list[Any]]:
+    """A ModelInferResponse's outputs as lists (str for BYTES, int otherwise), read straight from
+    its raw contents: InferResult.as_numpy per output costs more than the rest of a chunk's work
+    at thousands of responses per second."""
+    outputs: dict[str, list[Any]] = {}
+    raw_contents = response.raw_output_contents
+    for index, tensor in enumerate(response.outputs):
+        raw = raw_contents[index] if index < len(raw_contents) else b""
+        if tensor.datatype == "BYTES":
+            outputs[tensor.name] = _decode_bytes(raw)
+        elif tensor.datatype in ("INT32", "UINT32"):
+            code = "i" if tensor.datatype == "INT32" else "I"
+            outputs[tensor.name] = list(struct.unpack(f"<{len(raw) // 4}{code}", raw))
+        elif tensor.datatype == "FP32":
+            outputs[tensor.name] = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    return outputs
+
+
+def parse_outputs(outputs: dict[str, list[Any]], is_final: bool) -> GenerationChunk:
     """One Triton response -> a chunk (text, ids split per sample by num_output_tokens)."""
-    texts = _strings(result, "text_output") or []
-    counts_array = result.as_numpy("num_output_tokens")
-    ids_array = result.as_numpy("output_ids")
-    ids = [int(t) for t in ids_array.reshape(-1)] if ids_array is not None else []
-    counts = [int(c) for c in counts_array.reshape(-1)] if counts_array is not None else [len(ids)]
-    reasons = _strings(result, "finish_reason") if is_final else None
-    logprobs = _strings(result, "logprobs")
-    num_input = result.as_numpy("num_input_tokens")
-    chunk = GenerationChunk(
-        num_prompt_tokens=int(num_input.reshape(-1)[0]) if num_input is not None else None, is_final=is_final
-    )
+    texts = outputs.get("text_output", [])
+    ids = outputs.get("output_ids", [])
+    counts = outputs.get("num_output_tokens")
+    if counts is None:
+        counts = [len(ids)]
+    reasons = outputs.get("finish_reason") if is_final else None
+    logprobs = outputs.get("logprobs")
+    num_input = outputs.get("num_input_tokens")
+    chunk = GenerationChunk(num_prompt_tokens=num_input[0] if num_input else None, is_final=is_final)
     offset = 0
     for index, text in enumerate(texts):
         count = counts[index] if index < len(counts) else 0
@@ -157,7 +179,8 @@ def parse_result(result: Any, is_final: bool) -> GenerationChunk:
             SequenceDelta(
                 index=index,
                 text=text,
-                token_ids=ids[offset : offset + count],
+                num_tokens=count,
+                token_ids=ids[offset : offset + count] if ids else [],
                 logprobs=positions,
                 finish_reason=None if reason in (None, "None") else reason,
             )
@@ -174,6 +197,7 @@ class TritonBackend:
 
         self.url = url
         self._client = grpcclient.InferenceServerClient(url)
+        self._is_paged_llm_cache: dict[str, bool] = {}
 
     async def close(self) -> None:
         await self._client.close()
@@ -189,6 +213,12 @@ class TritonBackend:
             "enable_empty_final_response": True,
             "parameters": {ERROR_OUTPUT_PARAMETER: True},
         }
+        if await self._is_paged_llm(request.model):
+            # Only what the routes read: the model then builds nothing else (no output_ids).
+            import tritonclient.grpc.aio as grpcclient
+
+            names = [*_PAGED_LLM_OUTPUTS, *(("logprobs",) if request.want_logprobs else ())]
+            triton_request["outputs"] = [grpcclient.InferRequestedOutput(name) for name in names]
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield triton_request
@@ -203,11 +233,13 @@ class TritonBackend:
                 if error is not None:
                     finished = True
                     raise classify_error_message(error.message())
-                is_final = bool(result.get_response().parameters["triton_final_response"].bool_param)
-                if result.as_numpy(ERROR_OUTPUT) is not None:
+                response = result.get_response()
+                is_final = bool(response.parameters["triton_final_response"].bool_param)
+                outputs = response_outputs(response)
+                if ERROR_OUTPUT in outputs:
                     finished = True
-                    raise error_from_output(result.as_numpy(ERROR_OUTPUT))
-                chunk = parse_result(result, is_final)
+                    raise error_from_output(outputs[ERROR_OUTPUT])
+                chunk = parse_outputs(outputs, is_final)
                 if is_final:
                     finished = True
                 yield chunk
@@ -221,6 +253,20 @@ class TritonBackend:
         finally:
             if not finished:
                 responses.cancel()  # the HTTP client went away: Triton cancels the request
+
+    async def _is_paged_llm(self, model: str) -> bool:
+        """Whether `model` is our llm model (it has the error output); other vllm_backend-style
+        models get no requested outputs (they send theirs), so a name they lack cannot fail them."""
+        known = self._is_paged_llm_cache.get(model)
+        if known is None:
+            try:
+                config = await self._client.get_model_config(model, as_json=True, client_timeout=5.0)
+            except Exception:
+                return False  # unknown for now (the request itself will say why); ask again next time
+            outputs = config.get("config", config).get("output", [])
+            known = any(o.get("name") == ERROR_OUTPUT for o in outputs)
+            self._is_paged_llm_cache[model] = known
+        return known
 
     async def ready_models(self) -> list[str]:
         index = await self._client.get_model_repository_index(as_json=True)

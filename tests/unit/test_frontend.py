@@ -1,0 +1,146 @@
+"""The OpenAI server's pure parts: body validation, Triton response parsing, SSE events, metrics."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from paged_llm.frontend.errors import OpenAIError
+from paged_llm.frontend.metrics import FrontendMetrics
+from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from paged_llm.frontend.responses import CompletionLogprobs, ResponseBuilder, chat_logprobs, sse
+from paged_llm.frontend.triton_backend import error_from_output, parse_outputs, response_outputs
+
+
+def _error(raw: bytes, model=CompletionRequest) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        parse_body(raw, model)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"model": "m", "prompt": "x", "foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
+        ({"model": "m"}, "prompt", "Missing required parameter: 'prompt'"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt", "Invalid type for 'prompt'"),
+        ({"model": "m", "prompt": "x", "stop": [""]}, "stop", "stop strings must not be empty"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias", "not supported"),
+        ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "not supported"),
+        ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
+        (
+            {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "stream",
+        ),
+    ],
+)
+def test_completion_bodies_are_refused_naming_the_field(body, param, message):
+    error = _error(json.dumps(body).encode())
+    assert error.status_code == 400 and error.param == param and message in error.message
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_body_errors_name_nested_fields_and_sampling_maps_to_the_llm_model():
+    error = _error(b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', ChatCompletionRequest)
+    assert error.param == "messages[0].content"
+    body = parse_body(
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7,'
+        b' "logprobs": true, "top_logprobs": 2, "stop": "x", "seed": 3, "top_k": 5}',
+        ChatCompletionRequest,
+    )
+    assert body.sampling_parameters() == {
+        "max_tokens": 7, "n": 1, "seed": 3, "top_k": 5, "stop": ["x"], "logprobs": 2,
+    }  # fmt: skip
+    with pytest.raises(OpenAIError, match="image_url"):
+        parse_body(
+            b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            ChatCompletionRequest,
+        ).messages[0].template_dict(0)
+    completion = parse_body(b'{"model": "m", "prompt": [[1, 2], [3]]}', CompletionRequest)
+    assert completion.prompts() == [[1, 2], [3]] and completion.sampling_parameters()["max_tokens"] == 16
+
+
+class _Tensor:
+    def __init__(self, name: str, datatype: str) -> None:
+        self.name, self.datatype = name, datatype
+
+
+class _Response:
+    def __init__(self, tensors: list[tuple[str, str, bytes]]) -> None:
+        self.outputs = [_Tensor(n, d) for n, d, _ in tensors]
+        self.raw_output_contents = [raw for _, _, raw in tensors]
+
+
+def _bytes(*items: str) -> bytes:
+    return b"".join(struct.pack("<I", len(i.encode())) + i.encode() for i in items)
+
+
+def test_raw_triton_outputs_become_per_sample_deltas():
+    response = _Response([
+        ("text_output", "BYTES", _bytes("hé", "")),
+        ("num_output_tokens", "UINT32", struct.pack("<2I", 2, 1)),
+        ("output_ids", "INT32", struct.pack("<3i", 7, 8, 9)),
+        ("finish_reason", "BYTES", _bytes("length", "stop")),
+        ("num_input_tokens", "UINT32", struct.pack("<I", 5)),
+    ])  # fmt: skip
+    chunk = parse_outputs(response_outputs(response), is_final=True)
+    assert chunk.num_prompt_tokens == 5 and chunk.is_final
+    first, second = chunk.sequences
+    assert (first.text, first.num_tokens, first.token_ids, first.finish_reason) == ("hé", 2, [7, 8], "length")
+    assert (second.text, second.num_tokens, second.token_ids, second.finish_reason) == ("", 1, [9], "stop")
+    streamed = parse_outputs(response_outputs(response), is_final=False)
+    assert streamed.sequences[0].finish_reason is None  # reasons count on the final response only
+
+
+def test_engine_errors_map_to_status_and_openai_param():
+    error = error_from_output(["invalid_arg\tmax_tokens: 100000 exceeds max_model_len 4096"])
+    assert (error.status_code, error.param) == (400, "max_tokens")
+    assert error_from_output(["invalid_arg\ttext_input: the prompt is empty"]).param == "prompt"
+    unavailable = error_from_output(["unavailable\tthe waiting queue is full"])
+    assert unavailable.status_code == 503 and unavailable.headers == {"Retry-After": "1"}
+    assert error_from_output(["internal\tthe model step failed"]).status_code == 500
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize(("text", "reason"), [('a "quoted"\nline é', None), ("", "stop")])
+def test_fast_text_events_equal_the_full_chunks(kind, text, reason):
+    builder = ResponseBuilder(kind, "cmpl-1", 'model "x"')
+    if kind == "chat":
+        full = builder.chat_chunk(2, {"content": text}, None, reason)
+    else:
+        full = builder.completion_chunk(2, text, None, reason)
+    event = builder.text_event(2, text, reason)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[6:]) == json.loads(sse(full)[6:])
+
+
+def test_logprobs_shapes():
+    positions = [
+        {"5": {"logprob": -0.5, "rank": 2, "decoded_token": "b"},
+         "4": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
+         "6": {"logprob": -3.0, "rank": 3, "decoded_token": "c"}},
+        {"9": {"logprob": -0.2, "rank": 1, "decoded_token": "é"}},
+    ]  # fmt: skip
+    completion = CompletionLogprobs(k=1)
+    part = completion.add(positions)
+    assert part["tokens"] == ["b", "é"] and part["text_offset"] == [0, 1]
+    assert part["top_logprobs"][0] == {"a": -0.1, "b": -0.5}  # the top 1 and the chosen one
+    content = chat_logprobs(positions, k=2)
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["a", "b"]
+    assert content[1]["bytes"] == list("é".encode())
+
+
+def test_metrics_render_prometheus_text():
+    metrics = FrontendMetrics()
+    metrics.started()
+    metrics.first_token("completions", 0.03)
+    metrics.tokens(5, 7)
+    metrics.finished("completions", 200, 0.2)
+    text = metrics.render()
+    assert 'paged_llm_openai_requests_total{route="completions",status="200"} 1' in text
+    assert "paged_llm_openai_requests_in_flight 0" in text
+    assert 'paged_llm_openai_time_to_first_token_seconds_bucket{route="completions",le="0.05"} 1' in text
+    assert "paged_llm_openai_generation_tokens_total 7" in text
