@@ -492,7 +492,7 @@ def main() -> int:
     parser.add_argument(
         "--openai-workers",
         type=int,
-        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        default=max(1, min(6, (os.cpu_count() or 1) // 2)),
         help="processes of the OpenAI server this script starts (as `paged-llm serve` picks them)",
     )
     parser.add_argument("--num-prompts", type=int, default=64)

