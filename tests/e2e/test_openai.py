@@ -37,6 +37,8 @@ class Served:
     port: int
     metrics_port: int
     log_path: Path
+    http_port: int = 0
+    grpc_port: int = 0
 
     @property
     def base_url(self) -> str:
@@ -121,7 +123,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator
     ]  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    running = Served(process, port, metrics_port, log_path)
+    running = Served(process, port, metrics_port, log_path, http_port, grpc_port)
     try:
         _wait_healthy(running.base_url, process, log_path)
         yield running
@@ -251,6 +253,7 @@ def test_keys_models_health_version_and_metrics(served):
     status, text, _ = _get(f"{served.base_url}/version", auth)
     assert status == 200 and json.loads(text)["triton_version"] == "2.51.0"
     assert _get(f"{served.base_url}/metrics", auth)[0] == 200
+    served.client().completions.create(model="llm", prompt="counted", max_tokens=2)  # one 200 at least
 
     def counted() -> bool:  # each worker publishes its figures every second; any one answers
         text = _get(f"{served.base_url}/metrics", auth)[1]
@@ -263,6 +266,57 @@ def test_keys_models_health_version_and_metrics(served):
         )
 
     assert wait_for(counted, timeout_s=30), _get(f"{served.base_url}/metrics", auth)[1]
+
+
+def _triton_grpc_stream(port: int, headers: dict[str, str] | None) -> tuple[str, str | None]:
+    """One streamed request straight to Triton's gRPC port: (text, error message)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from tests.e2e.client import make_inputs
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+    client.async_stream_infer("llm", make_inputs("Hi", stream=True, sampling_parameters={"max_tokens": 3}),
+                              enable_empty_final_response=True)  # fmt: skip
+    text, error_message = "", None
+    while True:
+        result, error = results.get(timeout=60)
+        if error is not None:
+            error_message = str(error)
+            break
+        text += "".join(t.decode() for t in (result.as_numpy("text_output") or []))
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return text, error_message
+
+
+def test_the_same_keys_guard_inference_on_tritons_own_ports(served):
+    """`paged-llm serve --api-key` has Triton forward the authorization header to the llm model,
+    which checks it: llm and llm_trtllm (whose BLS request to llm carries it on) over HTTP generate,
+    and gRPC streaming with the header."""
+    generate = f"http://127.0.0.1:{served.http_port}/v2/models"
+    for model, body in (("llm", {"text_input": "Hi", "max_tokens": 3}),
+                        ("llm_trtllm", {"text_input": "Hi", "max_tokens": 3})):  # fmt: skip
+        status, answer, _ = post(generate, f"/{model}/generate", body, key=None)
+        assert status == 400 and "authorization: missing or wrong API key" in answer["error"], (model, answer)
+        # Triton 2.51 forwards no header on HTTP generate (triton-inference-server/server#8790): the
+        # key goes in the body, whose unknown top-level keys become request parameters.
+        wrong = {**body, "authorization": "Bearer wrong"}
+        status, answer, _ = post(generate, f"/{model}/generate", wrong, key=None)
+        assert status == 400 and "authorization" in answer["error"], (model, answer)
+        good = {**body, "authorization": f"Bearer {API_KEY}"}
+        status, answer, _ = post(generate, f"/{model}/generate", good, key=None)
+        assert status == 200 and answer["text_output"], (model, answer)
+    text, error = _triton_grpc_stream(served.grpc_port, None)
+    assert error is not None and "authorization: missing or wrong API key" in error
+    text, error = _triton_grpc_stream(served.grpc_port, {"authorization": f"Bearer {API_KEY}"})
+    assert error is None and text
+    assert _get(f"http://127.0.0.1:{served.http_port}/v2/health/ready")[0] == 200  # health stays open
 
 
 MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [

@@ -29,6 +29,7 @@ from pathlib import Path
 from paged_llm.frontend.server import API_KEY_ENV
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
+from paged_llm.serving.auth import key_digest
 from paged_llm.tools.launch import ServerPorts, _http_host, busy_ports, server_command, server_env
 from paged_llm.tools.server_process import make_model_repository
 from paged_llm.tools.stub_watch import StubWatch
@@ -158,6 +159,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     keys = [*args.api_key, *[k for k in os.environ.get(API_KEY_ENV, "").split(",") if k]]
     args.has_keys = bool(keys)
+    extra_server_args: list[str] = []
+    if keys:  # the same keys guard inference on Triton's ports (serving/auth.py)
+        args.engine_arg = [*args.engine_arg, f"api_key_sha256={','.join(key_digest(k) for k in keys)}"]
+        extra_server_args = [
+            "--grpc-header-forward-pattern=authorization",
+            "--http-header-forward-pattern=[Aa]uthorization",
+        ]
     repository = write_repository(args)
     stopping: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
@@ -168,7 +176,7 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S)
+    command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S, extra_server_args)
     children = _Children(subprocess.Popen(command, env=server_env()))
     ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
     if _wait_until(lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping):

@@ -100,7 +100,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        backend = TritonBackend(settings.triton_url)
+        backend = TritonBackend(settings.triton_url, settings.api_keys[0] if settings.api_keys else None)
         state["backend"] = backend
         state["chat"] = ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, backend)
         publisher = asyncio.create_task(_publish_metrics()) if settings.metrics_dir else None

@@ -192,10 +192,13 @@ def parse_outputs(outputs: dict[str, list[Any]], is_final: bool) -> GenerationCh
 class TritonBackend:
     """The Triton server behind the OpenAI routes (one aio gRPC client, many streams)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, api_key: str | None = None) -> None:
         import tritonclient.grpc.aio as grpcclient
 
         self.url = url
+        # Sent with each inference request: Triton forwards it to the model, which checks it when
+        # `paged-llm serve --api-key` set the model's api_key_sha256 (serving/auth.py).
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._client = grpcclient.InferenceServerClient(url)
         self._is_paged_llm_cache: dict[str, bool] = {}
 
@@ -224,7 +227,7 @@ class TritonBackend:
             yield triton_request
 
         try:
-            responses = self._client.stream_infer(requests())
+            responses = self._client.stream_infer(requests(), headers=self._headers)
         except InferenceServerException as error:
             raise BackendError(503, f"cannot reach tritonserver at {self.url}: {error.message()}") from None
         finished = False

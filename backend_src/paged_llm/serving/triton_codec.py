@@ -16,6 +16,7 @@ import numpy as np
 from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json
+from paged_llm.serving.auth import AUTHORIZATION_PARAMETER
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -192,9 +193,23 @@ def request_parameter_mapping_raw(raw: str | Mapping[str, Any] | None) -> dict[s
 
 def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """A request's Triton parameters (HTTP generate turns unknown top-level keys into these), less
-    the ones Triton's clients and ours set for transport."""
+    the ones Triton's clients and ours set for transport, and a forwarded authorization header."""
     mapping = request_parameter_mapping_raw(raw)
-    return {k: v for k, v in mapping.items() if k not in _IGNORED_REQUEST_PARAMETERS}
+    return {
+        k: v
+        for k, v in mapping.items()
+        if k not in _IGNORED_REQUEST_PARAMETERS and k.lower() != AUTHORIZATION_PARAMETER
+    }
+
+
+def authorization_of(raw: str | Mapping[str, Any] | None) -> str | None:
+    """The `authorization` header Triton forwarded as a request parameter (any letter case)."""
+    if not raw:
+        return None
+    for key, value in request_parameter_mapping_raw(raw).items():
+        if key.lower() == AUTHORIZATION_PARAMETER:
+            return str(value)
+    return None
 
 
 def logprobs_json(positions: list[PositionLogprobs]) -> str:

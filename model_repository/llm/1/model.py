@@ -30,6 +30,7 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.serving.auth import ApiKeyCheck
 from paged_llm.serving.metrics import TritonMetrics
 from paged_llm.serving.response_accumulator import ResponseAccumulator
 from paged_llm.serving.response_streams import ResponseStreams
@@ -42,6 +43,7 @@ from paged_llm.serving.server_watch import (
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
     INPUT_NAMES,
+    authorization_of,
     is_forwarded,
     parse_request,
     read_inputs,
@@ -108,6 +110,7 @@ class TritonPythonModel:
         config = EngineConfig.from_parameters(parameters)
         model_dir = resolve_model_dir(config.model.model, Path(args["model_repository"]))
         self.config = replace(config, model=replace(config.model, model=str(model_dir)))
+        self._api_keys = ApiKeyCheck(self.config.serving.api_key_sha256)
         if self.config.serving.gil_switch_interval_s:
             sys.setswitchinterval(self.config.serving.gil_switch_interval_s)
         self._ids = itertools.count()
@@ -188,6 +191,8 @@ class TritonPythonModel:
             triton_request_id = request.request_id()
             raw_parameters = request.parameters()
             errors_as_output = wants_error_output(triton_request_id, raw_parameters)
+            if self._api_keys.enabled:
+                self._api_keys.check(authorization_of(raw_parameters))
             if FORWARDED_ABORT_PARAMETER in raw_parameters:
                 self._abort_forwarded(raw_parameters, sender)
                 return

@@ -28,6 +28,7 @@ from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
     FORWARDED_ERROR_OUTPUT,
     FORWARDED_REQUEST_ID_PREFIX,
+    authorization_of,
     decode_forwarded_error,
     read_inputs,
 )
@@ -53,6 +54,12 @@ _LLM_OUTPUTS = [
     "cumulative_logprob",
     "logprobs",
 ]
+
+
+def _authorization(request: Any) -> dict[str, str]:
+    """The client's forwarded `authorization` header, passed on to llm, which checks API keys."""
+    authorization = authorization_of(request.parameters())
+    return {"authorization": authorization} if authorization else {}
 
 
 class TritonPythonModel:
@@ -96,6 +103,7 @@ class TritonPythonModel:
                 requested_output_names=_LLM_OUTPUTS,
                 timeout=request.timeout(),
                 request_id=forwarded_id,
+                parameters=_authorization(request),  # llm checks the API key (serving/auth.py)
             )
             with self._lock:
                 self._in_flight[forwarded_id] = request
@@ -154,19 +162,19 @@ class TritonPythonModel:
                     if now - aborted_at.get(forwarded_id, -_ABORT_RETRY_S) < _ABORT_RETRY_S:
                         continue
                     if request.is_cancelled():
-                        cancelled.append(forwarded_id)
+                        cancelled.append((forwarded_id, _authorization(request)))
                 aborted_at = {k: v for k, v in aborted_at.items() if k in self._in_flight}
-            for forwarded_id in cancelled:
+            for forwarded_id, authorization in cancelled:
                 aborted_at[forwarded_id] = now
-                self._abort_forwarded(forwarded_id)
+                self._abort_forwarded(forwarded_id, authorization)
 
     @staticmethod
-    def _abort_forwarded(forwarded_id: str) -> None:
+    def _abort_forwarded(forwarded_id: str, authorization: dict[str, str]) -> None:
         abort = pb_utils.InferenceRequest(
             model_name="llm",
             inputs=[],
             requested_output_names=[],
-            parameters={FORWARDED_ABORT_PARAMETER: forwarded_id},
+            parameters={FORWARDED_ABORT_PARAMETER: forwarded_id, **authorization},
         )
         try:
             for _ in abort.exec(decoupled=True):  # one empty FINAL
