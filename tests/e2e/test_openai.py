@@ -539,3 +539,41 @@ def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):
     assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
     _gone, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
+    """Triton 2.51 keeps a model READY after its Python stub was killed (issue "Hardening" row 2):
+    /health of the OpenAI server probes the model and says 503 then."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    server = start_server(repository, tmp_path / "server.log")
+    [port] = free_ports(1)
+    log_path = tmp_path / "frontend.log"
+    with open(log_path, "w") as log:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", server.grpc_url,
+             "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base_url, frontend, log_path)
+        stubs = [
+            p for p in psutil.Process(server.process.pid).children() if p.name().startswith("triton_python_b")
+        ]
+        assert len(stubs) == 1
+        stubs[0].kill()
+
+        def stub_gone() -> bool:  # Triton may leave it a zombie
+            try:
+                return stubs[0].status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        assert wait_for(stub_gone, timeout_s=30)
+        assert server.is_ready()  # Triton still says so
+        assert wait_for(lambda: _get(f"{base_url}/health")[0] == 503, timeout_s=60), log_path.read_text()[
+            -2000:
+        ]
+    finally:
+        _stop_group(frontend, signal.SIGTERM)
+        server.stop()

@@ -11,9 +11,11 @@ call; Triton then reports the request cancelled to the model, which aborts it an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import struct
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,8 @@ from paged_llm.frontend.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 ERROR_OUTPUT = "paged_llm_error"
+PROBE_SKIP_S = 5.0  # /health sends no probe when the model answered a request this recently
+PROBE_TIMEOUT_S = 10.0
 ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"
 # `paged_llm_error` labels (as in paged_llm_final_responses_total) -> HTTP status.
 _PAGED_LLM_OUTPUTS = ("text_output", "num_output_tokens", "finish_reason", "num_input_tokens", ERROR_OUTPUT)
@@ -70,6 +74,8 @@ class GenerationChunk:
 class BackendError(OpenAIError):
     """The model refused or failed the request."""
 
+    from_model: bool = False  # sent by our llm model itself (the error output), not by Triton
+
 
 def classify_error_message(message: str) -> BackendError:
     """A model's error that came as a message only (not from our llm model)."""
@@ -87,7 +93,9 @@ def error_from_output(values: list[str]) -> BackendError:
     label, _, message = values[0].partition("\t")
     status = _STATUS_OF_LABEL.get(label, 500)
     param = message.split(": ", 1)[0] if status == 400 and ": " in message else None
-    return BackendError(status, message, _openai_param(param))
+    error = BackendError(status, message, _openai_param(param))
+    error.from_model = True
+    return error
 
 
 def _openai_param(engine_field: str | None) -> str | None:
@@ -201,6 +209,7 @@ class TritonBackend:
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._client = grpcclient.InferenceServerClient(url)
         self._is_paged_llm_cache: dict[str, bool] = {}
+        self._last_answer_at: dict[str, float] = {}  # model -> when it last sent a response
 
     async def close(self) -> None:
         await self._client.close()
@@ -243,6 +252,7 @@ class TritonBackend:
                     finished = True
                     raise error_from_output(outputs[ERROR_OUTPUT])
                 chunk = parse_outputs(outputs, is_final)
+                self._last_answer_at[request.model] = time.monotonic()
                 if is_final:
                     finished = True
                 yield chunk
@@ -276,12 +286,40 @@ class TritonBackend:
         return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
 
     async def is_ready(self, model: str) -> bool:
+        """Triton and the model say ready, and the model answers. Triton 2.51 keeps calling a model
+        ready after its Python stub died (every request then fails "Stub process ... is not
+        healthy"), so unless a response came from it within the last PROBE_SKIP_S, a one-token
+        request goes to it: an answer of any kind, an error the model itself sent included (e.g.
+        its queue is full), means it is alive; Triton's own error or no answer in time means not."""
         try:
-            return bool(await self._client.is_server_ready(client_timeout=2.0)) and bool(
+            ready = bool(await self._client.is_server_ready(client_timeout=2.0)) and bool(
                 await self._client.is_model_ready(model, client_timeout=2.0)
             )
         except Exception:
             return False
+        if not ready:
+            return False
+        if time.monotonic() - self._last_answer_at.get(model, -PROBE_SKIP_S) < PROBE_SKIP_S:
+            return True
+        return await self._probe(model)
+
+    async def _probe(self, model: str) -> bool:
+        request = GenerationRequest(model, [0], {"max_tokens": 1}, False, False, "paged_llm-health-probe")
+
+        async def drain() -> None:
+            async for _chunk in self.generate(request):
+                pass
+
+        try:
+            await asyncio.wait_for(drain(), PROBE_TIMEOUT_S)
+        except BackendError as error:
+            # Our llm model's own errors come as an output: it is alive. A message-only error is
+            # Triton's (a dead stub) or another model's; only "not healthy" counts as dead there.
+            return error.from_model or "not healthy" not in error.message
+        except (TimeoutError, Exception) as error:
+            logger.warning("health probe of %s failed: %s", model, error)
+            return False
+        return True
 
     async def server_version(self) -> str:
         metadata = await self._client.get_server_metadata(as_json=True, client_timeout=2.0)
