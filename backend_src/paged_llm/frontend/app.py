@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,44 +266,26 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             return JSONResponse(
                 builder.completion(generation.choices, echo_texts, body.logprobs, generation.usage())
             )
-        first = await until_disconnect(request, _first(chunks))
+        first = await until_disconnect(request, _next(chunks))
         logprob_builders = [CompletionLogprobs(body.logprobs or 0) for _ in generation.choices]
 
-        async def events() -> AsyncIterator[bytes]:
-            async with aclosing(chunks):
-                try:
-                    pending = [first] if first is not None else []
-                    while True:
-                        for position, chunk in pending:
-                            _note_first_token(chunk, start, "completions", generation)
-                            for choice, delta in generation.absorb(position, chunk):
-                                if not delta.text and delta.finish_reason is None and not delta.num_tokens:
-                                    continue
-                                text = delta.text
-                                if not choice.started:
-                                    text = echo_texts[choice.index] + text
-                                    choice.started = True
-                                if body.logprobs is None:
-                                    yield builder.text_event(choice.index, text, delta.finish_reason)
-                                    continue
-                                logprobs = logprob_builders[choice.index].add(delta.logprobs or [])
-                                yield sse(
-                                    builder.completion_chunk(
-                                        choice.index, text, logprobs, delta.finish_reason
-                                    )
-                                )
-                        nxt = await _next(chunks)
-                        if nxt is None:
-                            break
-                        pending = [nxt]
-                except OpenAIError as error:
-                    yield sse(error.body())
-                metrics.tokens(*_counts(generation))
-                if body.include_usage:
-                    yield sse(builder.usage_chunk(generation.usage()))
-                yield SSE_DONE
+        def completion_events(position: int, chunk: GenerationChunk) -> Iterator[bytes]:
+            for choice, delta in generation.absorb(position, chunk):
+                if not delta.text and delta.finish_reason is None and not delta.num_tokens:
+                    continue
+                text = delta.text
+                if not choice.started:
+                    text = echo_texts[choice.index] + text
+                    choice.started = True
+                if body.logprobs is None:
+                    yield builder.text_event(choice.index, text, delta.finish_reason)
+                    continue
+                logprobs = logprob_builders[choice.index].add(delta.logprobs or [])
+                yield sse(builder.completion_chunk(choice.index, text, logprobs, delta.finish_reason))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _sse_response(
+            chunks, first, generation, builder, body.include_usage, "completions", start, completion_events
+        )
 
     async def _chat_completions(request: Request) -> Response:
         start = time.monotonic()
@@ -331,39 +313,64 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             await until_disconnect(request, _drain(chunks, generation, start))
             metrics.tokens(*_counts(generation))
             return JSONResponse(builder.chat(generation.choices, logprobs_k, generation.usage()))
-        first = await until_disconnect(request, _first(chunks))
+        first = await until_disconnect(request, _next(chunks))
+
+        def chat_events(position: int, chunk: GenerationChunk) -> Iterator[bytes]:
+            for choice, delta in generation.absorb(position, chunk):
+                if (delta.text or delta.num_tokens) and logprobs_k is None:
+                    yield builder.text_event(choice.index, delta.text, None)
+                elif delta.text or delta.num_tokens:
+                    logprobs = chat_logprobs(delta.logprobs or [], logprobs_k)
+                    yield sse(builder.chat_chunk(choice.index, {"content": delta.text}, logprobs, None))
+                if delta.finish_reason is not None:
+                    yield sse(builder.chat_chunk(choice.index, {}, None, delta.finish_reason))
+
+        roles = [  # the role first, as OpenAI does
+            sse(builder.chat_chunk(choice.index, {"role": "assistant", "content": ""}, None, None))
+            for choice in generation.choices
+        ]
+        return _sse_response(
+            chunks,
+            first,
+            generation,
+            builder,
+            body.include_usage,
+            "chat_completions",
+            start,
+            chat_events,
+            roles,
+        )
+
+    def _sse_response(
+        chunks: AsyncIterator[tuple[int, GenerationChunk]],
+        first: tuple[int, GenerationChunk] | None,
+        generation: Generation,
+        builder: ResponseBuilder,
+        include_usage: bool,
+        route: str,
+        start: float,
+        events_of: Callable[[int, GenerationChunk], Iterator[bytes]],
+        prelude: list[bytes] | None = None,
+    ) -> StreamingResponse:
+        """The SSE stream of a request whose first chunk arrived: `prelude`, the events of each
+        chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`."""
 
         async def events() -> AsyncIterator[bytes]:
             async with aclosing(chunks):
                 try:
-                    for choice in generation.choices:  # the role first, as OpenAI does
-                        yield sse(
-                            builder.chat_chunk(choice.index, {"role": "assistant", "content": ""}, None, None)
-                        )
-                    pending = [first] if first is not None else []
-                    while True:
-                        for position, chunk in pending:
-                            _note_first_token(chunk, start, "chat_completions", generation)
-                            for choice, delta in generation.absorb(position, chunk):
-                                if (delta.text or delta.num_tokens) and logprobs_k is None:
-                                    yield builder.text_event(choice.index, delta.text, None)
-                                elif delta.text or delta.num_tokens:
-                                    logprobs = chat_logprobs(delta.logprobs or [], logprobs_k)
-                                    yield sse(
-                                        builder.chat_chunk(
-                                            choice.index, {"content": delta.text}, logprobs, None
-                                        )
-                                    )
-                                if delta.finish_reason is not None:
-                                    yield sse(builder.chat_chunk(choice.index, {}, None, delta.finish_reason))
-                        nxt = await _next(chunks)
-                        if nxt is None:
-                            break
-                        pending = [nxt]
+                    for event in prelude or []:
+                        yield event
+                    item = first
+                    while item is not None:
+                        position, chunk = item
+                        _note_first_token(chunk, start, route, generation)
+                        for event in events_of(position, chunk):
+                            yield event
+                        item = await _next(chunks)
                 except OpenAIError as error:
                     yield sse(error.body())
                 metrics.tokens(*_counts(generation))
-                if body.include_usage:
+                if include_usage:
                     yield sse(builder.usage_chunk(generation.usage()))
                 yield SSE_DONE
 
@@ -382,10 +389,6 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             metrics.first_token(route, time.monotonic() - start)
 
     return app
-
-
-async def _first(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int, GenerationChunk] | None:
-    return await _next(chunks)
 
 
 async def _next(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int, GenerationChunk] | None:
