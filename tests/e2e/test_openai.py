@@ -414,7 +414,6 @@ def test_a_client_dropped_mid_stream_frees_its_kv_blocks(served):
     while events < 5:
         line = response.readline()
         events += line.startswith(b"data:")
-    assert value(served.triton_metrics(), "paged_llm_num_requests_running") >= 0  # metrics reachable
     connection.close()  # mid-stream: 5 of 3000 tokens read
 
     def freed() -> bool:
@@ -477,24 +476,30 @@ def _open_long_stream(base_url: str, model: str) -> tuple[http.client.HTTPConnec
 def test_admission_policy_reject_answers_503_with_retry_after_and_runs_nothing(admission):
     server, base_url = admission
     connection, _ = _open_long_stream(base_url, "llm_reject")
+    labels = {"model": "llm_reject"}
     try:
-        before = value(server.metrics(), "paged_llm_prompt_tokens_total", model="llm_reject")
+        # The stub refreshes its metrics every 0.5 s: read them once they show the long stream.
+        assert wait_for(lambda: value(server.metrics(), "paged_llm_num_requests_running", **labels) == 1)
+        before = server.metrics()
         status, answer, headers = post(
-            base_url, "/v1/completions", {"model": "llm_reject", "prompt": "x"}, key=None
+            base_url, "/v1/completions", {"model": "llm_reject", "prompt": "x"}, None
         )
         assert status == 503, answer
         assert "at capacity" in answer["error"]["message"] and headers.get("retry-after") == "1"
-        assert value(server.metrics(), "paged_llm_prompt_tokens_total", model="llm_reject") == before
+
+        def refused(text: str) -> float:
+            return value(text, "paged_llm_final_responses_total", code="unavailable", **labels)
+
+        assert wait_for(lambda: refused(server.metrics()) > refused(before))
+        after = server.metrics()  # as of the refusal: it added no prompt tokens, it never ran
+        for name in ("paged_llm_prompt_tokens_total", "paged_llm_num_requests_running"):
+            assert value(after, name, **labels) == value(before, name, **labels), name
     finally:
         connection.close()
 
     def accepted_again() -> bool:
-        return (
-            post(base_url, "/v1/completions", {"model": "llm_reject", "prompt": "x", "max_tokens": 2}, None)[
-                0
-            ]
-            == 200
-        )
+        body = {"model": "llm_reject", "prompt": "x", "max_tokens": 2}
+        return post(base_url, "/v1/completions", body, None)[0] == 200
 
     assert wait_for(accepted_again, timeout_s=60)
 
@@ -508,8 +513,14 @@ def test_queue_max_wait_ends_a_request_that_never_started_with_503(admission):
         )
         assert status == 503, answer
         assert "queue_max_wait_s=0.5" in answer["error"]["message"] and headers.get("retry-after") == "1"
-        text = server.metrics()
-        assert value(text, "paged_llm_final_responses_total", model="llm_wait", code="unavailable") >= 1
+        assert wait_for(  # the stub refreshes its metrics every 0.5 s
+            lambda: (
+                value(
+                    server.metrics(), "paged_llm_final_responses_total", model="llm_wait", code="unavailable"
+                )
+                >= 1
+            )
+        )
     finally:
         connection.close()
 
