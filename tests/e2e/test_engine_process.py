@@ -143,20 +143,26 @@ def test_stopping_tritonserver_under_load_leaves_no_process_of_ours(fresh_server
         client.client.close()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_make_serve_stops_everything_under_load(tmp_path, signum):
-    """`make serve`'s launcher: Ctrl-C (SIGINT to the group) or SIGTERM to it, with clients still
-    streaming: launcher, tritonserver, stub and core all gone within the bound."""
+def _start_launcher(tmp_path, server_args: list[str] | None = None) -> tuple[subprocess.Popen, RunningServer]:
+    """`make serve-triton`'s launcher on the llm model, free ports, a 3 s exit timeout; its output
+    goes to tmp_path/serve.log (the RunningServer's log)."""
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     http, grpc, metrics = free_ports(3)
     log = open(tmp_path / "serve.log", "w")  # the launcher writes it while it runs
     launcher = subprocess.Popen(
         [sys.executable, "-m", "paged_llm.tools.launch", "serve", "--model-repository", str(repository),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--exit-timeout-secs", "3"],
+         "--exit-timeout-secs", "3", *(["--", *server_args] if server_args else [])],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    server = RunningServer(launcher, ServerPorts(http, grpc, metrics), tmp_path / "serve.log")
+    return launcher, RunningServer(launcher, ServerPorts(http, grpc, metrics), tmp_path / "serve.log")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_make_serve_stops_everything_under_load(tmp_path, signum):
+    """`make serve`'s launcher: Ctrl-C (SIGINT to the group) or SIGTERM to it, with clients still
+    streaming: launcher, tritonserver, stub and core all gone within the bound."""
+    launcher, server = _start_launcher(tmp_path)
     try:
         assert wait_for(server.is_ready, timeout_s=180, interval_s=0.25), server.log()[-3000:]
         pids = [launcher.pid, *(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))]
@@ -180,16 +186,7 @@ def test_make_serve_exits_non_zero_when_a_stub_dies_but_not_on_an_unload(tmp_pat
     `make serve`'s launcher watches the stubs: an unload (the model is no longer ready) and a load
     pass; a kill -9 of the stub with streams in flight stops the server, every process of ours
     goes, and the launcher exits with DEAD_STUB_EXIT_STATUS so a supervisor restarts it."""
-    repository = make_model_repository(tmp_path / "models", models=("llm",))
-    http, grpc, metrics = free_ports(3)
-    log = open(tmp_path / "serve.log", "w")  # the launcher writes it while it runs
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "paged_llm.tools.launch", "serve", "--model-repository", str(repository),
-         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--exit-timeout-secs", "3", "--", "--model-control-mode=explicit", "--load-model=llm"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    server = RunningServer(launcher, ServerPorts(http, grpc, metrics), tmp_path / "serve.log")
+    launcher, server = _start_launcher(tmp_path, ["--model-control-mode=explicit", "--load-model=llm"])
     try:
         assert wait_for(server.is_ready, timeout_s=180, interval_s=0.25), server.log()[-3000:]
         assert http_post(server.http_url, "/v2/repository/models/llm/unload", {})[0] == 200

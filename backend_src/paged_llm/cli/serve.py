@@ -30,10 +30,11 @@ from paged_llm.frontend.server import API_KEY_ENV
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
 from paged_llm.serving.auth import key_digest
-from paged_llm.tools.launch import ServerPorts, _http_host, busy_ports, server_command, server_env
+from paged_llm.tools.launch import ServerPorts, busy_ports, http_host, server_command, server_env
+from paged_llm.tools.procfs import descendants
 from paged_llm.tools.server_process import make_model_repository
 from paged_llm.tools.stub_watch import StubWatch
-from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S, _descendants
+from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S
 
 EXIT_TIMEOUT_S = 5
 _POLL_S = 0.25
@@ -120,7 +121,7 @@ def _wait_until(check, process: subprocess.Popen, timeout_s: float, stopping: li
 
 
 def _banner(args: argparse.Namespace, ports: ServerPorts) -> str:
-    host = _http_host(args.address)
+    host = http_host(args.address)
     name = args.served_model_name
     key_header = ' -H "Authorization: Bearer $PAGED_LLM_API_KEY"' if args.has_keys else ""
     body = f'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
@@ -170,7 +171,7 @@ def serve(args: argparse.Namespace) -> int:
     stopping: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
-    host = _http_host(args.address)
+    host = http_host(args.address)
     print(
         f"Starting tritonserver on {args.address} (model repository {repository})",
         file=sys.stderr,
@@ -234,7 +235,7 @@ def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
             process.wait(timeout=max(0.1, kill_at - time.monotonic()))
         except subprocess.TimeoutExpired:
             print(f"paged-llm: pid {process.pid} did not exit in time: killing it", file=sys.stderr)
-            for pid in [process.pid, *_descendants(process.pid)]:
+            for pid in [process.pid, *descendants(process.pid)]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

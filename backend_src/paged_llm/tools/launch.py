@@ -256,7 +256,7 @@ def exposure_error(address: str, extra_args: list[str]) -> str | None:
     )
 
 
-def _http_host(address: str) -> str:
+def http_host(address: str) -> str:
     """Where a client on this machine reaches a server bound to `address`."""
     if address in ("0.0.0.0", "127.0.0.1"):
         return "127.0.0.1"
@@ -304,7 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
     command = server_command(
         Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra
     )
-    host = _http_host(args.address)
+    host = http_host(args.address)
     print(
         f"Starting tritonserver on {args.address} "
         f"(HTTP {ports.http}, gRPC {ports.grpc}, metrics {ports.metrics}).\n"
@@ -315,7 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    http_url = f"http://{_http_host(args.address)}:{ports.http}"
+    http_url = f"http://{http_host(args.address)}:{ports.http}"
     return run_supervised(command, server_env(), args.exit_timeout_secs, http_url=http_url)
 
 

@@ -15,12 +15,13 @@ An unload (explicit model control) also ends a stub, but then the model is no lo
 
 from __future__ import annotations
 
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from paged_llm.tools.procfs import processes, read_proc
 
 STUB_NAME = "triton_python_backend_stub"
 
@@ -44,35 +45,16 @@ def parse_stub_cmdline(args: list[str]) -> StubInstance | None:
     return StubInstance(model=model_file.parent.parent.name, version=model_file.parent.name, instance=args[8])
 
 
-def _read_proc(pid: int, name: str) -> bytes | None:
-    try:
-        with open(f"/proc/{pid}/{name}", "rb") as file:
-            return file.read()
-    except OSError:
-        return None
-
-
 def live_stubs(server_pid: int) -> dict[int, StubInstance]:
     """The stubs among tritonserver's children that are alive (zombies count as dead)."""
     stubs: dict[int, StubInstance] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
+    for process in processes():
+        if process.parent_pid != server_pid or not process.is_alive:
             continue
-        pid = int(entry)
-        stat = _read_proc(pid, "stat")
-        if stat is None:
-            continue
-        try:
-            fields = stat.rsplit(b")", 1)[1].split()
-            state, parent = fields[0], int(fields[1])
-        except (IndexError, ValueError):
-            continue
-        if parent != server_pid or state in (b"Z", b"X"):
-            continue
-        cmdline = _read_proc(pid, "cmdline")
+        cmdline = read_proc(process.pid, "cmdline")
         stub = parse_stub_cmdline(cmdline.decode(errors="replace").split("\0")) if cmdline else None
         if stub is not None:
-            stubs[pid] = stub
+            stubs[process.pid] = stub
     return stubs
 
 

@@ -19,31 +19,12 @@ import subprocess
 import sys
 import time
 
+from paged_llm.tools.procfs import descendants
 from paged_llm.tools.stub_watch import StubWatch
 
 KILL_MARGIN_S = 2.0  # after the server's own exit timeout
 STUB_CHECK_INTERVAL_S = 1.0
 DEAD_STUB_EXIT_STATUS = 3
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (read from /proc; empty where /proc is missing)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def run_supervised(
@@ -80,7 +61,7 @@ def run_supervised(
                 print(f"paged_llm: {message}: stopping the server", file=sys.stderr, flush=True)
             if dead_stub:
                 stop(signal.SIGTERM)
-    stuck = [process.pid, *_descendants(process.pid)]
+    stuck = [process.pid, *descendants(process.pid)]
     print(
         f"paged_llm: tritonserver did not exit within {exit_timeout_s:.0f} s + {KILL_MARGIN_S:.0f} s of the "
         "stop signal (Triton 2.51 hangs when a client keeps a gRPC stream open): killing it",

@@ -1,0 +1,54 @@
+"""Reading the process table from /proc (Linux; empty results where /proc is missing)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    parent_pid: int
+    state: bytes  # b"R", b"S", ..., b"Z" (zombie), b"X" (dead)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.state not in (b"Z", b"X")
+
+
+def read_proc(pid: int, name: str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+def processes() -> Iterator[ProcStat]:
+    """Every process now (one that exits while it is read is skipped)."""
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        stat = read_proc(int(entry), "stat")
+        if stat is None:
+            continue
+        try:  # "pid (comm) state ppid ...": comm may contain spaces and parentheses
+            fields = stat.rsplit(b")", 1)[1].split()
+            yield ProcStat(int(entry), int(fields[1]), fields[0])
+        except (IndexError, ValueError):
+            continue
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for process in processes():
+        children.setdefault(process.parent_pid, []).append(process.pid)
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
