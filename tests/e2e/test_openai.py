@@ -399,29 +399,40 @@ def test_sixty_four_concurrent_streams_all_complete(served):
     assert len(results) == 64 and all(tokens == 8 for _, tokens in results)
 
 
-def test_a_client_dropped_mid_stream_frees_its_kv_blocks(served):
+@pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "waiting-for-the-whole-answer"])
+def test_a_client_that_goes_away_frees_its_kv_blocks(served, stream):
+    def cancelled() -> float:
+        return value(served.triton_metrics(), "paged_llm_final_responses_total", code="cancelled")
+
+    def running() -> float:
+        return value(served.triton_metrics(), "paged_llm_num_requests_running")
+
+    assert wait_for(lambda: running() == 0)  # what earlier tests sent has ended (and been counted)
+    cancelled_before = cancelled()
     connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
-    body = {"model": "llm", "prompt": "long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"model": "llm", "prompt": "long story", "max_tokens": 3000, "ignore_eos": True, "stream": stream}
     connection.request(
         "POST",
         "/v1/completions",
         body=json.dumps(body),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
     )
-    response = connection.getresponse()
-    assert response.status == 200
-    events = 0
-    while events < 5:
-        line = response.readline()
-        events += line.startswith(b"data:")
-    connection.close()  # mid-stream: 5 of 3000 tokens read
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200
+        events = 0
+        while events < 5:
+            events += response.readline().startswith(b"data:")
+    else:  # nothing comes back before the end: leave once the engine runs it
+        assert wait_for(lambda: running() == 1)
+    connection.close()  # 3000 tokens asked for, a few generated
 
     def freed() -> bool:
         text = served.triton_metrics()
         return (
             value(text, "paged_llm_kv_cache_usage_ratio") == 0.0
             and value(text, "paged_llm_num_requests_running") == 0
-            and value(text, "paged_llm_final_responses_total", code="cancelled") >= 1
+            and value(text, "paged_llm_final_responses_total", code="cancelled") > cancelled_before
         )
 
     assert wait_for(freed, timeout_s=60), served.triton_metrics()[-3000:]
