@@ -10,6 +10,13 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
 
+    @classmethod
+    def verbatim(cls, field: str, text: str) -> InvalidRequestError:
+        """An error whose message is exactly `text` (where clients compare it, e.g. vllm_backend's)."""
+        error = cls(field, text)
+        error.args = (text,)
+        return error
+
 
 class QueueFullError(RuntimeError):
     """The engine refuses the request for load (becomes UNAVAILABLE): the waiting queue is at

@@ -123,6 +123,11 @@ class SamplingParams:
                 continue
             if raw is None and key in _NULLABLE:
                 continue  # null means "use the default", as in vLLM
+            if key == "logprobs" and (isinstance(raw, bool) or str(raw).lower() in ("true", "false")):
+                # OpenAI-style frontends send a boolean: false = none, true = the sampled token's only
+                if parse_bool(key, raw):
+                    values[key] = 0
+                continue
             values[key] = _PARSERS[key](key, raw)
         params = SamplingParams(**values)
         params.validate(limits)
@@ -296,8 +301,17 @@ def _compat_use_beam_search(raw: Any, payload: Mapping[str, Any]) -> None:
         raise InvalidRequestError("use_beam_search", "beam search is not supported; only false is allowed")
 
 
+def _compat_lora_name(raw: Any, payload: Mapping[str, Any]) -> None:
+    # vllm_backend's samples/client.py -l NAME sends lora_name; there are no adapters here.
+    if raw not in (None, ""):
+        raise InvalidRequestError(
+            "lora_name", "LoRA is not supported by this server (no adapters are loaded)"
+        )
+
+
 # Keys vLLM clients commonly send that are accepted only with their no-op values.
 _COMPAT_KEYS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {
+    "lora_name": _compat_lora_name,
     "best_of": _compat_best_of,
     "use_beam_search": _compat_use_beam_search,
 }

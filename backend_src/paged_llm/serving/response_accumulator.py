@@ -122,17 +122,21 @@ class ResponseAccumulator:
             tensors["text_output"] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
         if wants("output_ids"):
             tensors["output_ids"] = np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32)
-        if wants("finish_reason", "return_finish_reason") and self.finished:
-            reasons = [(s.finish_reason or "abort").encode() for s in self.sequences]
+        if wants("finish_reason", "return_finish_reason") and (self.finished or self.parsed.stream):
+            # vllm_backend: streamed responses before the last carry the string "None"
+            unfinished = "abort" if self.finished else "None"
+            reasons = [(s.finish_reason or unfinished).encode() for s in self.sequences]
             tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
         if wants("cumulative_logprob", "return_cumulative_logprob"):
             tensors["cumulative_logprob"] = np.array(
                 [s.cumulative_logprob for s in self.sequences], dtype=np.float32
             )
         if wants("logprobs", "return_logprobs"):
-            tensors["logprobs"] = np.array(
-                [logprobs_json(s.logprobs).encode("utf-8") for s in self.sequences], dtype=np.object_
-            )
+            encoded = [
+                logprobs_json(s.logprobs).encode("utf-8") if self.parsed.logprobs_requested else b"null"
+                for s in self.sequences
+            ]
+            tensors["logprobs"] = np.array(encoded, dtype=np.object_)
         if wants("num_input_tokens", "return_num_input_tokens"):
             tensors["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
         if wants("num_output_tokens", "return_num_output_tokens"):

@@ -39,6 +39,9 @@ class ParsedRequest:
     params: SamplingParams
     exclude_input_in_output: bool
     return_flags: frozenset[str] = field(default_factory=frozenset)  # which optional outputs to send
+    # The client set `logprobs` in its sampling parameters: without it the logprobs output is JSON
+    # null (vllm_backend), though the engine still computes the sampled token's (cumulative_logprob).
+    logprobs_requested: bool = False
     # The outputs the client asked for (Triton lists them all when it named none): the others are
     # never built, so a client that wants only text_output costs the stub one tensor per response.
     requested_outputs: frozenset[str] | None = None  # None: all
@@ -118,11 +121,18 @@ def parse_request(
         )
     else:
         params = SamplingParams.from_mapping(request_parameter_mapping(request_parameters), limits)
+    if flags.get("stream", False) and flags.get("exclude_input_in_output") is False:
+        raise InvalidRequestError.verbatim(  # vllm_backend's words, which its clients compare
+            "exclude_input_in_output",
+            "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.",
+        )
     return_flags = frozenset(name for name in RETURN_FLAGS if flags.get(name, False))
+    logprobs_requested = params.logprobs is not None
     wants_logprobs = {"return_logprobs", "return_cumulative_logprob"} & return_flags
     if wants_logprobs and params.logprobs is None:
         params = replace(params, logprobs=0)  # the sampled token's logprob only
     return ParsedRequest(
+        logprobs_requested=logprobs_requested,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
         stream=flags.get("stream", False),

@@ -129,14 +129,17 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
     stream = _flag("stream", inputs.get("stream"))
     exclude = _flag("exclude_input_in_output", inputs.get("exclude_input_in_output"))
     return_log_probs = _flag("return_log_probs", inputs.get("return_log_probs"))
+    if return_log_probs:
+        params["logprobs"] = 0  # the sampled token's, per position (without it llm sends null)
     llm_inputs: dict[str, np.ndarray] = {
         "text_input": np.array([text], dtype=np.object_),
         "stream": np.array([stream]),
-        "exclude_input_in_output": np.array([exclude]),
         "sampling_parameters": np.array([json.dumps(params).encode()], dtype=np.object_),
         "return_num_input_tokens": np.array([True]),
         "return_num_output_tokens": np.array([True]),
     }
+    if not stream:  # llm refuses an explicit false with stream (vllm_backend); it never echoes then
+        llm_inputs["exclude_input_in_output"] = np.array([exclude])
     if return_log_probs:
         llm_inputs["return_logprobs"] = np.array([True])
         llm_inputs["return_cumulative_logprob"] = np.array([True])

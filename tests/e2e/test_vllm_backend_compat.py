@@ -1,0 +1,79 @@
+"""vllm_backend's own client expectations, stated as our tests (issue "Drop-in for vllm_backend and
+TensorRT-LLM clients", item 1). Each test names the upstream file it follows, from
+triton-inference-server/vllm_backend; the code is ours."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.client import stream
+
+# ci/L0_additional_outputs_vllm/additional_outputs_test.py at r24.12
+# (0b9c8e255388ea3dbb5d9b395dbd1a247d1fe4d2)
+GREEDY = {"temperature": "0", "top_p": "1", "max_tokens": 12, "ignore_eos": True}
+PROMPT = "In this example,"
+
+
+@pytest.mark.parametrize("stream_mode", [True, False], ids=["stream", "no-stream"])
+def test_finish_reason_is_the_string_none_on_every_response_but_the_last(server, stream_mode):
+    result = stream(server.grpc_url, PROMPT, stream=stream_mode, sampling_parameters=GREEDY,
+                    return_finish_reason=True)  # fmt: skip
+    assert not result.errors and result.responses
+    reasons = [r.as_numpy("finish_reason")[0].decode() for r in result.responses]
+    assert reasons[:-1] == ["None"] * (len(reasons) - 1) and reasons[-1] == "length"
+    assert len(result.responses) > 1 if stream_mode else len(result.responses) == 1
+    unasked = stream(server.grpc_url, PROMPT, stream=stream_mode, sampling_parameters=GREEDY)
+    assert all(r.as_numpy("finish_reason") is None for r in unasked.responses)
+
+
+@pytest.mark.parametrize("stream_mode", [True, False], ids=["stream", "no-stream"])
+def test_logprobs_output_is_null_unless_logprobs_was_asked_for(server, stream_mode):
+    without = stream(server.grpc_url, PROMPT, stream=stream_mode, sampling_parameters=GREEDY,
+                     return_logprobs=True, return_cumulative_logprob=True)  # fmt: skip
+    assert not without.errors
+    assert all(json.loads(r.as_numpy("logprobs")[0]) is None for r in without.responses)
+    cumulative = [float(r.as_numpy("cumulative_logprob")[0]) for r in without.responses]
+    assert all(a != b for a, b in zip([0.0, *cumulative], cumulative, strict=False))  # new tokens each time
+    asked = stream(server.grpc_url, PROMPT, stream=stream_mode, sampling_parameters={**GREEDY, "logprobs": 2},
+                   return_logprobs=True, return_num_output_tokens=True)  # fmt: skip
+    for response in asked.responses:
+        positions = json.loads(response.as_numpy("logprobs")[0])
+        assert len(positions) == int(response.as_numpy("num_output_tokens")[0])
+        chosen = ""
+        for position in positions:
+            assert 1 <= len(position) <= 3
+            ranks = [entry["rank"] for entry in position.values()]
+            assert ranks.count(1) == 1
+            assert all(set(entry) == {"logprob", "rank", "decoded_token"} for entry in position.values())
+            chosen += next(e["decoded_token"] for e in position.values() if e["rank"] == 1)
+        text = response.as_numpy("text_output")[0].decode()
+        # not streaming, the prompt is echoed (exclude_input_in_output unset)
+        assert (chosen if stream_mode else PROMPT + chosen) == text
+
+
+def test_streaming_with_exclude_input_in_output_false_is_refused_with_vllm_backends_words(server):
+    # ci/L0_backend_vllm/enabled_stream/enabled_stream_test.py at r24.10
+    # (b71088af874878c2b734ca098422d8d48f502539)
+    refused = stream(server.grpc_url, PROMPT, stream=True, exclude_input_in_output=False,
+                     sampling_parameters=GREEDY)  # fmt: skip
+    assert refused.errors == [
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    ]
+    default = stream(server.grpc_url, PROMPT, stream=True, sampling_parameters=GREEDY)
+    assert not default.errors and not default.text.startswith(PROMPT)
+
+
+def test_boolean_logprobs_and_a_lora_name_get_clear_answers(server):
+    sampled_only = stream(server.grpc_url, PROMPT, sampling_parameters={**GREEDY, "logprobs": True},
+                          return_logprobs=True)  # fmt: skip
+    [response] = sampled_only.responses
+    assert all(len(position) == 1 for position in json.loads(response.as_numpy("logprobs")[0]))
+    none = stream(
+        server.grpc_url, PROMPT, sampling_parameters={**GREEDY, "logprobs": False}, return_logprobs=True
+    )
+    assert json.loads(none.responses[0].as_numpy("logprobs")[0]) is None
+    # samples/client.py -l NAME (vllm_backend) sends lora_name
+    lora = stream(server.grpc_url, PROMPT, sampling_parameters={**GREEDY, "lora_name": "mylora"})
+    assert len(lora.errors) == 1 and "lora_name: LoRA is not supported" in lora.errors[0]
