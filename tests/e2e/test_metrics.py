@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from tests.e2e.client import make_inputs, stream_many
-from tests.e2e.metrics import value, wait_for, wait_idle
+from tests.e2e.metrics import parse, value, wait_for, wait_idle
 
 NUM_REQUESTS = 5
 MAX_TOKENS = 7
@@ -18,6 +18,12 @@ COUNTERS = {
     "ttft": ("paged_llm_time_to_first_token_seconds_count", {}),
     "itl": ("paged_llm_inter_token_latency_seconds_count", {}),
     "e2e": ("paged_llm_e2e_request_latency_seconds_count", {}),
+    # vllm_backend's names for the same figures (its src/utils/metrics.py at r24.12)
+    "vllm_generation": ("vllm:generation_tokens_total", {}),
+    "vllm_prompt": ("vllm:prompt_tokens_total", {}),
+    "vllm_ttft": ("vllm:time_to_first_token_seconds_count", {}),
+    "vllm_tpot": ("vllm:time_per_output_token_seconds_count", {}),
+    "vllm_e2e": ("vllm:e2e_request_latency_seconds_count", {}),
 }
 
 
@@ -49,6 +55,11 @@ def test_metrics_after_a_known_workload(server):
         "ttft": NUM_REQUESTS,
         "itl": NUM_REQUESTS * (MAX_TOKENS - 1),
         "e2e": NUM_REQUESTS,
+        "vllm_generation": NUM_REQUESTS * MAX_TOKENS,
+        "vllm_prompt": prompt_tokens,
+        "vllm_ttft": NUM_REQUESTS,
+        "vllm_tpot": NUM_REQUESTS * (MAX_TOKENS - 1),
+        "vllm_e2e": NUM_REQUESTS,
     }
 
     def deltas() -> dict[str, float]:
@@ -60,6 +71,13 @@ def test_metrics_after_a_known_workload(server):
     # Histograms are populated: the first-token latencies fall in some finite bucket.
     assert value(text, "paged_llm_time_to_first_token_seconds_bucket", le="+Inf") >= NUM_REQUESTS
     assert value(text, "paged_llm_e2e_request_latency_seconds_sum") > 0
+    series = parse(text)
+    for name, bound in (
+        ("vllm:time_to_first_token_seconds_bucket", "0.001"),
+        ("vllm:e2e_request_latency_seconds_bucket", "60"),
+    ):  # vllm_backend's buckets
+        wanted = {("le", bound), ("model", "llm"), ("version", "1")}
+        assert any(n == name and set(labels) == wanted for n, labels in series), name
     for gauge in (
         "paged_llm_num_requests_running",
         "paged_llm_num_requests_waiting",

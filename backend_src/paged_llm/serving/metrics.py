@@ -36,6 +36,19 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_tokens_per_response | histogram | generated tokens carried by one streamed response |
 | paged_llm_cancellation_checks_total | counter | is_cancelled() round trips to the server |
 | paged_llm_cancellation_check_seconds_total | counter | time spent in them |
+
+The same quantities also go out under vllm_backend's names (its `src/utils/metrics.py` at r24.12), with
+its `model`/`version` labels and histogram buckets, so dashboards built for vllm_backend work:
+
+| vllm_backend series | ours |
+|---|---|
+| vllm:prompt_tokens_total | paged_llm_prompt_tokens_total |
+| vllm:generation_tokens_total | paged_llm_generation_tokens_total |
+| vllm:time_to_first_token_seconds | paged_llm_time_to_first_token_seconds |
+| vllm:time_per_output_token_seconds | paged_llm_inter_token_latency_seconds |
+| vllm:e2e_request_latency_seconds | paged_llm_e2e_request_latency_seconds |
+
+(vllm_backend's per-request token-count and `n` histograms are not exported.)
 """
 
 from __future__ import annotations
@@ -86,6 +99,8 @@ _ITL_BUCKETS = [
     0.5,
     1.0,
 ]
+_VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+_VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 _E2E_BUCKETS = [
     0.01,
     0.05,
@@ -266,6 +281,36 @@ class TritonMetrics:
             "Generated tokens per streamed response",
             _TOKENS_PER_RESPONSE_BUCKETS,
         )
+        # vllm_backend's names for the same figures (its buckets: vLLM's example ones)
+        self._vllm_prompt_tokens = metric(
+            "vllm:prompt_tokens_total", "Number of prefill tokens processed.", family.COUNTER
+        )
+        self._vllm_generation_tokens = metric(
+            "vllm:generation_tokens_total", "Number of generation tokens processed.", family.COUNTER
+        )
+        self._vllm_histograms = [
+            (histogram(f"vllm:{name}", f"Histogram of {what} in seconds.", buckets), observed)
+            for name, what, buckets, observed in (
+                (
+                    "time_to_first_token_seconds",
+                    "time to first token",
+                    _TTFT_BUCKETS[:-1],
+                    "time_to_first_token_s",
+                ),
+                (
+                    "time_per_output_token_seconds",
+                    "time per output token",
+                    _VLLM_TPOT_BUCKETS,
+                    "inter_token_latency_s",
+                ),
+                (
+                    "e2e_request_latency_seconds",
+                    "end to end request latency",
+                    _VLLM_E2E_BUCKETS,
+                    "e2e_latency_s",
+                ),
+            )
+        ]
         self._last: dict[str, float] = {}
 
     def count_final(self, code: str) -> None:
@@ -294,6 +339,10 @@ class TritonMetrics:
                 self._advance("gc_long_pauses", self._gc_long_pauses, engine_gc.num_long_pauses)
             self._advance("prompt_tokens", self._prompt_tokens, snapshot.num_prompt_tokens_total)
             self._advance("generation_tokens", self._generation_tokens, snapshot.num_generation_tokens_total)
+            self._advance("vllm_prompt_tokens", self._vllm_prompt_tokens, snapshot.num_prompt_tokens_total)
+            self._advance(
+                "vllm_generation_tokens", self._vllm_generation_tokens, snapshot.num_generation_tokens_total
+            )
             for outcome, counter in self._outcomes.items():
                 self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
             self._advance("cancel_checks", self._cancel_checks, snapshot.num_cancellation_checks)
@@ -306,6 +355,9 @@ class TritonMetrics:
                 (self._tokens_per_response, observations.tokens_per_response),
             ):
                 histogram.observe_many(values)
+                histogram.flush()
+            for histogram, field_name in self._vllm_histograms:
+                histogram.observe_many(getattr(observations, field_name))
                 histogram.flush()
 
     def _advance(self, key: str, counter: Any, total: float) -> None:
