@@ -154,6 +154,8 @@ def test_admission_policy_reject_refuses_beyond_max_num_seqs_and_accepts_again(t
         engine.step()
     [[after]] = run_to_completion(engine, [prompts[3]], greedy(4))  # capacity is back
     assert after.finish_reason == "length" and engine.core.kv_cache.usage == 0
+    with pytest.raises(InvalidRequestError, match="n: 4 samples can never run at once"):
+        engine.add_request("too-wide", prompts[3], greedy(4, n=4))  # a request error, not load
 
 
 def test_queue_max_wait_ends_a_request_that_never_started_but_not_a_running_one(tiny_model_dir, prompts):

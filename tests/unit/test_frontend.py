@@ -144,3 +144,81 @@ def test_metrics_render_prometheus_text():
     assert "paged_llm_openai_requests_in_flight 0" in text
     assert 'paged_llm_openai_time_to_first_token_seconds_bucket{route="completions",le="0.05"} 1' in text
     assert "paged_llm_openai_generation_tokens_total 7" in text
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (b'{"model": "m", "prompt": "x", "n": true}', "n", "valid integer"),
+        (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens", "valid integer"),
+        (b'{"model": "m", "prompt": [4294967297]}', "prompt", "Invalid type"),
+        (b'{"model": "m", "prompt": "x", "repetition_penalty": Infinity}', None, "not a JSON number"),
+        (b'{"model": "m", "prompt": "\\ud800"}', None, "unpaired UTF-16 surrogate"),
+        (b"[" * 100000 + b"]" * 100000, None, "nested too deeply"),
+        (json.dumps({"model": "m", "prompt": [[1]] * 2049}).encode(), "prompt", "at most 2048 prompts"),
+        (json.dumps({"model": "m", "prompt": [[1]] * 100, "n": 21}).encode(), "n", "prompts x n is 2100"),
+    ],
+)
+def test_bodies_that_used_to_reach_the_engine_or_a_500(raw, param, message):
+    error = _error(raw)
+    assert error.status_code == 400 and error.param == param and message in error.message
+
+
+def test_chat_template_kwargs_may_not_replace_the_template():
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+    error = _error(raw + b'{"chat_template": "{% for a in range(9) %}{% endfor %}"}}', ChatCompletionRequest)
+    assert error.param == "chat_template_kwargs" and "chat_template" in error.message
+    ok = parse_body(raw + b'{"enable_thinking": false}}', ChatCompletionRequest)
+    assert ok.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_api_keys_refuse_empty_and_separator_characters():
+    from paged_llm.frontend.server import api_keys
+
+    assert api_keys(["a1"], {"PAGED_LLM_API_KEY": "b2, c3"}) == ("a1", "b2", "c3")
+    for bad in ([""], ["a,b"], ["a b"]):
+        with pytest.raises(SystemExit, match="non-empty"):
+            api_keys(bad, {})
+
+
+def test_a_closing_streaming_response_closes_its_generator_and_reports_a_client_that_left():
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from paged_llm.frontend.edge import ClosingStreamingResponse
+
+    closed: list[str] = []
+    statuses: list[int] = []
+
+    async def body():
+        try:
+            for i in range(100):
+                yield f"data: {i}\n\n".encode()
+                await asyncio.sleep(0)
+        finally:
+            closed.append("closed")
+
+    async def run(disconnect_after: int | None) -> None:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+            if disconnect_after is not None and len(sent) > disconnect_after:
+                raise OSError("the client went away")
+
+        async def receive():
+            await asyncio.sleep(3600)
+
+        response = ClosingStreamingResponse(body(), media_type="text/event-stream")
+        response.on_close = statuses.append
+        try:
+            await response(
+                {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET", "path": "/"}, receive, send
+            )
+        except ClientDisconnect:  # what Starlette raises for a send that failed
+            pass
+
+    asyncio.run(run(disconnect_after=3))
+    asyncio.run(run(disconnect_after=None))
+    assert closed == ["closed", "closed"] and statuses == [499, 200]

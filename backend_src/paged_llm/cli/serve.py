@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_llm.frontend.server import API_KEY_ENV
+from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
 from paged_llm.serving.auth import key_digest
@@ -86,7 +87,7 @@ def _get_status(url: str, timeout_s: float = 2.0) -> int | None:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
-    except (OSError, ValueError):
+    except Exception:  # not listening yet, a reset, a malformed answer: not ready
         return None
 
 
@@ -138,6 +139,12 @@ def _banner(args: argparse.Namespace, ports: ServerPorts) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.served_model_name):
+        print(
+            f"error: --served-model-name {args.served_model_name!r}: letters, digits, _ . - only",
+            file=sys.stderr,
+        )
+        return 2
     if args.model == TINY_MODEL_NAME:
         args.model_path = TINY_MODEL_NAME
         tokenizer_dir = None
@@ -158,7 +165,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    keys = [*args.api_key, *[k for k in os.environ.get(API_KEY_ENV, "").split(",") if k]]
+    keys = list(api_keys(args.api_key))
     args.has_keys = bool(keys)
     extra_server_args: list[str] = []
     if keys:  # the same keys guard inference on Triton's ports (serving/auth.py)
@@ -179,23 +186,49 @@ def serve(args: argparse.Namespace) -> int:
     )
     command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S, extra_server_args)
     children = _Children(subprocess.Popen(command, env=server_env()))
-    ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
-    if _wait_until(lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping):
-        frontend_command = [
-            sys.executable, "-m", "paged_llm.frontend",
-            "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
-            "--health-model", args.served_model_name, "--log-level", args.log_level,
-            "--workers", str(args.openai_workers),
-        ]  # fmt: skip
-        if tokenizer_dir is not None:
-            frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
-        env = dict(os.environ)
-        env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
-        children.frontend = subprocess.Popen(frontend_command, env=env)
-        health_url = f"http://{host}:{args.port}/health"
-        if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
-            print(_banner(args, ports), file=sys.stderr, flush=True)
-    return _supervise(children, f"http://{host}:{ports.http}", stopping)
+    try:  # whatever goes wrong here, the children go too (a GPU left held is the worst case)
+        ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
+        if _wait_until(
+            lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping
+        ):
+            frontend_command = [
+                sys.executable, "-m", "paged_llm.frontend",
+                "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
+                "--health-model", args.served_model_name, "--log-level", args.log_level,
+                "--workers", str(args.openai_workers),
+            ]  # fmt: skip
+            if tokenizer_dir is not None:
+                frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
+            env = dict(os.environ)
+            env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
+            children.frontend = subprocess.Popen(frontend_command, env=env)
+            health_url = f"http://{host}:{args.port}/health"
+            if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
+                print(_banner(args, ports), file=sys.stderr, flush=True)
+        return _supervise(children, f"http://{host}:{ports.http}", stopping)
+    except BaseException:
+        _stop_all(children, signal.SIGTERM)
+        raise
+
+
+def _stop_all(children: _Children, signum: int) -> None:
+    """Signals both children and waits for them; kills what is still there after tritonserver's
+    exit timeout (and whatever it started)."""
+    _stop(children, signum)
+    kill_at = time.monotonic() + EXIT_TIMEOUT_S + KILL_MARGIN_S
+    for process in (children.frontend, children.server):
+        if process is None:
+            continue
+        try:
+            process.wait(timeout=max(0.1, kill_at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"paged-llm: pid {process.pid} did not exit in time: killing it", file=sys.stderr)
+            for pid in [process.pid, *descendants(process.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
 
 
 def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
@@ -225,22 +258,7 @@ def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
                 failure = DEAD_STUB_EXIT_STATUS
                 break
         time.sleep(_POLL_S)
-    signum = stopping[0] if stopping else signal.SIGTERM
-    _stop(children, signum)
-    kill_at = time.monotonic() + EXIT_TIMEOUT_S + KILL_MARGIN_S
-    for process in (children.frontend, children.server):
-        if process is None:
-            continue
-        try:
-            process.wait(timeout=max(0.1, kill_at - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"paged-llm: pid {process.pid} did not exit in time: killing it", file=sys.stderr)
-            for pid in [process.pid, *descendants(process.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            process.wait()
+    _stop_all(children, stopping[0] if stopping else signal.SIGTERM)
     return failure
 
 

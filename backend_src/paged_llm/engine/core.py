@@ -167,6 +167,12 @@ class EngineCore:
         if self.scheduler.num_waiting >= max_queued:
             raise QueueFullError(f"the waiting queue is full ({max_queued} requests); retry later")
         if scheduler_config.admission_policy == "reject":
+            if params.n > scheduler_config.max_num_seqs:  # could never be admitted: not a load problem
+                raise InvalidRequestError(
+                    "n",
+                    f"{params.n} samples can never run at once "
+                    f"(max_num_seqs={scheduler_config.max_num_seqs})",
+                )
             num_live = sum(r.num_samples - len(r.reported_finished) for r in self._requests.values())
             if num_live + params.n > scheduler_config.max_num_seqs:
                 raise QueueFullError(
@@ -357,13 +363,14 @@ class EngineCore:
         a preempted sequence waits again, but it has run, so it is not counted as queued."""
         now = time.monotonic()
         max_wait_s = self.config.scheduler.queue_max_wait_s
-        expired = [
-            record
-            for record in self._requests.values()
-            if record.sequences
-            and record.sequences[0].first_scheduled_time is None
-            and now - record.arrival_time > max_wait_s
-        ]
+        expired = []
+        for seq in self.scheduler.waiting:  # the waiting queue only, not every request
+            owner = self._owner.get(seq.seq_id)
+            if owner is None or seq.first_scheduled_time is not None:
+                continue
+            record, index = owner
+            if index == 0 and now - record.arrival_time > max_wait_s:
+                expired.append(record)
         for record in expired:
             waited_s = now - record.arrival_time
             logger.info(

@@ -28,7 +28,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_llm.frontend.chat_template import ChatTemplates
-from paged_llm.frontend.edge import ApiKeyMiddleware, ClientDisconnected, read_body, until_disconnect
+from paged_llm.frontend.edge import (
+    ApiKeyMiddleware,
+    ClientDisconnected,
+    ClosingStreamingResponse,
+    read_body,
+    until_disconnect,
+)
 from paged_llm.frontend.errors import OpenAIError
 from paged_llm.frontend.generation import Generation, merge_streams
 from paged_llm.frontend.metrics import FrontendMetrics
@@ -121,7 +127,10 @@ def create_app(settings: FrontendSettings) -> FastAPI:
 
     async def _publish_metrics() -> None:
         while True:
-            _write_metrics()
+            try:
+                _write_metrics()
+            except OSError as error:
+                logger.warning("could not publish this worker's metrics: %s", error)
             await asyncio.sleep(_METRICS_PUBLISH_S)
 
     def _other_workers_metrics() -> list[dict]:
@@ -131,9 +140,12 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         for path in settings.metrics_dir.glob("*.json"):
             if path.stem != str(os.getpid()):
                 try:
-                    states.append(json.loads(path.read_text()))
+                    state = json.loads(path.read_text())
                 except (OSError, ValueError):
                     continue  # a worker replacing its file right now
+                if not _is_alive(int(path.stem)):
+                    state["in_flight"] = 0  # a worker that died: its counts stay, its streams do not
+                states.append(state)
         return states
 
     app = FastAPI(title="paged_llm OpenAI-compatible server", version=__version__, lifespan=lifespan)
@@ -186,7 +198,10 @@ def create_app(settings: FrontendSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        names = await state["backend"].ready_models()
+        try:
+            names = await state["backend"].ready_models()
+        except Exception as error:
+            raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
         created = int(time.time())
         return {
             "object": "list",
@@ -213,20 +228,11 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         except BaseException:
             metrics.finished(route, 500, time.monotonic() - start)
             raise
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = _count_when_done(response.body_iterator, route, start)
+        if isinstance(response, ClosingStreamingResponse):
+            response.on_close = lambda status: metrics.finished(route, status, time.monotonic() - start)
         else:
             metrics.finished(route, response.status_code, time.monotonic() - start)
         return response
-
-    async def _count_when_done(body: AsyncIterator[Any], route: str, start: float) -> AsyncIterator[Any]:
-        status = 499  # unless the stream runs to its end
-        try:
-            async for item in body:
-                yield item
-            status = 200
-        finally:
-            metrics.finished(route, status, time.monotonic() - start)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -374,7 +380,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                     yield sse(builder.usage_chunk(generation.usage()))
                 yield SSE_DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), media_type="text/event-stream")
 
     async def _drain(
         chunks: AsyncIterator[tuple[int, GenerationChunk]], generation: Generation, start: float
@@ -389,6 +395,16 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             metrics.first_token(route, time.monotonic() - start)
 
     return app
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _next(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int, GenerationChunk] | None:

@@ -76,7 +76,8 @@ class ChatTemplates:
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(f"model {model!r} has no chat template; use /v1/completions", "model")
         try:
-            text = tokenizer.apply_chat_template(
+            text = await asyncio.to_thread(  # a long conversation must not stall the event loop
+                tokenizer.apply_chat_template,
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,

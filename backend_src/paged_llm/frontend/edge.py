@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_llm.frontend.errors import OpenAIError
 
@@ -74,15 +74,50 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """`awaitable`'s result, or ClientDisconnected (and `awaitable` cancelled) if the client left."""
+    """`awaitable`'s result, or ClientDisconnected (and `awaitable` cancelled) if the client left
+    first. A cancellation of the caller itself (server shutdown) cancels both and propagates."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except asyncio.CancelledError:
+        task.cancel()
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientDisconnected()
-    return task.result()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()  # or the awaitable's own exception
+    task.cancel()
+    await asyncio.gather(task, watcher, return_exceptions=True)  # (retrieves their exceptions)
+    raise ClientDisconnected()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator and reports how the stream ended.
+    Starlette cancels the sending task when the client leaves; if that happens while a chunk is
+    being written (or before the first), the generator would stay suspended until the garbage
+    collector finalizes it, and with it the request's gRPC stream and KV blocks."""
+
+    on_close: Callable[[int], None] | None = None  # called once: 200 if sent to the end, else 499
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = self.body_iterator
+        sent_all: list[bool] = []
+
+        async def tracked() -> AsyncIterator[Any]:
+            async for item in body:
+                yield item
+            sent_all.append(True)
+
+        self.body_iterator = tracked()
+        try:
+            # (Starlette returns normally, not with an error, when the client disconnected.)
+            await super().__call__(scope, receive, send)
+        finally:
+            for iterator in (self.body_iterator, body):  # the wrapper may never have started
+                close = getattr(iterator, "aclose", None)
+                if close is not None:
+                    await close()
+            if self.on_close is not None:
+                self.on_close(200 if sent_all else 499)

@@ -11,15 +11,27 @@ INVALID_ARG naming the field, which becomes a 400 too.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from paged_llm.frontend.errors import OpenAIError, bad_request
 
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the llm model takes INT32 ids
+MAX_PROMPTS = 2048  # OpenAI's limit on a completions prompt list
+MAX_CHOICES = 2048  # prompts x n of one request
+# apply_chat_template's own parameters: chat_template_kwargs may not set them (a client-supplied
+# template would run arbitrary Jinja loops in the server)
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "tokenize", "tools", "documents", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+     "return_assistant_tokens_mask", "conversation"}
+)  # fmt: skip
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    # strict: JSON types as OpenAI's API takes them (no "2" for 2, no true for 1; ints do for floats)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -45,7 +57,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
 
@@ -97,7 +109,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -112,6 +124,11 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("suffix is not supported by this server", "suffix")
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("prompt must not be empty", "prompt")
+        num_prompts = len(self.prompts())
+        if num_prompts > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {num_prompts}", "prompt")
+        if num_prompts * self.n > MAX_CHOICES:
+            raise bad_request(f"prompts x n is {num_prompts * self.n}, more than {MAX_CHOICES}", "n")
         if self.echo and self.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
 
@@ -134,7 +151,9 @@ class TextPart(_Body):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. tool_call_id, reasoning_content: kept for the template
+    model_config = ConfigDict(
+        extra="allow", strict=True
+    )  # e.g. tool_call_id, reasoning_content: kept for the template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -188,6 +207,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("only response_format type text is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved[0]}", "chat_template_kwargs")
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -203,9 +225,16 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_body(raw: bytes, model: type[_Body]) -> Any:
     """The request body as `model`, or a 400 OpenAIError naming the offending field."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+        # A lone surrogate ("\ud800") parses but cannot be encoded again: refuse it here, not
+        # with a 500 when a prompt or an error message is encoded later.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the request body contains an unpaired UTF-16 surrogate") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         raise bad_request(f"the request body is not valid JSON ({error})") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     try:
@@ -214,6 +243,10 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         raise _first_validation_error(error) from None
     body.check_unsupported()
     return body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _first_validation_error(error: ValidationError) -> OpenAIError:

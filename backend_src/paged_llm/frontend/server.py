@@ -34,10 +34,17 @@ def parse_tokenizers(values: list[str]) -> tuple[dict[str, Path], Path | None]:
     return per_model, default
 
 
-def api_keys(values: list[str]) -> tuple[str, ...]:
-    keys = list(values)
-    if os.environ.get(API_KEY_ENV):
-        keys += [k for k in os.environ[API_KEY_ENV].split(",") if k]
+def api_keys(values: list[str], environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """--api-key values and $PAGED_LLM_API_KEY (comma-separated). SystemExit for an empty key (an
+    unset shell variable: it would switch authentication off) or one with a comma or whitespace."""
+    environ = os.environ if environ is None else environ
+    keys = list(values) + [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    for key in keys:
+        if not key or "," in key or any(c.isspace() for c in key):
+            raise SystemExit(
+                "error: an API key must be non-empty, without commas or whitespace "
+                f"(got {len(key)} characters; is a shell variable unset?)"
+            )
     return tuple(keys)
 
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 
 from paged_llm.frontend.errors import OpenAIError
@@ -27,7 +28,7 @@ from paged_llm.frontend.errors import OpenAIError
 logger = logging.getLogger(__name__)
 ERROR_OUTPUT = "paged_llm_error"
 PROBE_SKIP_S = 5.0  # /health sends no probe when the model answered a request this recently
-PROBE_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 3.0  # below the usual 5 s of a readiness probe's own timeout
 ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"
 # `paged_llm_error` labels (as in paged_llm_final_responses_total) -> HTTP status.
 _PAGED_LLM_OUTPUTS = ("text_output", "num_output_tokens", "finish_reason", "num_input_tokens", ERROR_OUTPUT)
@@ -210,6 +211,7 @@ class TritonBackend:
         self._client = grpcclient.InferenceServerClient(url)
         self._is_paged_llm_cache: dict[str, bool] = {}
         self._last_answer_at: dict[str, float] = {}  # model -> when it last sent a response
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the /health probe in flight
 
     async def close(self) -> None:
         await self._client.close()
@@ -263,6 +265,10 @@ class TritonBackend:
         except InferenceServerException as error:
             finished = True
             raise BackendError(503, f"tritonserver stream failed: {error.message()}") from None
+        except grpc.RpcError as error:  # the server went away mid-stream, or refused the call
+            finished = True
+            detail = error.details() if hasattr(error, "details") else str(error)
+            raise BackendError(503, f"tritonserver stream failed: {detail}") from None
         finally:
             if not finished:
                 responses.cancel()  # the HTTP client went away: Triton cancels the request
@@ -282,7 +288,7 @@ class TritonBackend:
         return known
 
     async def ready_models(self) -> list[str]:
-        index = await self._client.get_model_repository_index(as_json=True)
+        index = await self._client.get_model_repository_index(as_json=True, client_timeout=5.0)
         return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
 
     async def is_ready(self, model: str) -> bool:
@@ -290,7 +296,8 @@ class TritonBackend:
         ready after its Python stub died (every request then fails "Stub process ... is not
         healthy"), so unless a response came from it within the last PROBE_SKIP_S, a one-token
         request goes to it: an answer of any kind, an error the model itself sent included (e.g.
-        its queue is full), means it is alive; Triton's own error or no answer in time means not."""
+        its queue is full), or no answer within PROBE_TIMEOUT_S (queued behind work) means it is
+        alive; Triton's "not healthy" error means not."""
         try:
             ready = bool(await self._client.is_server_ready(client_timeout=2.0)) and bool(
                 await self._client.is_model_ready(model, client_timeout=2.0)
@@ -301,7 +308,11 @@ class TritonBackend:
             return False
         if time.monotonic() - self._last_answer_at.get(model, -PROBE_SKIP_S) < PROBE_SKIP_S:
             return True
-        return await self._probe(model)
+        # One probe at a time per model, shared by every /health caller meanwhile.
+        probe = self._probes.get(model)
+        if probe is None or probe.done():
+            probe = self._probes[model] = asyncio.ensure_future(self._probe(model))
+        return await asyncio.shield(probe)
 
     async def _probe(self, model: str) -> bool:
         request = GenerationRequest(model, [0], {"max_tokens": 1}, False, False, "paged_llm-health-probe")
@@ -316,7 +327,10 @@ class TritonBackend:
             # Our llm model's own errors come as an output: it is alive. A message-only error is
             # Triton's (a dead stub) or another model's; only "not healthy" counts as dead there.
             return error.from_model or "not healthy" not in error.message
-        except (TimeoutError, Exception) as error:
+        except TimeoutError:
+            # A dead stub is refused at once; a probe still waiting is queued behind real work.
+            return True
+        except Exception as error:
             logger.warning("health probe of %s failed: %s", model, error)
             return False
         return True
