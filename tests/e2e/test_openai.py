@@ -549,18 +549,21 @@ def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
-    _wait_healthy(base_url, process, log_path)
-    # The launcher prints its URLs once it saw the OpenAI server healthy too (it polls as well).
-    assert wait_for(lambda: "curl -s http://127.0.0.1:" in log_path.read_text(), timeout_s=30)
-    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    status, answer, _ = post(base_url, "/v1/chat/completions", chat, None)
-    assert status == 200 and answer["usage"]["completion_tokens"] == 2
-    descendants = psutil.Process(process.pid).children(recursive=True)
-    assert len(descendants) >= 3  # tritonserver, a stub, the OpenAI server (and the engine core)
-    os.killpg(process.pid, signal.SIGINT)
-    assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-    _gone, alive = psutil.wait_procs(descendants, timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
+    try:
+        _wait_healthy(base_url, process, log_path)
+        # The launcher prints its URLs once it saw the OpenAI server healthy too (it polls as well).
+        assert wait_for(lambda: "curl -s http://127.0.0.1:" in log_path.read_text(), timeout_s=30)
+        chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, answer, _ = post(base_url, "/v1/chat/completions", chat, None)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+        descendants = psutil.Process(process.pid).children(recursive=True)
+        assert len(descendants) >= 3  # tritonserver, a stub, the OpenAI server (and the engine core)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        _gone, alive = psutil.wait_procs(descendants, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:  # a failure above must not leave the launcher, tritonserver and the stubs running
+        _stop_group(process, signal.SIGKILL, timeout_s=10)
 
 
 def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
