@@ -56,7 +56,11 @@ _PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*,\s*value:\s*\{\s*string_value:\s*"
 
 
 # ------------------------------------------------------------------------------------ client side
-def _inputs(job: Job) -> list[Any]:
+# --grpc-like-openai: the return flags the OpenAI server sets on each request it forwards
+_OPENAI_RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+
+def _inputs(job: Job, like_openai: bool = False) -> list[Any]:
     import tritonclient.grpc.aio as grpcclient
 
     sampling = {"max_tokens": job.num_output_tokens, "ignore_eos": True, "temperature": 0}
@@ -65,6 +69,8 @@ def _inputs(job: Job) -> list[Any]:
         ("stream", np.array([True]), "BOOL"),
         ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
     ]
+    if like_openai:
+        arrays += [(name, np.array([True]), "BOOL") for name in _OPENAI_RETURN_FLAGS]
     inputs = []
     for name, array, dtype in arrays:
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)
@@ -76,10 +82,14 @@ def _inputs(job: Job) -> list[Any]:
 async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> RequestRecord:
     import tritonclient.grpc.aio as grpcclient
 
-    request = {"model_name": model, "inputs": _inputs(job), "request_id": str(job.index),
+    like_openai = os.environ.get("BENCH_GRPC_LIKE_OPENAI") == "1"
+    request = {"model_name": model, "inputs": _inputs(job, like_openai), "request_id": str(job.index),
                "enable_empty_final_response": True}  # fmt: skip
     if text_only:
         request["outputs"] = [grpcclient.InferRequestedOutput("text_output")]
+    elif like_openai:  # the outputs the OpenAI server asks for (plus output_ids, to count tokens)
+        names = ("text_output", "output_ids", "num_output_tokens", "finish_reason", "num_input_tokens")
+        request["outputs"] = [grpcclient.InferRequestedOutput(name) for name in names]
 
     async def requests():
         yield request
@@ -487,6 +497,12 @@ def main() -> int:
         "prefix cache does not favour it), with the OpenAI path's added TTFT and ITL",
     )
     parser.add_argument(
+        "--grpc-like-openai",
+        action="store_true",
+        help="direct gRPC requests carry the return flags and requested outputs the OpenAI server uses "
+        "(separates the cost of those outputs in the stub from the cost of the OpenAI hop)",
+    )
+    parser.add_argument(
         "--openai-url", help="base URL of a running OpenAI server (default: one is started in front of --url)"
     )
     parser.add_argument(
@@ -550,6 +566,8 @@ def main() -> int:
     if args.compare_offline is not None and repository is None:
         parser.error("--compare-offline needs --model-repository (or --launch) for the engine settings")
 
+    if args.grpc_like_openai:  # read by the client processes (spawned: they get the environment)
+        os.environ["BENCH_GRPC_LIKE_OPENAI"] = "1"
     runs = plan_runs(args)
     warmup = [Job(-1 - i, j.prompt_token_ids[:16], 4) for i, j in enumerate(runs[0].jobs[: args.warmup])]
     results: list[dict[str, Any]] = []
