@@ -110,6 +110,25 @@ def _stop_group(process: subprocess.Popen, signum: int = signal.SIGINT, timeout_
             process.wait()
 
 
+def _start_frontend(grpc_url: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """The OpenAI server alone (python -m paged_llm.frontend, no keys) in front of `grpc_url`, once
+    healthy: (process, base URL). The caller stops it (_stop_group)."""
+    [port] = free_ports(1)
+    with open(log_path, "w") as log:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url,
+             "--port", str(port), *args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base_url, frontend, log_path)
+    except BaseException:
+        _stop_group(frontend, signal.SIGKILL, timeout_s=10)
+        raise
+    return frontend, base_url
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("openai")
@@ -453,20 +472,15 @@ def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Itera
         repository.mkdir(exist_ok=True)
         shutil.move(root / f"staging_{name}" / "llm", repository / name)
     server = start_server(repository, root / "server.log")
-    [port] = free_ports(1)
-    log_path = root / "frontend.log"
-    with open(log_path, "w") as log:
-        frontend = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", server.grpc_url, "--port", str(port),
-             "--health-model", "llm_reject"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(base_url, frontend, log_path)
-        yield server, base_url
+    try:  # the server stops even if the OpenAI server never becomes healthy
+        frontend, base_url = _start_frontend(
+            server.grpc_url, root / "frontend.log", "--health-model", "llm_reject"
+        )
+        try:
+            yield server, base_url
+        finally:
+            _stop_group(frontend, signal.SIGTERM)
     finally:
-        _stop_group(frontend, signal.SIGTERM)
         server.stop()
 
 
@@ -571,17 +585,10 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
     /health of the OpenAI server probes the model and says 503 then."""
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     server = start_server(repository, tmp_path / "server.log")
-    [port] = free_ports(1)
     log_path = tmp_path / "frontend.log"
-    with open(log_path, "w") as log:
-        frontend = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", server.grpc_url,
-             "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    base_url = f"http://127.0.0.1:{port}"
+    frontend = None
     try:
-        _wait_healthy(base_url, frontend, log_path)
+        frontend, base_url = _start_frontend(server.grpc_url, log_path)
         stubs = [
             p for p in psutil.Process(server.process.pid).children() if p.name().startswith("triton_python_b")
         ]
@@ -600,5 +607,6 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
             -2000:
         ]
     finally:
-        _stop_group(frontend, signal.SIGTERM)
+        if frontend is not None:
+            _stop_group(frontend, signal.SIGTERM)
         server.stop()

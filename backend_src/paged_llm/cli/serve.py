@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,14 @@ from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
 from paged_llm.serving.auth import key_digest
-from paged_llm.tools.launch import ServerPorts, busy_ports, http_host, server_command, server_env
+from paged_llm.tools.launch import (
+    ServerPorts,
+    busy_ports,
+    http_host,
+    port_bind_error,
+    server_command,
+    server_env,
+)
 from paged_llm.tools.procfs import descendants
 from paged_llm.tools.server_process import make_model_repository
 from paged_llm.tools.stub_watch import StubWatch
@@ -91,17 +97,6 @@ def _get_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
-def _port_busy(address: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((address, port))
-        except OSError:
-            return True
-    return False
-
-
 def _stop(children: _Children, signum: int) -> None:
     for process in (children.frontend, children.server):
         if process is not None and process.poll() is None:
@@ -157,8 +152,9 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer_dir = path
     ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
     busy = busy_ports(args.address, ports)
-    if _port_busy(args.address, args.port):
-        busy.append(f"OpenAI port {args.port} on {args.address}")
+    openai_error = port_bind_error(args.address, args.port)
+    if openai_error is not None:
+        busy.append(f"OpenAI port {args.port} on {args.address} ({openai_error})")
     if busy:
         print(
             f"error: cannot serve: {'; '.join(busy)} busy. Pick other ports (--port, --http-port, ...).",

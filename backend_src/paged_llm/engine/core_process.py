@@ -40,26 +40,10 @@ from paged_llm.engine.core_loop import run_busy_loop
 from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, Shutdown
 from paged_llm.engine.front_ends import FrontEnds
 from paged_llm.engine.ipc import FramedSocket
-from paged_llm.parent_death import parent_death_signal
+from paged_llm.parent_death import parent_death_signal, process_is_alive
 
 logger = logging.getLogger("paged_llm.core")
 EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
-
-
-def _is_alive(pid: int) -> bool:
-    """False once `pid` exited (a zombie waiting for its parent to reap it counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
@@ -75,7 +59,7 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
             if os.getppid() != parent_pid:
                 logger.error("the front end process %d is gone: exiting", parent_pid)
                 os._exit(1)
-            if watch_pid is not None and not _is_alive(watch_pid):
+            if watch_pid is not None and not process_is_alive(watch_pid):
                 logger.error("the server process %d is gone: exiting", watch_pid)
                 os._exit(1)
 

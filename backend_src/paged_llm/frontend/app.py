@@ -47,6 +47,7 @@ from paged_llm.frontend.responses import (
     sse,
 )
 from paged_llm.frontend.triton_backend import GenerationChunk, GenerationRequest, TritonBackend
+from paged_llm.parent_death import process_is_alive
 
 logger = logging.getLogger(__name__)
 try:
@@ -143,7 +144,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                     state = json.loads(path.read_text())
                 except (OSError, ValueError):
                     continue  # a worker replacing its file right now
-                if not _is_alive(int(path.stem)):
+                if not process_is_alive(int(path.stem)):
                     state["in_flight"] = 0  # a worker that died: its counts stay, its streams do not
                 states.append(state)
         return states
@@ -395,16 +396,6 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             metrics.first_token(route, time.monotonic() - start)
 
     return app
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def _next(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int, GenerationChunk] | None:

@@ -269,22 +269,30 @@ def busy_ports(address: str, ports: ServerPorts, extra_args: list[str] | None = 
     """The endpoints whose port cannot be bound on `address` now ("HTTP port 8000 ..."), checked
     before tritonserver loads any model: it binds its ports only after loading them all, and a
     server that failed on a busy port used to leave a loaded stub behind."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     busy = []
     endpoints = (("HTTP", "http", ports.http), ("gRPC", "grpc", ports.grpc))
     for name, flag, port in (*endpoints, ("metrics", "metrics", ports.metrics)):
         if "false" in _flag_values(extra_args or [], f"--allow-{flag}"):
             continue  # that endpoint is off
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            # As servers do: a port held only by closed connections (TIME_WAIT) is free. A listener
-            # is not, even one that set SO_REUSEPORT (gRPC does; without the check a second server
-            # would share its port and take half of its connections).
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((address, port))
-            except OSError as error:
-                busy.append(f"{name} port {port} on {address} ({error.strerror or error})")
+        error = port_bind_error(address, port)
+        if error is not None:
+            busy.append(f"{name} port {port} on {address} ({error})")
     return busy
+
+
+def port_bind_error(address: str, port: int) -> str | None:
+    """Why `port` cannot be bound on `address` now, or None when it is free. As servers do, a port
+    held only by closed connections (TIME_WAIT) is free; a listener is not, even one that set
+    SO_REUSEPORT (gRPC does; without the check a second server would share its port and take half
+    of its connections)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
