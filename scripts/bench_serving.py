@@ -90,6 +90,7 @@ async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> Re
     elif like_openai:  # the outputs the OpenAI server asks for (plus output_ids, to count tokens)
         names = ("text_output", "output_ids", "num_output_tokens", "finish_reason", "num_input_tokens")
         request["outputs"] = [grpcclient.InferRequestedOutput(name) for name in names]
+        request["parameters"] = {"paged_llm_totals_on_final": True}
 
     async def requests():
         yield request

@@ -211,6 +211,19 @@ def test_n_stop_seed_echo_and_several_prompts(served):
         model="llm", prompt="Once upon", max_tokens=8, n=2, seed=11, temperature=1.0
     )
     assert [c.text for c in again.choices] == [c.text for c in two.choices]  # seed: reproducible
+    streamed = list(
+        client.completions.create(
+            model="llm", prompt="Once upon", max_tokens=8, n=2, seed=11, temperature=1.0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts, reasons = ["", ""], [None, None]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.text for c in two.choices] and reasons == ["length", "length"]
+    assert streamed[-1].usage == two.usage  # counted from the final response's totals
     other = client.completions.create(
         model="llm", prompt="Once upon", max_tokens=8, n=2, seed=12, temperature=1.0
     )

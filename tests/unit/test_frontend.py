@@ -8,10 +8,17 @@ import struct
 import pytest
 
 from paged_llm.frontend.errors import OpenAIError
+from paged_llm.frontend.generation import Generation
 from paged_llm.frontend.metrics import FrontendMetrics
 from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.frontend.responses import CompletionLogprobs, ResponseBuilder, chat_logprobs, sse
-from paged_llm.frontend.triton_backend import error_from_output, parse_outputs, response_outputs
+from paged_llm.frontend.triton_backend import (
+    GenerationChunk,
+    SequenceDelta,
+    error_from_output,
+    parse_outputs,
+    response_outputs,
+)
 
 
 def _error(raw: bytes, model=CompletionRequest) -> OpenAIError:
@@ -93,6 +100,18 @@ def test_raw_triton_outputs_become_per_sample_deltas():
     assert (second.text, second.num_tokens, second.token_ids, second.finish_reason) == ("", 1, [9], "stop")
     streamed = parse_outputs(response_outputs(response), is_final=False)
     assert streamed.sequences[0].finish_reason is None  # reasons count on the final response only
+    # paged_llm_totals_on_final: num_output_tokens is each sample's total, not this response's
+    outputs = {k: v for k, v in response_outputs(response).items() if k != "output_ids"}
+    totals = parse_outputs(outputs, is_final=True, totals_on_final=True)
+    assert [(d.num_tokens, d.total_tokens) for d in totals.sequences] == [(0, 2), (0, 1)]
+
+
+def test_usage_counts_the_final_totals_once():
+    generation = Generation(1, 1)
+    for text_value, total in (("a", None), ("b", None), ("", 7)):
+        delta = SequenceDelta(0, text_value, 0, [], None, "stop" if total else None, total)
+        generation.absorb(0, GenerationChunk([delta], 3 if total else None, total is not None))
+    assert generation.usage() == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
 
 
 def test_engine_errors_map_to_status_and_openai_param():

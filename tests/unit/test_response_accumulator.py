@@ -127,3 +127,32 @@ def test_only_requested_outputs_are_built():
         "output_ids",
         "num_output_tokens",
     }
+
+
+def test_totals_on_final_sends_text_alone_until_the_final_response():
+    flags = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+    inputs = {"text_input": text("p"), "stream": np.array([True])}
+    inputs |= {name: np.array([value]) for name, value in flags.items()}
+    parsed = parse_request(inputs, '{"paged_llm_totals_on_final": true}', LIMITS)
+    assert parsed.totals_on_final and parsed.params.max_tokens != 0  # not a sampling parameter
+    wanted = frozenset({"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"})
+    acc = ResponseAccumulator(
+        replace(parsed, requested_outputs=wanted, params=replace(parsed.params, n=2)), "p", 4
+    )
+    acc.add(RequestOutput("r", 4, [_delta(0, "a", [1, 2]), _delta(1, "x", [5])], False))
+    first = acc.take()
+    assert set(first.tensors) == {"text_output"} and first.tensors["text_output"].tolist() == [b"a", b"x"]
+    acc.add(RequestOutput("r", 4, [_delta(0, "b", [3], "length"), _delta(1, "", [6, 7], "stop")], True))
+    last = acc.take()
+    assert last.is_final and last.tensors["text_output"].tolist() == [b"b", b""]
+    assert last.tensors["num_output_tokens"].tolist() == [3, 3], "the request's totals, per sample"
+    assert last.tensors["finish_reason"].tolist() == [b"length", b"stop"]
+    assert last.tensors["num_input_tokens"].tolist() == [4]
+
+
+def test_totals_on_final_is_ignored_unless_streaming_and_only_a_json_true_counts():
+    inputs = {"text_input": text("p")}
+    assert not parse_request(inputs, '{"paged_llm_totals_on_final": true}', LIMITS).totals_on_final
+    inputs["stream"] = np.array([True])
+    assert not parse_request(inputs, '{"paged_llm_totals_on_final": "true"}', LIMITS).totals_on_final
+    assert not parse_request(inputs, None, LIMITS).totals_on_final

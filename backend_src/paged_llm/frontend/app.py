@@ -391,7 +391,10 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                 generation.absorb(position, chunk)
 
     def _note_first_token(chunk: GenerationChunk, start: float, route: str, generation: Generation) -> None:
-        if not generation.first_token_seen and any(d.num_tokens for d in chunk.sequences):
+        # (a streamed chunk may carry text but no count: paged_llm_totals_on_final)
+        if not generation.first_token_seen and any(
+            d.num_tokens or d.text or d.total_tokens for d in chunk.sequences
+        ):
             generation.first_token_seen = True
             metrics.first_token(route, time.monotonic() - start)
 

@@ -104,7 +104,9 @@ class Choice:
 
     def add(self, delta: SequenceDelta) -> None:
         self.text.append(delta.text)
-        self.num_tokens += delta.num_tokens
+        self.num_tokens = (
+            delta.total_tokens if delta.total_tokens is not None else self.num_tokens + delta.num_tokens
+        )
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:

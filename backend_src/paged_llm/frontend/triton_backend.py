@@ -30,6 +30,10 @@ ERROR_OUTPUT = "paged_llm_error"
 PROBE_SKIP_S = 5.0  # /health sends no probe when the model answered a request this recently
 PROBE_TIMEOUT_S = 3.0  # below the usual 5 s of a readiness probe's own timeout
 ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"
+# Streamed without logprobs, our llm model sends finish_reason and the token counts on the final
+# response only (num_output_tokens then the request's total): the others carry text_output alone,
+# which measurably lowers the stub's cost per response at high concurrency.
+TOTALS_ON_FINAL_PARAMETER = "paged_llm_totals_on_final"
 # `paged_llm_error` labels (as in paged_llm_final_responses_total) -> HTTP status.
 _PAGED_LLM_OUTPUTS = ("text_output", "num_output_tokens", "finish_reason", "num_input_tokens", ERROR_OUTPUT)
 _STATUS_OF_LABEL = {
@@ -63,6 +67,7 @@ class SequenceDelta:
         list[dict[str, dict[str, Any]]] | None
     )  # per position: {token_id: {logprob, rank, decoded_token}}
     finish_reason: str | None
+    total_tokens: int | None = None  # the sample's tokens in all (paged_llm_totals_on_final's final)
 
 
 @dataclass
@@ -168,11 +173,17 @@ def response_outputs(response: Any) -> dict[str, list[Any]]:
     return outputs
 
 
-def parse_outputs(outputs: dict[str, list[Any]], is_final: bool) -> GenerationChunk:
-    """One Triton response -> a chunk (text, ids split per sample by num_output_tokens)."""
+def parse_outputs(
+    outputs: dict[str, list[Any]], is_final: bool, totals_on_final: bool = False
+) -> GenerationChunk:
+    """One Triton response -> a chunk (text, ids split per sample by num_output_tokens).
+    `totals_on_final`: the request set paged_llm_totals_on_final (no output_ids, no logprobs)."""
     texts = outputs.get("text_output", [])
     ids = outputs.get("output_ids", [])
     counts = outputs.get("num_output_tokens")
+    totals = None
+    if totals_on_final:
+        totals, counts = counts, None
     if counts is None:
         counts = [len(ids)]
     reasons = outputs.get("finish_reason") if is_final else None
@@ -192,6 +203,7 @@ def parse_outputs(outputs: dict[str, list[Any]], is_final: bool) -> GenerationCh
                 token_ids=ids[offset : offset + count] if ids else [],
                 logprobs=positions,
                 finish_reason=None if reason in (None, "None") else reason,
+                total_tokens=totals[index] if totals and index < len(totals) else None,
             )
         )
         offset += count
@@ -227,12 +239,16 @@ class TritonBackend:
             "enable_empty_final_response": True,
             "parameters": {ERROR_OUTPUT_PARAMETER: True},
         }
+        totals_on_final = False
         if await self._is_paged_llm(request.model):
             # Only what the routes read: the model then builds nothing else (no output_ids).
             import tritonclient.grpc.aio as grpcclient
 
             names = [*_PAGED_LLM_OUTPUTS, *(("logprobs",) if request.want_logprobs else ())]
             triton_request["outputs"] = [grpcclient.InferRequestedOutput(name) for name in names]
+            totals_on_final = request.stream and not request.want_logprobs
+            if totals_on_final:
+                triton_request["parameters"][TOTALS_ON_FINAL_PARAMETER] = True
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield triton_request
@@ -253,7 +269,7 @@ class TritonBackend:
                 if ERROR_OUTPUT in outputs:
                     finished = True
                     raise error_from_output(outputs[ERROR_OUTPUT])
-                chunk = parse_outputs(outputs, is_final)
+                chunk = parse_outputs(outputs, is_final, totals_on_final)
                 self._last_answer_at[request.model] = time.monotonic()
                 if is_final:
                     finished = True

@@ -27,6 +27,7 @@ class _SequenceState:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_new_tokens: int = 0  # tokens since the last response
+    num_tokens: int = 0  # tokens generated in all
     finish_reason: str | None = None
 
 
@@ -98,6 +99,7 @@ class ResponseAccumulator:
             state.text.append(delta.text)
             state.token_ids.extend(delta.token_ids)
             state.num_new_tokens += len(delta.token_ids)
+            state.num_tokens += len(delta.token_ids)
             if delta.logprobs:
                 state.logprobs.extend(delta.logprobs)
             if delta.cumulative_logprob is not None:
@@ -116,13 +118,19 @@ class ResponseAccumulator:
             return (wanted is None or name in wanted) and (flag is None or flag in flags)
 
         tensors: dict[str, np.ndarray] = {}
+        # paged_llm_totals_on_final: a streamed response before the last carries text alone.
+        totals_now = self.finished or not self.parsed.totals_on_final
         if wants("text_output"):
             echo = not self.parsed.stream and not self.parsed.exclude_input_in_output
             texts = [(self.prompt_text if echo else "") + "".join(s.text) for s in self.sequences]
             tensors["text_output"] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
         if wants("output_ids"):
             tensors["output_ids"] = np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32)
-        if wants("finish_reason", "return_finish_reason") and (self.finished or self.parsed.stream):
+        if (
+            wants("finish_reason", "return_finish_reason")
+            and (self.finished or self.parsed.stream)
+            and totals_now
+        ):
             # vllm_backend: streamed responses before the last carry the string "None"
             unfinished = "abort" if self.finished else "None"
             reasons = [(s.finish_reason or unfinished).encode() for s in self.sequences]
@@ -137,9 +145,10 @@ class ResponseAccumulator:
                 for s in self.sequences
             ]
             tensors["logprobs"] = np.array(encoded, dtype=np.object_)
-        if wants("num_input_tokens", "return_num_input_tokens"):
+        if wants("num_input_tokens", "return_num_input_tokens") and totals_now:
             tensors["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
-        if wants("num_output_tokens", "return_num_output_tokens"):
-            counts = [s.num_new_tokens if self.parsed.stream else len(s.token_ids) for s in self.sequences]
+        if wants("num_output_tokens", "return_num_output_tokens") and totals_now:
+            per_response = self.parsed.stream and not self.parsed.totals_on_final
+            counts = [s.num_new_tokens if per_response else s.num_tokens for s in self.sequences]
             tensors["num_output_tokens"] = np.array(counts, dtype=np.uint32)
         return tensors

@@ -28,7 +28,13 @@ RETURN_FLAGS = (
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS)
 # Request parameters Triton itself may attach; never sampling parameters.
-_IGNORED_REQUEST_PARAMETERS = frozenset({"triton_enable_empty_final_response", "paged_llm_error_output"})
+_IGNORED_REQUEST_PARAMETERS = frozenset(
+    {"triton_enable_empty_final_response", "paged_llm_error_output", "paged_llm_totals_on_final"}
+)
+# A streaming client that sets this request parameter to true gets finish_reason, num_input_tokens and
+# num_output_tokens on the final response only, num_output_tokens then counting the whole request:
+# each streamed response before it is text_output alone (one tensor for the stub to build, not four).
+TOTALS_ON_FINAL_PARAMETER = "paged_llm_totals_on_final"
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class ParsedRequest:
     # The outputs the client asked for (Triton lists them all when it named none): the others are
     # never built, so a client that wants only text_output costs the stub one tensor per response.
     requested_outputs: frozenset[str] | None = None  # None: all
+    totals_on_final: bool = False  # TOTALS_ON_FINAL_PARAMETER (streaming only)
 
 
 def read_inputs(
@@ -131,11 +138,13 @@ def parse_request(
     wants_logprobs = {"return_logprobs", "return_cumulative_logprob"} & return_flags
     if wants_logprobs and params.logprobs is None:
         params = replace(params, logprobs=0)  # the sampled token's logprob only
+    stream = flags.get("stream", False)
     return ParsedRequest(
+        totals_on_final=stream and request_flag(request_parameters, TOTALS_ON_FINAL_PARAMETER),
         logprobs_requested=logprobs_requested,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
-        stream=flags.get("stream", False),
+        stream=stream,
         params=params,
         exclude_input_in_output=flags.get("exclude_input_in_output", False),
         return_flags=return_flags,
@@ -167,12 +176,15 @@ def is_forwarded(triton_request_id: str) -> bool:
 
 def wants_error_output(triton_request_id: str, raw_parameters: str | Mapping[str, Any] | None) -> bool:
     """Whether the request's error goes as FORWARDED_ERROR_OUTPUT (llm_trtllm's, or asked for)."""
-    if is_forwarded(triton_request_id):
-        return True
-    if not raw_parameters or ERROR_OUTPUT_PARAMETER not in raw_parameters:
+    return is_forwarded(triton_request_id) or request_flag(raw_parameters, ERROR_OUTPUT_PARAMETER)
+
+
+def request_flag(raw_parameters: str | Mapping[str, Any] | None, name: str) -> bool:
+    """Whether request parameter `name` is JSON true (the JSON is parsed only when it names it)."""
+    if not raw_parameters or name not in raw_parameters:
         return False
     try:
-        return request_parameter_mapping_raw(raw_parameters).get(ERROR_OUTPUT_PARAMETER) is True
+        return request_parameter_mapping_raw(raw_parameters).get(name) is True
     except InvalidRequestError:
         return False
 
