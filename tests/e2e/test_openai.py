@@ -268,6 +268,19 @@ def test_logprobs_have_the_asked_number_of_alternatives(served):
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
 
 
+def test_each_worker_listens_on_its_own_socket(served):
+    """--openai-workers 2: two processes, each with its own SO_REUSEPORT listening socket (so the
+    kernel spreads connections over them, where one shared socket let one process take most)."""
+    listeners = {
+        (process.pid, conn.fd)
+        for process in psutil.Process(served.process.pid).children(recursive=True)
+        for conn in process.net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == served.port
+    }
+    assert len({pid for pid, _ in listeners}) == 2, listeners
+    assert len(listeners) == 2, listeners
+
+
 def test_keys_models_health_version_and_metrics(served):
     with pytest.raises(openai.AuthenticationError):
         served.client("wrong").models.list()

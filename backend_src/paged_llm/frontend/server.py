@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.frontend.app import FrontendSettings, create_app
+from paged_llm.frontend.workers import run_workers
+from paged_llm.tools.launch import port_bind_error
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
 _SETTINGS_ENV = "PAGED_LLM_FRONTEND_SETTINGS"
@@ -73,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="server processes sharing the port (one Python process streams about 8k SSE events/s; "
-        "/metrics sums them all)",
+        help="server processes on the port, each with its own SO_REUSEPORT socket so that connections "
+        "spread evenly (one Python process streams about 8k SSE events/s; /metrics sums them all)",
     )
     parser.add_argument("--log-level", default="warning")
     return parser
@@ -110,14 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers <= 1:
         uvicorn.run(create_app(settings), **options)
         return 0
+    bind_error = port_bind_error(args.host, args.port)
+    if bind_error is not None:  # (the workers' SO_REUSEPORT sockets would not notice a listener)
+        print(f"error: cannot listen on {args.host}:{args.port}: {bind_error}", file=sys.stderr)
+        return 1
     os.environ[_SETTINGS_ENV] = settings.to_json()  # the workers build their app from it
+    del options["host"], options["port"]
     try:
-        uvicorn.run(
-            "paged_llm.frontend.server:app_from_environment", factory=True, workers=args.workers, **options
+        return run_workers(
+            args.workers, "paged_llm.frontend.server:app_from_environment", args.host, args.port, options
         )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 0
 
 
 def app_from_environment() -> Any:
