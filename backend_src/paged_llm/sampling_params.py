@@ -22,6 +22,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+# Filled by the engine's front end (it has the tokenizer), never sent by clients.
+_INTERNAL_FIELDS = frozenset({"extra", "bad_words_token_ids"})
 
 
 def loads_request_json(text: str, field_name: str) -> Any:
@@ -68,6 +72,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-k alternatives per position; 0 = only the sampled token
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs sooner
+    # vLLM's bad_words: none of these words is generated. Each is tokenized with and without a leading
+    # space; whenever the output ends with all but the last token of one, that last token is banned.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # their tokenizations (engine front end)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -83,6 +91,7 @@ class SamplingParams:
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0
             and self.logprobs is None
+            and not self.bad_words_token_ids
         )
 
     @property
@@ -109,7 +118,7 @@ class SamplingParams:
     @staticmethod
     def from_mapping(payload: Mapping[str, Any], limits: RequestLimits | None = None) -> SamplingParams:
         limits = limits or RequestLimits()
-        known = {f.name for f in fields(SamplingParams)} - {"extra"}
+        known = {f.name for f in fields(SamplingParams)} - _INTERNAL_FIELDS
         values: dict[str, Any] = {}
         for key, raw in payload.items():
             if key in _COMPAT_KEYS:
@@ -167,6 +176,15 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         for token_id in self.stop_token_ids:
             _check_range("stop_token_ids", token_id, 0, None)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(
+                "bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}"
+            )
+        for text in self.bad_words:
+            if not text.strip() or len(text) > MAX_BAD_WORD_CHARS:
+                raise InvalidRequestError(
+                    "bad_words", f"each word must have 1..{MAX_BAD_WORD_CHARS} characters, not only spaces"
+                )
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks what depends on the model (the engine calls it once it knows the vocabulary)."""
@@ -276,6 +294,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "frequency_penalty": parse_float,
     "seed": _parse_seed,
     "stop": _parse_stop,
+    "bad_words": _parse_stop,
     "stop_token_ids": _parse_token_ids,
     "include_stop_str_in_output": parse_bool,
     "ignore_eos": parse_bool,
@@ -283,7 +302,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "skip_special_tokens": parse_bool,
     "priority": parse_int,
 }
-_NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids"}
+_NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids", "bad_words"}
 
 
 def _compat_best_of(raw: Any, payload: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from paged_llm.tools.server_process import remove_orphaned_shm_regions
+from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, remove_orphaned_shm_regions
 from tests.e2e.server import RunningServer, make_model_repository, start_server
 
 
@@ -18,7 +18,7 @@ from tests.e2e.server import RunningServer, make_model_repository, start_server
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[RunningServer]:
     """One tritonserver on the project's model repository (tiny model), shared by the e2e tests."""
     root = tmp_path_factory.mktemp("triton")
-    repository = make_model_repository(root / "models")
+    repository = make_model_repository(root / "models", models=("llm", *TRTLLM_MODEL_NAMES))
     running = start_server(repository, root / "server.log")
     yield running
     running.stop()

@@ -234,3 +234,47 @@ def test_async_engine_serves_threads_and_shutdown_aborts_the_rest(tiny_model_dir
     assert final.sequences[0].finish_reason == "abort"
     assert [o.finished for o in done["long"]].count(True) == 1
     assert engine.stats.snapshot().num_running == 0
+
+
+def test_bad_words_are_never_generated_and_match_hf_bad_words_ids(
+    engine, hf_reference, prompts, tiny_tokenizer
+):
+    """vLLM's bad_words: a word from the greedy output is banned (both its spellings, with and without
+    a leading space); greedy decoding then equals HF generate with the same token sequences as
+    bad_words_ids (HF matches prefixes against prompt + output, we against the output, as vLLM
+    does: the banned words here start inside the output)."""
+    prompt = prompts[3]
+    [[full]] = run_to_completion(engine, [prompt], greedy(24))
+    single = full.token_ids[4]  # a one-token bad word: banned at every step
+    pair = tuple(full.token_ids[8:10])  # a two-token one: its second token banned after its first
+    words = (tiny_tokenizer.decode([single]), tiny_tokenizer.decode(list(pair)))
+    assert all(w.strip() for w in words), words
+    params = greedy(24, bad_words=words)
+    [[banned]] = run_to_completion(engine, [prompt], params)
+    tokenized = [
+        tuple(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+        for word in words
+        for text in (word.lstrip(), " " + word.lstrip())
+    ]
+    for sequence in tokenized:
+        for start in range(len(banned.token_ids) - len(sequence) + 1):
+            assert tuple(banned.token_ids[start : start + len(sequence)]) != sequence
+    assert banned.token_ids != full.token_ids
+    ids = torch.tensor([prompt])
+    reference = hf_reference.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=24,
+        do_sample=False,
+        bad_words_ids=[list(s) for s in dict.fromkeys(tokenized)],
+    )[0, len(prompt) :].tolist()
+    assert banned.token_ids == reference
+
+
+def test_bad_words_are_checked(tiny_model_dir):
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams.from_mapping({"bad_words": ["  "]})
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams.from_mapping({"bad_words": [7]})
+    with pytest.raises(InvalidRequestError, match="bad_words_token_ids"):
+        SamplingParams.from_mapping({"bad_words_token_ids": [[1, 2]]})  # internal, not a client's

@@ -39,7 +39,7 @@ from paged_llm.tools.launch import (
     server_env,
 )
 from paged_llm.tools.procfs import descendants
-from paged_llm.tools.server_process import make_model_repository
+from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, make_model_repository
 from paged_llm.tools.stub_watch import StubWatch
 from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S
 
@@ -74,9 +74,9 @@ def write_repository(args: argparse.Namespace) -> Path:
         if args.model_repository_dir
         else paged_llm_home() / "serve" / args.served_model_name
     )
-    # Under the default name, llm_trtllm (the TensorRT-LLM backend's interface, forwarding to llm)
-    # comes along, as in the project's model repository.
-    models = ("llm", "llm_trtllm") if args.served_model_name == "llm" else ("llm",)
+    # Under the default name, the TensorRT-LLM convention's models (llm_trtllm, ensemble,
+    # tensorrt_llm_bls: they forward to llm by that name) come along, as in the project's repository.
+    models = ("llm", *TRTLLM_MODEL_NAMES) if args.served_model_name == "llm" else ("llm",)
     make_model_repository(root, engine_parameters(args), models=models)
     if args.served_model_name != "llm":  # Triton names a model after its directory
         shutil.rmtree(root / args.served_model_name, ignore_errors=True)

@@ -31,6 +31,7 @@ from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import EngineCoreDiedError, EngineDeadError, RequestAbortedError
+from paged_llm.sampling.bad_words import with_bad_words_tokenized
 from paged_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class AsyncLLM:
         """Queues a request. Raises InvalidRequestError (bad input) or EngineDeadError (not serving);
         otherwise its outputs, and exactly one final, reach `on_outputs`."""
         self.check_accepting()
+        params = with_bad_words_tokenized(params, self.tokenize)
         self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic()
         with self._lock:

@@ -25,6 +25,7 @@ from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import RequestAbortedError
+from paged_llm.sampling.bad_words import with_bad_words_tokenized
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -67,6 +68,7 @@ class LLMEngine:
         QueueFullError if it is refused for load. `arrival_time`: time.monotonic() when it arrived
         (default now; queue_max_wait_s counts from it)."""
         prompt = list(prompt_token_ids)
+        params = with_bad_words_tokenized(params, self.tokenize)
         validate_prompt(self.info, prompt)
         validate_params(self.info, params)
         if arrival_time is None:

@@ -2,7 +2,7 @@
 
 Unknown fields are rejected with 400 "Unrecognized request argument supplied: NAME", as OpenAI's
 API does. Besides OpenAI's fields, the vLLM extras our engine implements are accepted (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, skip_special_tokens,
 include_stop_str_in_output; chat: add_generation_prompt, chat_template_kwargs). Ranges checked here
 are OpenAI's; the engine checks its own limits (max_n, max_model_len, vocabulary) and answers
 INVALID_ARG naming the field, which becomes a 400 too.
@@ -58,6 +58,7 @@ class _SamplingFields(_Body):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
 
@@ -91,6 +92,7 @@ class _SamplingFields(_Body):
             "min_tokens",
             "ignore_eos",
             "stop_token_ids",
+            "bad_words",
             "skip_special_tokens",
             "include_stop_str_in_output",
         ):

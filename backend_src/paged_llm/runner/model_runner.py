@@ -22,6 +22,7 @@ from paged_llm.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_to
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, StepInputs
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
+from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sequence import Sequence
 
@@ -67,12 +68,16 @@ class LaunchedStep:
 
 
 def suppressed_token_ids(seq: Sequence) -> tuple[int, ...]:
-    """Tokens that may not be sampled yet: EOS and stop ids while below min_tokens."""
+    """Tokens that may not be sampled now: EOS and stop ids while below min_tokens, and the tokens
+    that would complete one of the request's bad words."""
     params = seq.sampling_params
+    banned = ()
+    if params.bad_words_token_ids:
+        banned = tuple(banned_token_ids(params.bad_words_token_ids, seq.output_token_ids))
     if seq.num_output_tokens >= params.min_tokens:
-        return ()
+        return banned
     eos = () if params.ignore_eos else tuple(sorted(seq.eos_token_ids))
-    return eos + params.stop_token_ids
+    return eos + params.stop_token_ids + banned
 
 
 class ModelRunner:

@@ -6,6 +6,11 @@ TensorRT-LLM's ensemble / BLS models take one tensor per sampling knob, with a b
 response back, so one engine serves both conventions.
 
 Sampling follows TensorRT-LLM: with neither `top_k` nor `top_p` set (or both 0) decoding is greedy.
+
+Two response layouts: `tensorrt_llm` (the `tensorrt_llm` model's tensors: `text_output` [1, 1],
+`output_ids` [1, 1, tokens], `sequence_length`) for `llm_trtllm`, and `ensemble` (what TensorRT-LLM's
+`ensemble` and `tensorrt_llm_bls` models answer after postprocessing: `text_output` 1-D, one entry,
+and `batch_index` [1, 1]) for the models of those names.
 """
 
 from __future__ import annotations
@@ -36,17 +41,35 @@ _SCALARS: dict[str, tuple[str, str]] = {
     "min_tokens": ("min_tokens", "int"),
     "min_length": ("min_tokens", "int"),
 }
+# TensorRT-LLM inputs this engine has no use for, and what a request gets when it sets them.
+_UNSUPPORTED_INPUTS = {
+    "decoder_text_input": "encoder-decoder models are not supported",
+    "image_input": "multimodal inputs are not supported",
+    "prompt_embedding_table": "prompt tuning (p-tuning tables) is not supported",
+    "prompt_table_extra_id": "prompt tuning (p-tuning tables) is not supported",
+    "prompt_vocab_size": "prompt tuning (p-tuning tables) is not supported",
+    "embedding_bias_words": "embedding bias is not supported (use bad_words to ban words)",
+    "embedding_bias_weights": "embedding bias is not supported (use bad_words to ban words)",
+}
 INPUT_NAMES = (
     "text_input",
     "stream",
     "exclude_input_in_output",
     "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
     "beam_width",
+    "num_return_sequences",
     "end_id",
+    "pad_id",
+    "length_penalty",
     "stop_words",
+    "bad_words",
     *_SCALARS,
+    *_UNSUPPORTED_INPUTS,
 )
 DEFAULT_MAX_TOKENS = 16
+LAYOUTS = ("tensorrt_llm", "ensemble")
 
 
 @dataclass(frozen=True)
@@ -86,15 +109,15 @@ def _flag(name: str, array: np.ndarray | None) -> bool:
     return bool(value)
 
 
-def _stop_words(array: np.ndarray) -> list[str]:
+def _words(name: str, array: np.ndarray) -> list[str]:
     words = []
     for raw in array.reshape(-1):
         if not isinstance(raw, bytes | np.bytes_):
-            raise InvalidRequestError("stop_words", "must be BYTES strings")
+            raise InvalidRequestError(name, "must be BYTES strings")
         try:
             word = bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
-            raise InvalidRequestError("stop_words", "is not valid UTF-8") from None
+            raise InvalidRequestError(name, "is not valid UTF-8") from None
         if word:
             words.append(word)
     return words
@@ -104,10 +127,22 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
     if "text_input" not in inputs:
         raise InvalidRequestError("text_input", "is required")
     text = _single("text_input", inputs["text_input"])
-    if "beam_width" in inputs:
-        beam_width = _number("beam_width", inputs["beam_width"], "int")
-        if beam_width != 1:
-            raise InvalidRequestError("beam_width", f"only 1 is supported (no beam search), got {beam_width}")
+    for name, reason in _UNSUPPORTED_INPUTS.items():
+        if name in inputs and inputs[name].size > 0:
+            raise InvalidRequestError(name, reason)
+    for name in ("beam_width", "num_return_sequences"):
+        if name in inputs and (count := _number(name, inputs[name], "int")) != 1:
+            raise InvalidRequestError(
+                name, f"only 1 is supported (no beam search, one sequence), got {count}"
+            )
+    for name in ("return_context_logits", "return_generation_logits"):
+        if _flag(name, inputs.get(name)):
+            raise InvalidRequestError(name, "returning logits is not supported (use return_log_probs)")
+    # Accepted for compatibility, no effect: the engine never pads, and length_penalty only scores beams.
+    if "pad_id" in inputs:
+        _number("pad_id", inputs["pad_id"], "int")
+    if "length_penalty" in inputs:
+        _number("length_penalty", inputs["length_penalty"], "float")
     params: dict[str, Any] = {}
     for name, (target, kind) in _SCALARS.items():
         if name in inputs:
@@ -121,9 +156,13 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
     if "top_k" not in params and "top_p" not in params:
         params["temperature"] = 0.0
     if "stop_words" in inputs:
-        words = _stop_words(inputs["stop_words"])
+        words = _words("stop_words", inputs["stop_words"])
         if words:
             params["stop"] = words
+    if "bad_words" in inputs:
+        words = _words("bad_words", inputs["bad_words"])
+        if words:
+            params["bad_words"] = words
     if "end_id" in inputs:
         params["stop_token_ids"] = [_number("end_id", inputs["end_id"], "int")]
     stream = _flag("stream", inputs.get("stream"))
@@ -149,8 +188,11 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
 class TrtllmResponseState:
     """Turns `llm` responses into TensorRT-LLM-shaped outputs; tracks totals for sequence_length."""
 
-    def __init__(self, request: ForwardRequest) -> None:
+    def __init__(self, request: ForwardRequest, layout: str = "tensorrt_llm") -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"response_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.request = request
+        self.layout = layout
         self.num_input_tokens = 0
         self.num_output_tokens = 0
 
@@ -163,11 +205,14 @@ class TrtllmResponseState:
         total = self.num_output_tokens + (
             0 if self.request.exclude_input_in_output else self.num_input_tokens
         )
-        converted = {
-            "text_output": text.reshape(1, 1),
-            "output_ids": ids.reshape(1, 1, -1),
-            "sequence_length": np.array([[total]], dtype=np.int32),
-        }
+        if self.layout == "ensemble":
+            converted = {"text_output": text.reshape(1), "batch_index": np.zeros((1, 1), dtype=np.int32)}
+        else:
+            converted = {
+                "text_output": text.reshape(1, 1),
+                "output_ids": ids.reshape(1, 1, -1),
+                "sequence_length": np.array([[total]], dtype=np.int32),
+            }
         if self.request.return_log_probs:
             converted["cum_log_probs"] = outputs.get("cumulative_logprob", np.zeros(1, np.float32)).reshape(
                 1, 1

@@ -146,6 +146,11 @@ def start_server(
     raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n{server.log()[-5000:]}")
 
 
+# The TensorRT-LLM client convention: llm_trtllm (the tensorrt_llm model's outputs), and the names
+# TensorRT-LLM's own clients use (ensemble / tensorrt_llm_bls, the ensemble's outputs); all forward to llm.
+TRTLLM_MODEL_NAMES = ("llm_trtllm", "ensemble", "tensorrt_llm_bls")
+
+
 def make_model_repository(
     target: Path,
     parameters: dict[str, str] | None = None,

@@ -1,0 +1,205 @@
+"""TensorRT-LLM-style front door (BLS): converts each request, forwards it to `llm`, converts back.
+
+The models `llm_trtllm`, `ensemble` and `tensorrt_llm_bls` of the model repository all run this class
+(their model.py imports it); their config.pbtxt picks the response layout (`response_layout`:
+`tensorrt_llm` or `ensemble`, see serving/trtllm_codec.py).
+
+One thread per in-flight request iterates the `llm` responses (BLS `exec(decoupled=True)` blocks) and
+sends the converted ones through this request's sender; the FINAL flag is passed through once.
+
+Errors: Triton 2.51's BLS loses an error response that follows data responses (the iterator then
+waits forever), so llm sends a forwarded request's error as an ordinary FINAL holding only the
+`paged_llm_error` output, turned back into the error here.
+
+Cancellation: Triton 2.51's BLS cannot cancel a request it sent (the response iterator's cancel()
+came in a later release), so a watcher thread asks each in-flight request's `is_cancelled()`
+(a cancelled gRPC stream, a `generate_stream` client that went away) and, when it is, sends `llm`
+a second request naming the forwarded one (serving/triton_codec.py: FORWARDED_ABORT_PARAMETER);
+`llm` ends it with CANCELLED, which comes back through the forwarding thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from paged_llm.errors import InvalidRequestError
+from paged_llm.serving.triton_codec import (
+    FORWARDED_ABORT_PARAMETER,
+    FORWARDED_ERROR_OUTPUT,
+    FORWARDED_REQUEST_ID_PREFIX,
+    authorization_of,
+    decode_forwarded_error,
+    read_inputs,
+)
+from paged_llm.serving.trtllm_codec import (
+    INPUT_NAMES,
+    LAYOUTS,
+    TrtllmResponseState,
+    check_request_parameters,
+    to_llm_request,
+)
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# labels of llm's forwarded errors -> TritonError code names (pb_utils.TritonError exists only
+# once the stub runs a model, not when it imports this file to auto-complete the config)
+_ERROR_CODE_NAMES = {"invalid_arg": "INVALID_ARG", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED"}
+_CANCEL_POLL_INTERVAL_S = 0.1
+_ABORT_RETRY_S = 1.0
+_LLM_OUTPUTS = [
+    FORWARDED_ERROR_OUTPUT,
+    "text_output",
+    "output_ids",
+    "num_input_tokens",
+    "num_output_tokens",
+    "cumulative_logprob",
+    "logprobs",
+]
+
+
+def _authorization(request: Any) -> dict[str, str]:
+    """The client's forwarded `authorization` header, passed on to llm, which checks API keys."""
+    authorization = authorization_of(request.parameters())
+    return {"authorization": authorization} if authorization else {}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        self._layout = parameters.get("response_layout", {}).get("string_value", "tensorrt_llm")
+        if self._layout not in LAYOUTS:
+            raise ValueError(
+                f"{args['model_name']}: response_layout must be one of {', '.join(LAYOUTS)}, "
+                f"got {self._layout!r}"
+            )
+        self._name = args["model_name"]
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        # forwarded id -> the client's request, while its FINAL has not gone out (is_cancelled() on
+        # a request after its FINAL crashes tritonserver 2.51: only asked under this lock)
+        self._in_flight: dict[str, Any] = {}
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="trtllm-cancel", daemon=True)
+        self._watcher.start()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                check_request_parameters(request.parameters())
+                inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
+                forward = to_llm_request(inputs)
+            except InvalidRequestError as error:
+                error_response = pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error_response), flags=_FINAL)
+                continue
+            thread = threading.Thread(target=self._forward, args=(request, sender, forward), daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+        return None
+
+    def _forward(self, request: Any, sender: Any, forward: Any) -> None:
+        """Streaming: each llm response is forwarded at once and an empty FINAL closes the stream.
+        Non-streaming: llm sends one response; it goes out together with the FINAL flag."""
+        forwarded_id = ""
+        try:
+            state = TrtllmResponseState(forward, self._layout)
+            forwarded_id = f"{FORWARDED_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
+            inner = pb_utils.InferenceRequest(
+                model_name="llm",
+                inputs=[pb_utils.Tensor(name, array) for name, array in forward.inputs.items()],
+                requested_output_names=_LLM_OUTPUTS,
+                timeout=request.timeout(),
+                request_id=forwarded_id,
+                parameters=_authorization(request),  # llm checks the API key (serving/auth.py)
+            )
+            with self._lock:
+                self._in_flight[forwarded_id] = request
+            held: Any = None  # non-streaming: the converted response waiting for the FINAL flag
+            for response in inner.exec(decoupled=True):
+                if response.has_error():
+                    self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=response.error()))
+                    return
+                outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+                if FORWARDED_ERROR_OUTPUT in outputs:  # llm's error, as data (see the docstring)
+                    label, message = decode_forwarded_error(outputs[FORWARDED_ERROR_OUTPUT])
+                    code = getattr(pb_utils.TritonError, _ERROR_CODE_NAMES.get(label, "INTERNAL"))
+                    error = pb_utils.TritonError(message, code)
+                    self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=error))
+                    return
+                if not outputs:
+                    continue  # the empty final response of the llm stream
+                converted = state.convert(outputs)
+                reply = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(n, a) for n, a in converted.items()]
+                )
+                if forward.stream:
+                    sender.send(reply)
+                else:
+                    held = reply
+            self._send_final(forwarded_id, sender, held)
+        except Exception as error:  # never leave the client without a final response
+            pb_utils.Logger.log_error(f"{self._name}: forwarding failed: {error!r}")
+            try:
+                internal = pb_utils.TritonError(f"{self._name}: {error}", pb_utils.TritonError.INTERNAL)
+                self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=internal))
+            except Exception:
+                pass
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+                self._in_flight.pop(forwarded_id, None)
+
+    def _send_final(self, forwarded_id: str, sender: Any, response: Any | None) -> None:
+        with self._lock:  # no is_cancelled() on this request from now on
+            self._in_flight.pop(forwarded_id, None)
+        if response is None:
+            sender.send(flags=_FINAL)
+        else:
+            sender.send(response, flags=_FINAL)
+
+    def _watch_cancellations(self) -> None:
+        """Forwards each cancellation to llm; again after a second if the request is still in flight
+        (the abort may have reached llm before the request itself, e.g. while it was tokenized)."""
+        aborted_at: dict[str, float] = {}
+        while not self._stopping.wait(_CANCEL_POLL_INTERVAL_S):
+            now = time.monotonic()
+            cancelled = []
+            with self._lock:
+                for forwarded_id, request in self._in_flight.items():
+                    if now - aborted_at.get(forwarded_id, -_ABORT_RETRY_S) < _ABORT_RETRY_S:
+                        continue
+                    if request.is_cancelled():
+                        cancelled.append((forwarded_id, _authorization(request)))
+                aborted_at = {k: v for k, v in aborted_at.items() if k in self._in_flight}
+            for forwarded_id, authorization in cancelled:
+                aborted_at[forwarded_id] = now
+                self._abort_forwarded(forwarded_id, authorization)
+
+    @staticmethod
+    def _abort_forwarded(forwarded_id: str, authorization: dict[str, str]) -> None:
+        abort = pb_utils.InferenceRequest(
+            model_name="llm",
+            inputs=[],
+            requested_output_names=[],
+            parameters={FORWARDED_ABORT_PARAMETER: forwarded_id, **authorization},
+        )
+        try:
+            for _ in abort.exec(decoupled=True):  # one empty FINAL
+                pass
+        except Exception as error:
+            pb_utils.Logger.log_warn(f"paged_llm BLS: could not forward a cancellation: {error!r}")
+
+    def finalize(self) -> None:
+        self._stopping.set()
+        self._watcher.join(timeout=5.0)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=10.0)
