@@ -134,3 +134,37 @@ def test_llm_trtllm_keeps_the_tensorrt_llm_models_layout(server):
     _, [response], errors = _run(server.grpc_url, "llm_trtllm", PROMPT, 4, streaming=False)
     assert not errors and response.as_numpy("text_output").shape == (1, 1)
     assert response.as_numpy("output_ids").shape == (1, 1, 4) and response.as_numpy("batch_index") is None
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["no-stream", "stream"])
+def test_a_batch_of_prompts_answers_each_row_under_its_batch_index(server, streaming):
+    """end_to_end_grpc_client.py --batch-inputs: the prompts stacked into one [2, 1] request; the
+    client files each response's text under its batch_index."""
+    prompts = ["The first prompt", "A second, longer prompt of the batch"]
+    singles = [_run(server.grpc_url, "ensemble", p, 8, streaming)[0] for p in prompts]
+    arrays = {
+        "text_input": np.array([[p] for p in prompts]).astype(object),
+        "max_tokens": np.array([[8], [8]], dtype=np.int32),
+        "stream": np.array([[streaming], [streaming]], dtype=bool),
+        "beam_width": np.array([[1], [1]], dtype=np.int32),
+        "temperature": np.array([[1.0], [1.0]], dtype=np.float32),
+    }
+    tensors = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put(error or result))
+    client.async_stream_infer("ensemble", tensors, request_id="")
+    client.stop_stream()
+    client.close()
+    texts = ["", ""]
+    while not results.empty():
+        item = results.get()
+        assert not isinstance(item, InferenceServerException), item
+        index = item.as_numpy("batch_index")[0][0]
+        piece = item.as_numpy("text_output")[0].decode("utf-8")
+        texts[index] = texts[index] + piece if streaming else piece
+    assert texts == singles

@@ -375,7 +375,9 @@ def test_unloading_llm_under_llm_and_bls_streams_finalizes_it_and_a_reload_serve
         ]
 
     try:
-        [old_stub] = llm_stubs()
+        stubs = llm_stubs()
+        assert len(stubs) == 1, (stubs, explicit.log()[-3000:])
+        [old_stub] = stubs
         clients = [StreamClient(explicit.grpc_url) for _ in range(10)]
         for index, client in enumerate(clients[:8]):
             client.send(f"u{index}", f"unload me {index}", stream=True, sampling_parameters=LONG)
@@ -386,10 +388,11 @@ def test_unloading_llm_under_llm_and_bls_streams_finalizes_it_and_a_reload_serve
                 request_id=f"b{index}",
                 enable_empty_final_response=True,
             )
-        for client in clients:
+        for number, client in enumerate(clients):
             _result, error = client.next()  # each is running
-            assert error is None
-        assert http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})[0] == 200
+            assert error is None, (number, str(error), explicit.log()[-3000:])
+        unloaded = http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})
+        assert unloaded[0] == 200, (unloaded, explicit.log()[-3000:])
         for number, client in enumerate(clients):  # tokens until the grace period ends, then one final
             while True:
                 try:
@@ -423,10 +426,11 @@ def test_unloading_cancels_streams_in_flight_after_the_grace_period(tmp_path):
         clients = [StreamClient(explicit.grpc_url) for _ in range(3)]
         for index, client in enumerate(clients):
             client.send(f"u{index}", f"unload me {index}", stream=True, sampling_parameters=LONG)
-        for client in clients:
+        for number, client in enumerate(clients):
             _result, error = client.next()  # each is running
-            assert error is None
-        assert http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})[0] == 200
+            assert error is None, (number, str(error), explicit.log()[-3000:])
+        unloaded = http_post(explicit.http_url, "/v2/repository/models/llm/unload", {})
+        assert unloaded[0] == 200, (unloaded, explicit.log()[-3000:])
         for client in clients:
             num_tokens = 0
             while True:  # tokens until the grace period ends, then exactly one error: cancelled

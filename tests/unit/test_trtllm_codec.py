@@ -10,7 +10,13 @@ import pytest
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.paths import repo_root
-from paged_llm.serving.trtllm_codec import INPUT_NAMES, TrtllmResponseState, to_llm_request
+from paged_llm.serving.trtllm_codec import (
+    INPUT_NAMES,
+    MAX_BATCH_SIZE,
+    TrtllmResponseState,
+    split_batch,
+    to_llm_request,
+)
 from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES
 
 
@@ -85,6 +91,23 @@ def test_the_two_response_layouts(stream):
         TrtllmResponseState(request, "beams")
 
 
+def test_a_batch_becomes_one_llm_request_per_row():
+    inputs = {
+        "text_input": np.array([[b"first"], [b"second"]], dtype=np.object_),
+        "max_tokens": np.array([[3], [5]], dtype=np.int32),
+        "stop_words": np.array([[b"x", b""], [b"y", b"z"]], dtype=np.object_),
+    }
+    rows = [to_llm_request(row) for row in split_batch(inputs)]
+    assert [r.inputs["text_input"].tolist() for r in rows] == [[b"first"], [b"second"]]
+    params = [json.loads(r.inputs["sampling_parameters"][0]) for r in rows]
+    assert [(p["max_tokens"], p["stop"]) for p in params] == [(3, ["x"]), (5, ["y", "z"])]
+    assert len(split_batch({"text_input": text("one")})) == 1
+    outputs = {"text_output": np.array([b"t"], dtype=np.object_), "output_ids": np.array([1], dtype=np.int32)}
+    assert TrtllmResponseState(rows[1], "ensemble", batch_index=1).convert(outputs)[
+        "batch_index"
+    ].tolist() == [[1]]
+
+
 def _config(name: str) -> str:
     return (repo_root() / "model_repository" / name / "config.pbtxt").read_text()
 
@@ -103,6 +126,8 @@ def test_the_three_models_take_the_same_inputs_the_codec_reads_and_pick_their_la
         for name in TRTLLM_MODEL_NAMES
     }
     assert layouts == {"llm_trtllm": "tensorrt_llm", "ensemble": "ensemble", "tensorrt_llm_bls": "ensemble"}
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        assert f"max_batch_size: {MAX_BATCH_SIZE}" in _config(name)
     for name in TRTLLM_MODEL_NAMES:  # one implementation, imported (not a copy)
         model_py = repo_root() / "model_repository" / name / "1" / "model.py"
         assert "from paged_llm.serving.trtllm_model import TritonPythonModel" in model_py.read_text()

@@ -84,7 +84,7 @@ def _single(name: str, array: np.ndarray) -> Any:
     if array.size != 1:
         raise InvalidRequestError(
             name,
-            f"expected one value (shape [1, 1]; batch size 1 per request), got shape {list(array.shape)}",
+            f"expected one value per prompt (shape [1, 1], or [batch, 1]), got shape {list(array.shape)}",
         )
     return array.reshape(-1)[0]
 
@@ -121,6 +121,20 @@ def _words(name: str, array: np.ndarray) -> list[str]:
         if word:
             words.append(word)
     return words
+
+
+MAX_BATCH_SIZE = 64  # the ensemble names' max_batch_size (config.pbtxt)
+
+
+def split_batch(inputs: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """A request's inputs, one dict per row of its batch (Triton checked that every input has the
+    same batch size); each row then becomes its own llm request."""
+    if "text_input" not in inputs:
+        raise InvalidRequestError("text_input", "is required")
+    num_rows = inputs["text_input"].shape[0] if inputs["text_input"].ndim > 1 else 1
+    if num_rows <= 1:
+        return [dict(inputs)]
+    return [{name: array[row : row + 1] for name, array in inputs.items()} for row in range(num_rows)]
 
 
 def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
@@ -188,11 +202,12 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
 class TrtllmResponseState:
     """Turns `llm` responses into TensorRT-LLM-shaped outputs; tracks totals for sequence_length."""
 
-    def __init__(self, request: ForwardRequest, layout: str = "tensorrt_llm") -> None:
+    def __init__(self, request: ForwardRequest, layout: str = "tensorrt_llm", batch_index: int = 0) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"response_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.request = request
         self.layout = layout
+        self.batch_index = batch_index  # the row of the client's batch (ensemble layout)
         self.num_input_tokens = 0
         self.num_output_tokens = 0
 
@@ -206,7 +221,10 @@ class TrtllmResponseState:
             0 if self.request.exclude_input_in_output else self.num_input_tokens
         )
         if self.layout == "ensemble":
-            converted = {"text_output": text.reshape(1), "batch_index": np.zeros((1, 1), dtype=np.int32)}
+            converted = {
+                "text_output": text.reshape(1),
+                "batch_index": np.array([[self.batch_index]], dtype=np.int32),
+            }
         else:
             converted = {
                 "text_output": text.reshape(1, 1),

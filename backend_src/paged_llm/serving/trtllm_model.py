@@ -42,6 +42,7 @@ from paged_llm.serving.trtllm_codec import (
     LAYOUTS,
     TrtllmResponseState,
     check_request_parameters,
+    split_batch,
     to_llm_request,
 )
 
@@ -66,6 +67,18 @@ def _authorization(request: Any) -> dict[str, str]:
     """The client's forwarded `authorization` header, passed on to llm, which checks API keys."""
     authorization = authorization_of(request.parameters())
     return {"authorization": authorization} if authorization else {}
+
+
+class _ClientRequest:
+    """A client's request: one llm request per row of its batch, one response sender."""
+
+    def __init__(self, request: Any, sender: Any, num_rows: int) -> None:
+        self.request = request
+        self.sender = sender
+        self.rows_left = num_rows
+        self.done = False  # its FINAL went out: nothing more may be sent
+        self.lock = threading.Lock()
+        self.forwarded_ids: list[str] = []  # appended under the model's lock
 
 
 class TritonPythonModel:
@@ -93,45 +106,52 @@ class TritonPythonModel:
             try:
                 check_request_parameters(request.parameters())
                 inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
-                forward = to_llm_request(inputs)
+                forwards = [to_llm_request(row) for row in split_batch(inputs)]
             except InvalidRequestError as error:
                 error_response = pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error_response), flags=_FINAL)
                 continue
-            thread = threading.Thread(target=self._forward, args=(request, sender, forward), daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+            client = _ClientRequest(request, sender, len(forwards))
+            for batch_index, forward in enumerate(forwards):
+                thread = threading.Thread(
+                    target=self._forward, args=(client, batch_index, forward), daemon=True
+                )
+                with self._lock:
+                    self._threads.add(thread)
+                thread.start()
         return None
 
-    def _forward(self, request: Any, sender: Any, forward: Any) -> None:
-        """Streaming: each llm response is forwarded at once and an empty FINAL closes the stream.
-        Non-streaming: llm sends one response; it goes out together with the FINAL flag."""
-        forwarded_id = ""
+    def _forward(self, client: _ClientRequest, batch_index: int, forward: Any) -> None:
+        """One row of the client's batch, as its own llm request. Streaming: each llm response is
+        forwarded at once. Non-streaming: llm sends one response per row. The last row to end sends
+        the FINAL flag (with its data when not streaming, as HTTP generate needs)."""
+        forwarded_id = f"{FORWARDED_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
         try:
-            state = TrtllmResponseState(forward, self._layout)
-            forwarded_id = f"{FORWARDED_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
+            state = TrtllmResponseState(forward, self._layout, batch_index)
             inner = pb_utils.InferenceRequest(
                 model_name="llm",
                 inputs=[pb_utils.Tensor(name, array) for name, array in forward.inputs.items()],
                 requested_output_names=_LLM_OUTPUTS,
-                timeout=request.timeout(),
+                timeout=client.request.timeout(),
                 request_id=forwarded_id,
-                parameters=_authorization(request),  # llm checks the API key (serving/auth.py)
+                parameters=_authorization(client.request),  # llm checks the API key (serving/auth.py)
             )
-            with self._lock:
-                self._in_flight[forwarded_id] = request
-            held: Any = None  # non-streaming: the converted response waiting for the FINAL flag
+            with client.lock:
+                if client.done:  # another row failed before this one started
+                    return
+                with self._lock:
+                    self._in_flight[forwarded_id] = client.request
+                    client.forwarded_ids.append(forwarded_id)
+            held: Any = None  # non-streaming: the row's converted response
             for response in inner.exec(decoupled=True):
                 if response.has_error():
-                    self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=response.error()))
+                    self._fail(client, response.error(), forwarded_id)
                     return
                 outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
                 if FORWARDED_ERROR_OUTPUT in outputs:  # llm's error, as data (see the docstring)
                     label, message = decode_forwarded_error(outputs[FORWARDED_ERROR_OUTPUT])
                     code = getattr(pb_utils.TritonError, _ERROR_CODE_NAMES.get(label, "INTERNAL"))
-                    error = pb_utils.TritonError(message, code)
-                    self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=error))
+                    self._fail(client, pb_utils.TritonError(message, code), forwarded_id)
                     return
                 if not outputs:
                     continue  # the empty final response of the llm stream
@@ -140,15 +160,17 @@ class TritonPythonModel:
                     output_tensors=[pb_utils.Tensor(n, a) for n, a in converted.items()]
                 )
                 if forward.stream:
-                    sender.send(reply)
+                    with client.lock:
+                        if not client.done:
+                            client.sender.send(reply)
                 else:
                     held = reply
-            self._send_final(forwarded_id, sender, held)
+            self._row_done(client, held)
         except Exception as error:  # never leave the client without a final response
             pb_utils.Logger.log_error(f"{self._name}: forwarding failed: {error!r}")
             try:
                 internal = pb_utils.TritonError(f"{self._name}: {error}", pb_utils.TritonError.INTERNAL)
-                self._send_final(forwarded_id, sender, pb_utils.InferenceResponse(error=internal))
+                self._fail(client, internal, forwarded_id)
             except Exception:
                 pass
         finally:
@@ -156,13 +178,40 @@ class TritonPythonModel:
                 self._threads.discard(threading.current_thread())
                 self._in_flight.pop(forwarded_id, None)
 
-    def _send_final(self, forwarded_id: str, sender: Any, response: Any | None) -> None:
-        with self._lock:  # no is_cancelled() on this request from now on
-            self._in_flight.pop(forwarded_id, None)
-        if response is None:
-            sender.send(flags=_FINAL)
-        else:
-            sender.send(response, flags=_FINAL)
+    def _row_done(self, client: _ClientRequest, held: Any | None) -> None:
+        with client.lock:
+            if client.done:
+                return
+            client.rows_left -= 1
+            if client.rows_left > 0:
+                if held is not None:
+                    client.sender.send(held)
+                return
+            client.done = True
+            self._forget(client)
+            if held is None:
+                client.sender.send(flags=_FINAL)
+            else:
+                client.sender.send(held, flags=_FINAL)
+
+    def _fail(self, client: _ClientRequest, error: Any, failed_id: str) -> None:
+        """The request's one error FINAL (the first row to fail sends it); the other rows' llm
+        requests are ended."""
+        with client.lock:
+            if client.done:
+                return
+            client.done = True
+            self._forget(client)
+            client.sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
+            others = [i for i in client.forwarded_ids if i != failed_id]
+        for forwarded_id in others:
+            self._abort_forwarded(forwarded_id, _authorization(client.request))
+
+    def _forget(self, client: _ClientRequest) -> None:
+        """No is_cancelled() on the client's request once its FINAL goes out (caller holds client.lock)."""
+        with self._lock:
+            for forwarded_id in client.forwarded_ids:
+                self._in_flight.pop(forwarded_id, None)
 
     def _watch_cancellations(self) -> None:
         """Forwards each cancellation to llm; again after a second if the request is still in flight
