@@ -24,6 +24,10 @@ COUNTERS = {
     "vllm_ttft": ("vllm:time_to_first_token_seconds_count", {}),
     "vllm_tpot": ("vllm:time_per_output_token_seconds_count", {}),
     "vllm_e2e": ("vllm:e2e_request_latency_seconds_count", {}),
+    "vllm_request_prompt": ("vllm:request_prompt_tokens_sum", {}),
+    "vllm_request_generation": ("vllm:request_generation_tokens_sum", {}),
+    "vllm_request_generation_count": ("vllm:request_generation_tokens_count", {}),
+    "vllm_n": ("vllm:request_params_n_sum", {}),
 }
 
 
@@ -60,6 +64,10 @@ def test_metrics_after_a_known_workload(server):
         "vllm_ttft": NUM_REQUESTS,
         "vllm_tpot": NUM_REQUESTS * (MAX_TOKENS - 1),
         "vllm_e2e": NUM_REQUESTS,
+        "vllm_request_prompt": prompt_tokens,
+        "vllm_request_generation": NUM_REQUESTS * MAX_TOKENS,
+        "vllm_request_generation_count": NUM_REQUESTS,
+        "vllm_n": NUM_REQUESTS,  # n = 1 each
     }
 
     def deltas() -> dict[str, float]:
@@ -75,6 +83,8 @@ def test_metrics_after_a_known_workload(server):
     for name, bound in (
         ("vllm:time_to_first_token_seconds_bucket", "0.001"),
         ("vllm:e2e_request_latency_seconds_bucket", "60"),
+        ("vllm:request_prompt_tokens_bucket", "2000"),  # 1, 2, 5, ... up to max_model_len 4096
+        ("vllm:request_params_n_bucket", "20"),
     ):  # vllm_backend's buckets
         wanted = {("le", bound), ("model", "llm"), ("version", "1")}
         assert any(n == name and set(labels) == wanted for n, labels in series), name

@@ -255,7 +255,13 @@ class OutputProcessor:
             if state.finished:
                 del self.requests[request_id]
                 del self._by_core_id[state.core_request_id]
-                self.stats.on_request_finished(self._outcome(state), time.monotonic() - state.arrival_time)
+                self.stats.on_request_finished(
+                    self._outcome(state),
+                    time.monotonic() - state.arrival_time,
+                    state.num_prompt_tokens,
+                    sum(seq.num_output_tokens for seq in state.sequences),
+                    len(state.sequences),
+                )
                 outputs.append(RequestOutput(request_id, state.num_prompt_tokens, deltas, True, state.error))
             elif deltas:
                 outputs.append(RequestOutput(request_id, state.num_prompt_tokens, deltas, False))

@@ -21,6 +21,10 @@ class LatencyObservations:
     inter_token_latency_s: list[float] = field(default_factory=list)
     e2e_latency_s: list[float] = field(default_factory=list)
     tokens_per_response: list[int] = field(default_factory=list)  # streamed responses
+    # per finished request: its prompt tokens, tokens generated (all samples), and n
+    request_prompt_tokens: list[int] = field(default_factory=list)
+    request_generation_tokens: list[int] = field(default_factory=list)
+    request_n: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -78,11 +82,22 @@ class EngineStats:
             if last_token_time is not None:
                 self._observations.inter_token_latency_s.append(now - last_token_time)
 
-    def on_request_finished(self, outcome: str, e2e_latency_s: float) -> None:
+    def on_request_finished(
+        self,
+        outcome: str,
+        e2e_latency_s: float,
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        n: int = 1,
+    ) -> None:
         """`outcome`: stop, length, abort or error."""
         with self._lock:
             self.requests_by_outcome[outcome] += 1
-            self._observations.e2e_latency_s.append(e2e_latency_s)
+            observations = self._observations
+            observations.e2e_latency_s.append(e2e_latency_s)
+            observations.request_prompt_tokens.append(num_prompt_tokens)
+            observations.request_generation_tokens.append(num_generation_tokens)
+            observations.request_n.append(n)
 
     def on_cancellation_poll(self, num_checks: int, seconds: float) -> None:
         with self._lock:

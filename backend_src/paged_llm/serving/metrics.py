@@ -47,8 +47,11 @@ its `model`/`version` labels and histogram buckets, so dashboards built for vllm
 | vllm:time_to_first_token_seconds | paged_llm_time_to_first_token_seconds |
 | vllm:time_per_output_token_seconds | paged_llm_inter_token_latency_seconds |
 | vllm:e2e_request_latency_seconds | paged_llm_e2e_request_latency_seconds |
+| vllm:request_prompt_tokens | prompt tokens per finished request (buckets 1, 2, 5, ... to max_model_len) |
+| vllm:request_generation_tokens | tokens each finished request generated, all samples (same buckets) |
+| vllm:request_params_n | `n` of each finished request (buckets 1, 2, 5, 10, 20) |
 
-(vllm_backend's per-request token-count and `n` histograms are not exported.)
+(`vllm:request_params_best_of` is not exported: vllm_backend dropped it with vLLM 0.6.3.)
 """
 
 from __future__ import annotations
@@ -101,6 +104,21 @@ _ITL_BUCKETS = [
 ]
 _VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 _VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+_VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def buckets_1_2_5(upper: int) -> list[int]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... while <= upper."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > upper:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
 _E2E_BUCKETS = [
     0.01,
     0.05,
@@ -195,6 +213,7 @@ class TritonMetrics:
         model_name: str,
         model_version: str,
         reports_engine_state: bool = True,
+        max_model_len: int = 4096,
     ) -> None:
         """`reports_engine_state` False: a front end that shares another's engine core leaves the
         core's own figures (running, waiting, KV usage, prefix cache, preemptions) to that one;
@@ -311,6 +330,18 @@ class TritonMetrics:
                 ),
             )
         ]
+        token_buckets = [float(b) for b in buckets_1_2_5(max_model_len)]
+        self._vllm_request_histograms = [
+            (histogram(f"vllm:{name}", description, buckets), observed)
+            for name, description, buckets, observed in (
+                ("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets,
+                 "request_prompt_tokens"),
+                ("request_generation_tokens", "Number of generation tokens processed.", token_buckets,
+                 "request_generation_tokens"),
+                ("request_params_n", "Histogram of the n request parameter.",
+                 [float(b) for b in _VLLM_N_BUCKETS], "request_n"),
+            )
+        ]  # fmt: skip
         self._last: dict[str, float] = {}
 
     def count_final(self, code: str) -> None:
@@ -356,7 +387,7 @@ class TritonMetrics:
             ):
                 histogram.observe_many(values)
                 histogram.flush()
-            for histogram, field_name in self._vllm_histograms:
+            for histogram, field_name in (*self._vllm_histograms, *self._vllm_request_histograms):
                 histogram.observe_many(getattr(observations, field_name))
                 histogram.flush()
 

@@ -144,6 +144,7 @@ class TritonPythonModel:
             args["model_name"],
             args["model_version"],
             reports_engine_state=self.engine.owns_core,
+            max_model_len=self.engine.info.max_model_len,
         )
         self._streams = ResponseStreams(
             pb_utils,
