@@ -291,7 +291,10 @@ def test_keys_models_health_version_and_metrics(served):
     assert headers.get("www-authenticate") == "Bearer"
     assert _get(f"{served.base_url}/health")[0] == 200  # open without a key
     assert _get(f"{served.base_url}/metrics")[0] == 401
-    assert [m.id for m in served.client().models.list().data] == ["llm", "llm_trtllm"]
+    # only the models with vllm_backend's interface (not llm_trtllm, ensemble, tensorrt_llm_bls)
+    assert [m.id for m in served.client().models.list().data] == ["llm"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        served.client().completions.create(model="ensemble", prompt="x")
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         served.client().completions.create(model="no-such-model", prompt="x")
     auth = {"Authorization": f"Bearer {API_KEY}"}

@@ -221,7 +221,7 @@ class TritonBackend:
         # `paged-llm serve --api-key` set the model's api_key_sha256 (serving/auth.py).
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._client = grpcclient.InferenceServerClient(url)
-        self._is_paged_llm_cache: dict[str, bool] = {}
+        self._kind_cache: dict[str, tuple[bool, bool]] = {}
         self._last_answer_at: dict[str, float] = {}  # model -> when it last sent a response
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the /health probe in flight
 
@@ -289,23 +289,35 @@ class TritonBackend:
             if not finished:
                 responses.cancel()  # the HTTP client went away: Triton cancels the request
 
-    async def _is_paged_llm(self, model: str) -> bool:
-        """Whether `model` is our llm model (it has the error output); other vllm_backend-style
-        models get no requested outputs (they send theirs), so a name they lack cannot fail them."""
-        known = self._is_paged_llm_cache.get(model)
+    async def _kind(self, model: str) -> tuple[bool, bool] | None:
+        """(has vllm_backend's interface, is our llm model), from the model's config (cached), or
+        None while the config cannot be read."""
+        known = self._kind_cache.get(model)
         if known is None:
             try:
                 config = await self._client.get_model_config(model, as_json=True, client_timeout=5.0)
             except Exception:
-                return False  # unknown for now (the request itself will say why); ask again next time
-            outputs = config.get("config", config).get("output", [])
-            known = any(o.get("name") == ERROR_OUTPUT for o in outputs)
-            self._is_paged_llm_cache[model] = known
+                return None  # unknown for now (the request itself will say why); ask again next time
+            config = config.get("config", config)
+            inputs = {i.get("name") for i in config.get("input", [])}
+            outputs = {o.get("name") for o in config.get("output", [])}
+            known = ("sampling_parameters" in inputs and "text_output" in outputs, ERROR_OUTPUT in outputs)
+            self._kind_cache[model] = known
         return known
 
+    async def _is_paged_llm(self, model: str) -> bool:
+        """Whether `model` is our llm model (it has the error output); other vllm_backend-style
+        models get no requested outputs (they send theirs), so a name they lack cannot fail them."""
+        kind = await self._kind(model)
+        return kind is not None and kind[1]
+
     async def ready_models(self) -> list[str]:
+        """The ready models with vllm_backend's request interface (the ones these routes can send
+        to; e.g. the TensorRT-LLM convention's models are left out)."""
         index = await self._client.get_model_repository_index(as_json=True, client_timeout=5.0)
-        return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+        ready = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+        kinds = [await self._kind(name) for name in ready]
+        return [name for name, kind in zip(ready, kinds, strict=True) if kind is None or kind[0]]
 
     async def is_ready(self, model: str) -> bool:
         """Triton and the model say ready, and the model answers. Triton 2.51 keeps calling a model
