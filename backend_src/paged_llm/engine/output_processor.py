@@ -138,7 +138,6 @@ class OutputProcessor:
         )
         self.requests[request_id] = state
         self._by_core_id[state.core_request_id] = state
-        self.stats.on_request_added(len(prompt_token_ids))
         return state.core_request_id
 
     def remove_request(self, request_id: str) -> None:
@@ -208,6 +207,9 @@ class OutputProcessor:
         is_first_of_request = state.first_token_time is None
         if is_first_of_request:
             state.first_token_time = now
+            # Its prompt was processed (as vLLM counts prefill tokens): a request refused by the core,
+            # or ended before its prefill finished, adds none.
+            self.stats.on_prompt_processed(state.num_prompt_tokens)
         self.stats.on_token(
             now - state.arrival_time if is_first_of_request else None, seq.last_token_time, now
         )

@@ -57,7 +57,8 @@ class EngineStats:
         self.cancellation_check_seconds = 0.0
         self._observations = LatencyObservations()
 
-    def on_request_added(self, num_prompt_tokens: int) -> None:
+    def on_prompt_processed(self, num_prompt_tokens: int) -> None:
+        """A request's prefill finished (its first token came)."""
         with self._lock:
             self.num_prompt_tokens_total += num_prompt_tokens
 

@@ -26,7 +26,7 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_engine_gc_collections_total | counter | garbage collections in the engine core process |
 | paged_llm_engine_gc_pause_seconds_total | counter | time they stopped the core |
 | paged_llm_engine_gc_long_pauses_total | counter | those of 5 ms or more (longer than a decode step) |
-| paged_llm_prompt_tokens_total | counter | prompt tokens of accepted requests |
+| paged_llm_prompt_tokens_total | counter | prompt tokens of requests whose prefill finished |
 | paged_llm_generation_tokens_total | counter | generated tokens |
 | paged_llm_request_outcomes_total{outcome} | counter | finished requests: stop, length, abort, error |
 | paged_llm_final_responses_total{code} | counter | FINAL responses sent, by status code |
@@ -275,7 +275,9 @@ class TritonMetrics:
             family.COUNTER,
         )
         self._prompt_tokens = metric(
-            "paged_llm_prompt_tokens_total", "Prompt tokens accepted", family.COUNTER
+            "paged_llm_prompt_tokens_total",
+            "Prompt tokens processed (requests whose prefill finished)",
+            family.COUNTER,
         )
         self._generation_tokens = metric(
             "paged_llm_generation_tokens_total", "Tokens generated", family.COUNTER
