@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -84,11 +85,16 @@ class HFReference:
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
-    def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int, **generate_kwargs: Any) -> list[int]:
+        """The generated token ids; `generate_kwargs` go to `generate` (e.g. bad_words_ids)."""
         ids = torch.tensor([list(prompt)])
         with torch.no_grad():
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                **generate_kwargs,
             )
         return out[0, ids.shape[1] :].tolist()
 

@@ -260,14 +260,7 @@ def test_bad_words_are_never_generated_and_match_hf_bad_words_ids(
         for start in range(len(banned.token_ids) - len(sequence) + 1):
             assert tuple(banned.token_ids[start : start + len(sequence)]) != sequence
     assert banned.token_ids != full.token_ids
-    ids = torch.tensor([prompt])
-    reference = hf_reference.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=24,
-        do_sample=False,
-        bad_words_ids=[list(s) for s in dict.fromkeys(tokenized)],
-    )[0, len(prompt) :].tolist()
+    reference = hf_reference.greedy(prompt, 24, bad_words_ids=[list(s) for s in dict.fromkeys(tokenized)])
     assert banned.token_ids == reference
 
 

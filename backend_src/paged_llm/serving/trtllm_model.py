@@ -204,8 +204,9 @@ class TritonPythonModel:
             self._forget(client)
             client.sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
             others = [i for i in client.forwarded_ids if i != failed_id]
+        authorization = _authorization(client.request) if others else {}
         for forwarded_id in others:
-            self._abort_forwarded(forwarded_id, _authorization(client.request))
+            self._abort_forwarded(forwarded_id, authorization)
 
     def _forget(self, client: _ClientRequest) -> None:
         """No is_cancelled() on the client's request once its FINAL goes out (caller holds client.lock)."""
