@@ -173,6 +173,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=0)
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="launch step N+1 before step N's tokens are on the host (auto: on for accelerators)",
+    )
     parser.add_argument("--hf", choices=["auto", "cb", "generate", "none"], default="auto")
     parser.add_argument(
         "--hf-num-requests", type=int, default=0, help="HF runs the first N requests (0 = all)"
@@ -191,7 +197,9 @@ def main() -> None:
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks or None),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=args.async_scheduling,
         ),
         device=DeviceConfig(device=args.device),
     )

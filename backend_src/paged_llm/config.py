@@ -64,8 +64,14 @@ class SchedulerConfig:
     # A request still waiting to start after this many seconds ends with UNAVAILABLE and never runs
     # (0: it waits as long as it takes).
     queue_max_wait_s: float = 0.0
+    # Schedule and launch step N+1 before step N's tokens reach the host, so that the device never
+    # waits for the host's scheduling (vLLM's async scheduling). auto: on for accelerators, off on
+    # CPU (where a step is computed when it is launched, so nothing would overlap).
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

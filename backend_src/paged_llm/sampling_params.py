@@ -83,6 +83,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @functools.cached_property
+    def needs_output_history(self) -> bool:
+        """Sampling reads the values of the tokens generated so far (penalties, bad words): the next
+        token cannot be sampled before the previous one is on the host (no asynchronous scheduling)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.bad_words_token_ids)
+        )
+
+    @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that changes or reports the logits: an argmax decides the token."""
         return (

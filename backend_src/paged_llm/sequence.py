@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from paged_llm.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # a sampled token whose value is still on the device
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -64,6 +66,7 @@ class Sequence:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
     first_scheduled_time: float | None = None
+    num_pending_tokens: int = 0  # placeholders at the end of all_token_ids (asynchronous scheduling)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -94,6 +97,31 @@ class Sequence:
         """Lower runs sooner: priority first, then arrival order (FCFS)."""
         return (self.priority, self.arrival_seq)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are on the host (all but the pending ones at the end)."""
+        return len(self.all_token_ids) - self.num_pending_tokens
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_pending_token(self) -> None:
+        self.append_output_token(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token_id: int) -> int:
+        """Gives the oldest pending token its value; returns that token's index in output_token_ids."""
+        assert self.num_pending_tokens > 0, f"{self.seq_id}: no pending token to resolve"
+        index = len(self.output_token_ids) - self.num_pending_tokens
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[self.num_prompt_tokens + index] = token_id
+        self.num_pending_tokens -= 1
+        return index
+
+    def drop_pending_tokens(self) -> None:
+        """Forgets the placeholders (the sequence ended before their steps finished)."""
+        if self.num_pending_tokens:
+            del self.output_token_ids[-self.num_pending_tokens :]
+            del self.all_token_ids[-self.num_pending_tokens :]
+            self.num_pending_tokens = 0

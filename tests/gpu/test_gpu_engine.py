@@ -87,3 +87,19 @@ def test_seeded_sampling_on_gpu_matches_cpu(model_dir, prompts):
     gpu = run_to_completion(cuda_engine(model_dir), prompts[:4], params)
     cpu = run_to_completion(make_engine(model_dir), prompts[:4], params)
     assert [r[0].token_ids for r in gpu] == [r[0].token_ids for r in cpu]
+
+
+def test_async_scheduling_on_gpu_matches_sync(model_dir, prompts, tiny_tokenizer):
+    """Steps launched before the previous step's tokens reach the host (the CUDA default) give what
+    synchronous scheduling gives, for every sampling feature, with and without preemption."""
+    from tests.integration.test_async_scheduling import _mixed_requests, _run, assert_same_results
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    reference = [r[0].token_ids for r in run_to_completion(cuda_engine(model_dir), prompts[:4], greedy)]
+    requests = _mixed_requests(prompts, reference, tiny_tokenizer)
+    for sizes in ({}, {"num_blocks": 12, "max_num_batched_tokens": 48, "max_num_seqs": 6}):
+        sync = _run(cuda_engine(model_dir, async_scheduling="off", **sizes), requests)
+        engine = cuda_engine(model_dir, **sizes)
+        assert engine.core.launch_ahead
+        assert_same_results(_run(engine, requests), sync)
+        assert engine.core.num_steps_launched_ahead > 0

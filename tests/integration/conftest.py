@@ -69,6 +69,9 @@ def engines(tiny_model_dir) -> Iterator[Callable[..., LLMEngine]]:
     made: list[LLMEngine] = []
 
     def make(core_mode: str = "inprocess", **overrides) -> LLMEngine:
+        if core_mode.endswith("+async"):  # asynchronous scheduling, forced on for the CPU
+            core_mode = core_mode.removesuffix("+async")
+            overrides.setdefault("async_scheduling", "on")
         made.append(make_engine(tiny_model_dir, core_mode, **overrides))
         return made[-1]
 

@@ -1,5 +1,6 @@
 """Token-exact greedy parity with HF transformers (float32, CPU) under every scheduling regime, with
-the engine core stepped in this process and in its own process."""
+the engine core stepped in this process and in its own process, each with asynchronous scheduling
+(step N+1 launched before step N's tokens are on the host) forced on as well."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def expected(hf_reference, prompts) -> list[list[int]]:
     return [hf_reference.greedy(p, MAX_TOKENS) for p in prompts]
 
 
-@pytest.fixture(params=["inprocess", "process"])
+@pytest.fixture(params=["inprocess", "process", "inprocess+async", "process+async"])
 def core_mode(request) -> str:
     return request.param
 

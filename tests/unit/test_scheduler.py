@@ -24,7 +24,7 @@ from paged_llm.config import SchedulerConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
 from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.sequence import Sequence, SequenceStatus
+from paged_llm.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 BLOCK = 4
 
@@ -780,7 +780,17 @@ class ShadowKV:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.slots: dict[tuple[int, int], int] = {}
+        # A slot holds a token, or (sequence, position) for a token still pending when it was
+        # written (asynchronous scheduling: the device had its value, the host did not yet).
+        self.slots: dict[tuple[int, int], int | tuple[Sequence, int]] = {}
+
+    def _token(self, slot: tuple[int, int]) -> int | None:
+        value = self.slots.get(slot)
+        if isinstance(value, tuple):
+            seq, pos = value
+            value = seq.all_token_ids[pos]
+            assert value != PENDING_TOKEN, f"{seq.seq_id}: KV of a token never resolved"
+        return value
 
     def run_step(self, sched: Scheduler, output: SchedulerOutput) -> None:
         pool, size = sched.kv_cache.pool, self.block_size
@@ -789,13 +799,14 @@ class ShadowKV:
             table = scheduled.block_ids
             for pos in range(scheduled.num_computed_tokens):
                 slot = (table[pos // size], pos % size)
-                assert self.slots.get(slot) == tokens[pos], f"{scheduled.seq_id} reads stale KV at {pos}"
+                assert self._token(slot) == tokens[pos], f"{scheduled.seq_id} reads stale KV at {pos}"
             start = scheduled.num_computed_tokens
             for pos in range(start, start + scheduled.num_new_tokens):
                 block_id = table[pos // size]
                 # Writing into a block another sequence also reads would corrupt its KV.
                 assert pool.blocks[block_id].ref_count == 1, f"write into shared block {block_id}"
-                self.slots[(block_id, pos % size)] = tokens[pos]
+                token = tokens[pos]
+                self.slots[(block_id, pos % size)] = (scheduled.seq, pos) if token == PENDING_TOKEN else token
 
 
 def check_step(
@@ -842,6 +853,17 @@ MAX_STEPS = 20_000
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
+    run_workload(workload, pipelined=False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_random_workloads_keep_every_invariant_with_asynchronous_scheduling(workload: Workload) -> None:
+    """Step N+1 is scheduled and launched before step N's tokens are applied (pending tokens)."""
+    run_workload(workload, pipelined=True)
+
+
+def run_workload(workload: Workload, pipelined: bool) -> None:
     sched = make_scheduler(
         workload.num_blocks,
         max_num_seqs=workload.max_num_seqs,
@@ -880,7 +902,8 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
                 sched.check_integrity()
 
     step_index = 0
-    while not_arrived or sched.has_unfinished_sequences():
+    unapplied: tuple[SchedulerOutput, dict[str, int]] | None = None  # launched, not yet applied
+    while not_arrived or sched.has_unfinished_sequences() or unapplied is not None:
         assert step_index < MAX_STEPS, "livelock: sequences never finish"
         while not_arrived and not_arrived[0].arrival_step <= step_index:
             sched.add_sequence(seqs[not_arrived.pop(0).seq_id])
@@ -890,7 +913,7 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
         output = sched.schedule()
         sched.check_integrity()
         check_step(sched, output, running_before, waiting_before)
-        if sched.has_unfinished_sequences():
+        if sched.has_unfinished_sequences() and unapplied is None:
             assert not output.is_empty, "a step with unfinished sequences scheduled nothing"
         shadow.run_step(sched, output)
 
@@ -901,7 +924,14 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
                 sampled_indices[scheduled.seq_id].append(index)
                 sampled[scheduled.seq_id] = model_token(scheduled.seq_id, index, VOCAB)
         abort(step_index, mid_step=True)
-        sched.update_from_output(output, sampled)
+        if pipelined:
+            sched.on_launched(output)
+            sched.check_integrity()
+            if unapplied is not None:
+                sched.update_from_output(*unapplied)
+            unapplied = None if output.is_empty else (output, sampled)
+        else:
+            sched.update_from_output(output, sampled)
         sched.check_integrity()
         step_index += 1
 
@@ -911,15 +941,23 @@ def test_random_workloads_keep_every_invariant(workload: Workload) -> None:
         if rid in aborted:
             assert seq.status is SequenceStatus.FINISHED_ABORTED
             assert seq.output_token_ids == expected[: seq.num_output_tokens]
-            # The model may have run once more for a step whose result the abort discarded.
-            assert sampled_indices[rid] in (
-                list(range(seq.num_output_tokens)),
-                list(range(seq.num_output_tokens + 1)),
-            )
+            # The model may have run once more for a step whose result the abort discarded (twice
+            # with asynchronous scheduling: two steps can be in flight).
+            num_extra = 2 if pipelined else 1
+            assert sampled_indices[rid] in [
+                list(range(seq.num_output_tokens + extra)) for extra in range(num_extra + 1)
+            ]
         else:
             assert seq.output_token_ids == expected
             assert seq.status is status
-            assert sampled_indices[rid] == list(range(len(expected)))  # no index sampled twice
+            if pipelined and status is SequenceStatus.FINISHED_STOPPED:
+                # The step after the stop token was launched before the stop was known.
+                assert sampled_indices[rid] in (
+                    list(range(len(expected))),
+                    list(range(len(expected) + 1)),
+                )
+            else:
+                assert sampled_indices[rid] == list(range(len(expected)))  # no index sampled twice
     assert sum(r.num_preemptions for r in seqs.values()) == sched.num_preemptions_total
     assert kv.num_free_blocks == kv.num_blocks
     assert sched.sequences == {} and sched.running == [] and sched.waiting == []

@@ -41,7 +41,7 @@ def build_metadata(
         num_blocks = -(-(computed + new) // block_size)
         scheduled.append(
             SimpleNamespace(
-                seq=SimpleNamespace(all_token_ids=[0] * (computed + new)),
+                seq=SimpleNamespace(all_token_ids=[0] * (computed + new), num_known_tokens=computed + new),
                 num_computed_tokens=computed,
                 num_new_tokens=new,
                 block_ids=[free.pop() for _ in range(num_blocks)],

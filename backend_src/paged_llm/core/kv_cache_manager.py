@@ -63,9 +63,9 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size_tokens)
 
     def update_block_hashes(self, seq: Sequence) -> None:
-        """Extends `seq.block_hashes` to every full block of its current tokens."""
+        """Extends `seq.block_hashes` to every full block of its known tokens (not pending ones)."""
         size = self.block_size_tokens
-        num_full_blocks = seq.num_tokens // size
+        num_full_blocks = seq.num_known_tokens // size
         hashes = seq.block_hashes
         first = len(hashes)
         if first >= num_full_blocks:
@@ -145,7 +145,8 @@ class KVCacheManager:
         blocks = self.seq_to_blocks.get(seq.seq_id)
         if not blocks:
             return
-        num_full_blocks = min(seq.num_computed_tokens // self.block_size_tokens, len(blocks))
+        num_computed_known = min(seq.num_computed_tokens, seq.num_known_tokens)
+        num_full_blocks = min(num_computed_known // self.block_size_tokens, len(blocks))
         first = self.num_cached_blocks.get(seq.seq_id, 0)
         if num_full_blocks <= first:
             return

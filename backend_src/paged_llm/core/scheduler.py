@@ -10,8 +10,13 @@ Each step:
 While any sequence is decoding, prefill (chunks of running sequences and admissions) takes at most
 `max_prefill_tokens_while_decoding` tokens of a step (0: no separate limit), which bounds how long
 decoding streams wait for a step when big prompts arrive.
-After the runner executed the step, `update_from_output` advances `num_computed_tokens`, registers
-newly full blocks in the prefix cache, appends sampled tokens and finishes sequences.
+When the runner launched the step, `on_launched` counts its tokens as computed and gives each sequence
+that samples a pending token (a placeholder: the value is still on the device). After the step ran,
+`update_from_output` writes the sampled values, registers newly full blocks in the prefix cache and
+finishes sequences. With asynchronous scheduling the next step is scheduled between the two: a
+decode then reads the pending token as its input (the runner takes it from the previous step's
+output on the device), and a sequence whose pending token is its last (max_tokens, max_model_len)
+is not scheduled again.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)  # in batch order
     num_batched_tokens: int = 0  # sum of num_new_tokens
     preempted: list[Sequence] = field(default_factory=list)  # preempted during this schedule()
+    launched: bool = False  # on_launched() counted its tokens
 
     @property
     def is_empty(self) -> bool:
@@ -122,6 +128,7 @@ class Scheduler:
         return finished
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.drop_pending_tokens()
         seq.status = status
         self.kv_cache.free(seq)
         del self.sequences[seq.seq_id]
@@ -143,6 +150,9 @@ class Scheduler:
             seq = self.running[index]
             lacking = seq.num_tokens - seq.num_computed_tokens
             assert lacking > 0, f"running seq {seq.seq_id} has nothing to compute"
+            if seq.num_pending_tokens and self._reaches_length_limit(seq, seq.num_output_tokens):
+                index += 1  # its pending token is its last: it ends when that token arrives
+                continue
             num_new = min(lacking, budget) if lacking == 1 else min(lacking, budget, self._prefill_left)
             if num_new == 0:  # a prefill chunk, and the step's prefill share is spent
                 index += 1
@@ -255,6 +265,19 @@ class Scheduler:
         self.waiting.remove(seq)
 
     # ------------------------------------------------------------------------------------ update
+    def on_launched(self, output: SchedulerOutput) -> None:
+        """The step is on the device: its tokens count as computed (the KV a later step reads is
+        written before it, in stream order), and each sequence that samples gets a pending token."""
+        assert not output.launched, "on_launched twice for one step"
+        output.launched = True
+        for scheduled in output.scheduled:
+            seq = scheduled.seq
+            if seq.is_finished:
+                continue  # aborted since schedule()
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            if scheduled.needs_sample:
+                seq.append_pending_token()
+
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
     ) -> list[SequenceUpdate]:
@@ -262,41 +285,50 @@ class Scheduler:
 
         Sequences that finished here (EOS, stop token, max_tokens, max_model_len) are already freed.
         """
+        if not output.launched:
+            self.on_launched(output)
         updates: list[SequenceUpdate] = []
         for scheduled in output.scheduled:
             seq = scheduled.seq
             if seq.is_finished:
                 continue  # finished between schedule() and now (abort); nothing to apply
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache.cache_computed_blocks(seq)
             if not scheduled.needs_sample:
+                self.kv_cache.cache_computed_blocks(seq)
                 updates.append(SequenceUpdate(seq, None))
                 continue
             token_id = sampled_token_ids[seq.seq_id]
-            seq.append_output_token(token_id)
-            status = self._check_stop(seq, token_id)
+            num_output_tokens = seq.resolve_pending_token(token_id) + 1
+            self.kv_cache.cache_computed_blocks(seq)
+            status = self._check_stop(seq, token_id, num_output_tokens)
             if status is not None:
-                self.running.remove(seq)
+                if seq.status is SequenceStatus.RUNNING:
+                    self.running.remove(seq)
+                else:  # preempted while this step ran (asynchronous scheduling)
+                    self._remove_waiting(seq)
                 self._finish(seq, status)
             updates.append(SequenceUpdate(seq, token_id))
         return updates
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+    def _check_stop(self, seq: Sequence, token_id: int, num_output_tokens: int) -> SequenceStatus | None:
+        """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence."""
         params = seq.sampling_params
-        # The token just appended has index num_output_tokens - 1; stop tokens count from index
-        # min_tokens on (the sampler suppresses them before that).
-        if seq.num_output_tokens > params.min_tokens:
+        # Stop tokens count from index min_tokens on (the sampler suppresses them before that).
+        if num_output_tokens > params.min_tokens:
             if token_id in seq.eos_token_ids and not params.ignore_eos:
                 seq.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if self._reaches_length_limit(seq, num_output_tokens):
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def _reaches_length_limit(self, seq: Sequence, num_output_tokens: int) -> bool:
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and num_output_tokens >= max_tokens:
+            return True
+        return seq.num_prompt_tokens + num_output_tokens >= self.max_model_len
 
     # ------------------------------------------------------------------------------------- state
     def stats(self) -> SchedulerStats:

@@ -151,6 +151,13 @@ class EngineCore:
         self._seed_rng = random.Random(config.model.seed)
         self.num_steps = 0
         self.num_step_faults = 0
+        mode = config.scheduler.async_scheduling
+        # Launch a step before the previous one's tokens are on the host (step_pipelined).
+        self.launch_ahead = mode == "on" or (mode == "auto" and self.device.is_accelerator)
+        # Drive the core with step_pipelined(): on an accelerator publishing overlaps the device work.
+        self.pipelined = self.launch_ahead or self.device.is_accelerator
+        self._in_flight: InFlightStep | None = None  # step_pipelined's launched, unfinished step
+        self.num_steps_launched_ahead = 0  # steps launched before the previous step's tokens arrived
         process_gc_pauses()  # counting starts now
         self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
 
@@ -280,11 +287,51 @@ class EngineCore:
         in_flight = self.launch_step()
         return self.finish_step(in_flight)
 
-    def launch_step(self) -> InFlightStep | None:
+    def step_pipelined(self) -> EngineCoreOutputs:
+        """One turn of the loop on an accelerator: launch step N+1, then finish step N (launched by
+        the previous call) and return what it produced, with N+1 running while the caller publishes.
+
+            launch_ahead:  launch(N+1) [reads N's tokens on the device] -> finish(N) -> return N
+            otherwise:     finish(N) -> launch(N+1) -> return N
+
+        Launching ahead needs no token value of step N on the host: it is skipped (N finished first)
+        when a sequence of N samples with penalties or bad words."""
+        previous, self._in_flight = self._in_flight, None
+        outputs = None
+        if previous is not None and not self._can_launch_ahead(previous):
+            outputs = self.finish_step(previous)
+            previous = None
+        if self.has_unfinished_requests():
+            self._in_flight = self.launch_step(previous)
+            if previous is not None and self._in_flight is not None:
+                self.num_steps_launched_ahead += 1
+        if previous is not None:
+            outputs = self.finish_step(previous)
+        return outputs if outputs is not None else self.take_outputs()
+
+    def finish_in_flight(self) -> EngineCoreOutputs:
+        """Finishes step_pipelined's running step (if any): what it and everything before produced."""
+        in_flight, self._in_flight = self._in_flight, None
+        return self.finish_step(in_flight)
+
+    @property
+    def has_in_flight_step(self) -> bool:
+        return self._in_flight is not None
+
+    def _can_launch_ahead(self, previous: InFlightStep) -> bool:
+        if not self.launch_ahead:
+            return False
+        return not any(
+            seq.sampling_params.needs_output_history and not seq.is_finished for seq in previous.launched.seqs
+        )
+
+    def launch_step(self, previous: InFlightStep | None = None) -> InFlightStep | None:
         """The first half of step(): schedule and enqueue the device work (returns at once on an
         accelerator). The caller may do host work (e.g. detokenize the previous step) before
         finish_step(); aborts in between are fine: the step's results for them are dropped, and
-        their blocks are only reused by a later schedule(), after this step's sync."""
+        their blocks are only reused by a later schedule(), after this step's sync (or, on the
+        device, after this step in stream order). `previous`: a launched step not finished yet,
+        whose sampled tokens this step takes as inputs on the device (asynchronous scheduling)."""
         self._expire_deadlines()
         if self.config.scheduler.queue_max_wait_s > 0.0:
             self._expire_queue_waits()
@@ -295,7 +342,9 @@ class EngineCore:
         try:
             if self.config.fault_injection_step == self.num_steps:
                 raise RuntimeError(f"injected fault at step {self.num_steps} (fault_injection_step)")
-            return InFlightStep(scheduler_output, self.runner.launch(scheduler_output))
+            launched = self.runner.launch(scheduler_output, previous.launched if previous else None)
+            self.scheduler.on_launched(scheduler_output)
+            return InFlightStep(scheduler_output, launched)
         except Exception as error:  # a model fault must not take the server down
             self._fail_step(scheduler_output.scheduled, error)
             return None

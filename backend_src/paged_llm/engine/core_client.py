@@ -162,7 +162,7 @@ class ThreadedCoreClient:
         from paged_llm.engine.core_loop import run_busy_loop
 
         try:
-            run_busy_loop(core, self._link.inbox, self._link.outbox.put, core.device.is_accelerator)
+            run_busy_loop(core, self._link.inbox, self._link.outbox.put)
         except BaseException as error:
             logger.exception("engine core thread crashed")
             self.death_reason = f"the engine core thread crashed: {type(error).__name__}: {error}"

@@ -7,10 +7,12 @@ Shared by the core process (engine/core_process.py) and the in-thread client (en
         step() if there is work, else collect what the inbox caused (refusals, aborts)
         publish the step's EngineCoreOutputs, if it holds anything
 
-On an accelerator (`overlap_publish`) a step's outputs are published after the next step is
-launched, so that serializing and sending them overlaps the device work instead of delaying it:
+On an accelerator (`pipelined`) the core keeps one step running while the loop publishes the one
+before (EngineCore.step_pipelined), so that serializing and sending outputs overlaps the device work;
+with asynchronous scheduling the next step is even launched before the previous one's tokens are
+read back:
 
-    launch(N+1) -> publish(outputs of N) -> finish(N+1) -> launch(N+2) -> publish(N+1) ...
+    launch(N+1) -> finish(N) -> publish(N) -> drain -> launch(N+2) -> finish(N+1) -> publish(N+1) ...
 
 (on a CPU launching is the step itself, so outputs go out as soon as they exist).
 """
@@ -42,30 +44,22 @@ def run_busy_loop(
     core: EngineCore,
     inbox: queue.SimpleQueue[CoreInput],
     publish: Callable[[EngineCoreOutputs], None],
-    overlap_publish: bool = False,
 ) -> str:
     """Runs until a Shutdown arrives; aborts what is left, publishes that, returns the reason.
     An exception from the core propagates: the caller reports the core as dead."""
-    held: EngineCoreOutputs | None = None  # the last step's outputs, sent after the next launch
     while True:
-        idle = not core.has_unfinished_requests() and held is None
+        idle = not core.has_unfinished_requests() and not core.has_in_flight_step
         shutdown = _drain_inbox(core, inbox, block=idle)
         if shutdown is not None:
-            if held is not None:
-                publish(held)
             core.abort_all(shutdown.reason)
-            publish(core.take_outputs())
+            publish(core.finish_in_flight())
             return shutdown.reason
-        in_flight = core.launch_step() if core.has_unfinished_requests() else None
-        if held is not None:
-            publish(held)
-            held = None
-        outputs = core.finish_step(in_flight)
-        if outputs.is_empty:
-            continue
-        if overlap_publish and in_flight is not None:
-            held = outputs
+        if core.pipelined:
+            outputs = core.step_pipelined()
         else:
+            in_flight = core.launch_step() if core.has_unfinished_requests() else None
+            outputs = core.finish_step(in_flight)
+        if not outputs.is_empty:
             publish(outputs)
 
 

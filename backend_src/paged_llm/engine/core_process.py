@@ -103,7 +103,7 @@ def serve(link: FramedSocket, listener: socket.socket | None = None) -> int:
     if listener is not None:
         front_ends.accept_from(listener)
     try:
-        reason = run_busy_loop(core, inbox, front_ends.publish, core.device.is_accelerator)
+        reason = run_busy_loop(core, inbox, front_ends.publish)
     except BaseException as error:
         logger.error("engine core crashed:\n%s", "".join(traceback.format_exception(error)))
         return 1

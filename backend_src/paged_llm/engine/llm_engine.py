@@ -39,8 +39,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self.processor = OutputProcessor(self.tokenizer, self.stats)
         self._backlog: list[RequestOutput] = []  # outputs read while waiting for a utility call
-        # In-process: the core's last step, processed (detokenized) while the next one runs.
-        self._unprocessed: EngineCoreOutputs | None = None
 
     @property
     def core(self) -> Any:
@@ -99,25 +97,17 @@ class LLMEngine:
         if self._backlog:
             outputs, self._backlog = self._backlog, []
             return outputs
-        if isinstance(self.client, InProcessCoreClient) and self.client.core.device.is_accelerator:
+        if isinstance(self.client, InProcessCoreClient) and self.client.core.pipelined:
             return self._step_overlapped(self.client.core)  # on a CPU the step itself is the host work
         core_outputs = self.client.get_outputs(timeout_s=None)
         return self._absorb(core_outputs) if core_outputs is not None else []
 
     def _step_overlapped(self, core: Any) -> list[RequestOutput]:
-        """In-process: launch step N+1, then detokenize step N while the device runs it:
-
-            launch(N+1) -> [process outputs of N: detokenize, stop strings, logprobs] -> finish(N+1)
-
-        (each step's outputs therefore come back one call later). A stop string found in step N
-        aborts its sequence with N+1 in flight; N+1's token for it is dropped."""
-        in_flight = core.launch_step() if core.has_unfinished_requests() else None
-        previous, self._unprocessed = self._unprocessed, None
-        outputs = self._absorb(previous) if previous is not None else []
-        finished = core.finish_step(in_flight)
-        if in_flight is not None or not finished.is_empty:
-            self._unprocessed = finished
-        return outputs
+        """In-process: the core returns step N with step N+1 running (EngineCore.step_pipelined), and
+        N is detokenized while the device runs N+1. A stop string found in step N aborts its
+        sequence with N+1 in flight; N+1's token for it is dropped."""
+        finished = core.step_pipelined()
+        return self._absorb(finished) if not finished.is_empty else []
 
     def _absorb(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         touched, aborts = self.processor.process(core_outputs)

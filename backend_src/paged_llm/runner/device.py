@@ -114,6 +114,10 @@ class Device:
     def pin_memory(self) -> bool:
         return self.is_accelerator
 
+    def new_event(self):
+        """A device event (record() / synchronize()); None on CPU."""
+        return self._module().Event() if self.is_accelerator else None
+
     def new_stream(self):
         return self._module().Stream(self.torch_device) if self.is_accelerator else None
 

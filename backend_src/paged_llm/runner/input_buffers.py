@@ -8,6 +8,11 @@ by which time its copies have long completed.
     host (pinned)  --copy_(non_blocking)-->  device         sliced to this step's sizes:
     input_ids[:T], positions[:T], slot_mapping[:T], query_start_loc[:B+1], seq_lens[:B],
     block_tables[:B * W] viewed as [B, W] (W = widest block table of the step), sample_indices[:S]
+
+With asynchronous scheduling the next step is prepared while the previous one still runs: a decode
+whose input token is still pending (its value is on the device, not yet on the host) gets it by a
+device-side copy from the previous step's sampled tokens, and the host buffers are refilled only
+after an event says the previous upload left them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ import torch
 
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.layers.attention.metadata import AttentionMetadata
-from paged_llm.sequence import Sequence
+from paged_llm.sequence import PENDING_TOKEN, Sequence
+
+
+@dataclass
+class PendingTokens:
+    """The previous step's sampled tokens, still on the device: row `row_of[seq_id]` of `token_ids`."""
+
+    token_ids: torch.Tensor  # [S] int64 on the device
+    row_of: dict[str, int]
 
 
 @dataclass
@@ -57,6 +70,8 @@ class InputBuffers:
             "seq_lens": (max_num_seqs, torch.int32),
             "block_tables": (max_num_seqs * max_blocks_per_seq, torch.int32),
             "sample_indices": (max_num_seqs, torch.int64),
+            "pending_rows": (max_num_seqs, torch.int64),  # input rows whose token is pending
+            "pending_sources": (max_num_seqs, torch.int64),  # their rows in PendingTokens.token_ids
         }
         self.host = {n: torch.zeros(s, dtype=d, pin_memory=pin_memory) for n, (s, d) in sizes.items()}
         self.host_np = {n: t.numpy() for n, t in self.host.items()}
@@ -64,6 +79,8 @@ class InputBuffers:
         self.dev = (
             {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in sizes.items()} if on_device else None
         )
+        self._uploaded = None  # device event after the last step's uploads (None on CPU)
+        self._new_event = getattr(torch, device.type).Event if on_device else None
 
     def _upload(self, name: str, count: int) -> torch.Tensor:
         host = self.host[name][:count]
@@ -73,7 +90,9 @@ class InputBuffers:
         target.copy_(host, non_blocking=self.pin_memory)
         return target
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def prepare(self, scheduler_output: SchedulerOutput, pending: PendingTokens | None = None) -> StepInputs:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's uploads have left the host buffers
         block_size = self.block_size_tokens
         scheduled = scheduler_output.scheduled
         num_seqs = len(scheduled)
@@ -89,6 +108,8 @@ class InputBuffers:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
         cursor = 0
         for row, item in enumerate(scheduled):
             start, num_new = item.num_computed_tokens, item.num_new_tokens
@@ -96,10 +117,19 @@ class InputBuffers:
             block_ids = item.block_ids
             tables_np[row, : len(block_ids)] = block_ids
             if num_new == 1:  # decode: plain Python beats numpy for one element
-                ids_np[cursor] = item.seq.all_token_ids[start]
+                token_id = item.seq.all_token_ids[start]
+                if token_id == PENDING_TOKEN:
+                    assert pending is not None, f"{item.seq_id}: pending input token without its step"
+                    pending_rows.append(cursor)
+                    pending_sources.append(pending.row_of[item.seq_id])
+                    token_id = 0
+                ids_np[cursor] = token_id
                 pos_np[cursor] = start
                 slot_np[cursor] = block_ids[start // block_size] * block_size + start % block_size
             else:
+                assert start + num_new <= item.seq.num_known_tokens, (
+                    f"{item.seq_id}: a chunk with a pending token"
+                )
                 ids_np[cursor:end] = item.seq.all_token_ids[start : start + num_new]
                 table = np.asarray(block_ids, dtype=np.int64)
                 pos = np.arange(start, start + num_new, dtype=np.int64)
@@ -130,10 +160,23 @@ class InputBuffers:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
+        input_ids = self._upload("input_ids", num_tokens)
+        if pending_rows:
+            assert pending is not None
+            self.host_np["pending_rows"][: len(pending_rows)] = pending_rows
+            self.host_np["pending_sources"][: len(pending_sources)] = pending_sources
+            rows = self._upload("pending_rows", len(pending_rows))
+            sources = self._upload("pending_sources", len(pending_sources))
+            input_ids.index_copy_(0, rows, pending.token_ids.index_select(0, sources))
+        positions = self._upload("positions", num_tokens)
+        sample_indices = self._upload("sample_indices", len(sample_rows))
+        if self._new_event is not None:
+            self._uploaded = self._new_event()
+            self._uploaded.record()
         return StepInputs(
-            input_ids=self._upload("input_ids", num_tokens),
-            positions=self._upload("positions", num_tokens),
+            input_ids=input_ids,
+            positions=positions,
             metadata=metadata,
-            sample_indices=self._upload("sample_indices", len(sample_rows)),
+            sample_indices=sample_indices,
             sampled_seqs=sampled_seqs,
         )

@@ -1,12 +1,17 @@
 """Runs one scheduled step: builds the flat batch (tokens, positions, slots, block tables), runs the
 model (a captured CUDA graph for decode-only batches on CUDA), samples the sequences that reached
-their last known token, and returns the tokens to the host: the step's one synchronisation."""
+their last known token, and returns the tokens to the host: the step's one synchronisation.
+
+`launch` only enqueues: the sampled tokens start their copy to (pinned) host memory behind the step,
+and `LaunchedStep.result()` waits for that copy alone, so a step launched after this one (asynchronous
+scheduling) does not delay it. Such a step reads this one's tokens on the device (`pending_tokens`)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,7 +25,7 @@ from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
 from paged_llm.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_token_buckets
 from paged_llm.runner.device import Device
-from paged_llm.runner.input_buffers import InputBuffers, StepInputs
+from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -41,11 +46,21 @@ class LaunchedStep:
 
     seqs: list[Sequence]  # the sequences that sample a token, in row order
     sampled: SamplerOutput | None  # device tensors (None: nothing sampled this step)
+    host: SamplerOutput | None = None  # the same, copied (or being copied) to host memory
+    copied: Any = None  # device event after the copy to the host (None: nothing to wait for)
+
+    def pending_tokens(self) -> PendingTokens | None:
+        """This step's sampled tokens on the device, for a step launched before its result()."""
+        if self.sampled is None:
+            return None
+        return PendingTokens(self.sampled.sampled_token_ids, {s.seq_id: r for r, s in enumerate(self.seqs)})
 
     def result(self) -> ModelRunnerOutput:
         if self.sampled is None:
             return ModelRunnerOutput()
-        sampled, seqs = self.sampled, self.seqs
+        if self.copied is not None:
+            self.copied.synchronize()
+        sampled, seqs = self.host or self.sampled, self.seqs
         token_ids = sampled.sampled_token_ids.tolist()
         output = ModelRunnerOutput({r.seq_id: t for r, t in zip(seqs, token_ids)})
         if sampled.sampled_logprobs is None:
@@ -178,11 +193,26 @@ class ModelRunner:
         return self.launch(scheduler_output).result()
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueues the step's model forward and sampling on the device and returns at once (on an
-        accelerator); `result()` waits for the sampled tokens."""
+        accelerator); `result()` waits for the sampled tokens. `previous`: the step launched before
+        this one whose result() has not been taken yet (its tokens are this step's pending inputs)."""
+        step = self._launch(scheduler_output, previous)
+        if step.sampled is not None and self.device.is_accelerator:
+            step.host = SamplerOutput(
+                *(
+                    None if tensor is None else tensor.to("cpu", non_blocking=True)
+                    for tensor in (getattr(step.sampled, f.name) for f in fields(SamplerOutput))
+                )
+            )
+            step.copied = self.device.new_event()
+            step.copied.record()
+        return step
+
+    def _launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         assert self.model is not None, "load() first"
-        inputs = self.prepare_inputs(scheduler_output)
+        pending = previous.pending_tokens() if previous is not None else None
+        inputs = self.buffers.prepare(scheduler_output, pending)
         metadata = inputs.metadata
         if not inputs.sampled_seqs:  # only prefill chunks that do not reach their last token
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
@@ -220,9 +250,6 @@ class ModelRunner:
             for seq in seqs
         ]
         return self.sampler(logits, SamplingMetadata.build(rows, self.spec.vocab_size, logits.device))
-
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        return self.buffers.prepare(scheduler_output)
 
 
 def default_attention(device: Device) -> AttentionBackend:

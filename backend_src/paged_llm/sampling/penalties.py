@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paged_llm.sampling.transfer import host_to_device
+
 
 @dataclass
 class PenaltyMetadata:
@@ -48,18 +50,20 @@ class PenaltyMetadata:
         ]
         prompt_rows = [index for index, penalty in enumerate(repetition_penalties) if penalty != 1.0]
         prompt_flat_ids = (
-            flat_token_ids(prompt_rows, prompt_token_ids, vocab_size).to(device) if any_repetition else None
+            host_to_device(flat_token_ids(prompt_rows, prompt_token_ids, vocab_size), device)
+            if any_repetition
+            else None
         )
 
         def as_tensor(values: Sequence[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return host_to_device(torch.tensor(values, dtype=torch.float32), device)
 
         return PenaltyMetadata(
             repetition_penalties=as_tensor(repetition_penalties),
             presence_penalties=as_tensor(presence_penalties),
             frequency_penalties=as_tensor(frequency_penalties),
             prompt_flat_ids=prompt_flat_ids,
-            output_flat_ids=flat_token_ids(output_rows, output_token_ids, vocab_size).to(device),
+            output_flat_ids=host_to_device(flat_token_ids(output_rows, output_token_ids, vocab_size), device),
             any_repetition_penalty=any_repetition,
             any_presence_penalty=any(penalty != 0.0 for penalty in presence_penalties),
             any_frequency_penalty=any(penalty != 0.0 for penalty in frequency_penalties),

@@ -21,6 +21,7 @@ import torch
 
 from paged_llm.sampling.noise import exponential_noise, row_noise_key_int32
 from paged_llm.sampling.penalties import PenaltyMetadata, apply_penalties, flat_token_ids
+from paged_llm.sampling.transfer import host_to_device
 from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -73,7 +74,7 @@ class SamplingMetadata:
         any_greedy = any(greedy_flags)
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device)
+            return host_to_device(torch.tensor(values, dtype=dtype).unsqueeze(1), device)
 
         temperatures = noise_keys = min_p_log_ratios = top_k = top_p = None
         max_top_k = 0
@@ -84,9 +85,13 @@ class SamplingMetadata:
                 [1.0 if greedy else row.params.temperature for row, greedy in zip(rows, greedy_flags)],
                 torch.float32,
             )
-            noise_keys = torch.tensor(
-                [row_noise_key_int32(row.seed, len(row.output_token_ids)) for row in rows], dtype=torch.int32
-            ).to(device)
+            noise_keys = host_to_device(
+                torch.tensor(
+                    [row_noise_key_int32(row.seed, len(row.output_token_ids)) for row in rows],
+                    dtype=torch.int32,
+                ),
+                device,
+            )
             if any(row.params.min_p > 0.0 for row in random_rows):
                 min_p_log_ratios = column(
                     [
@@ -112,7 +117,7 @@ class SamplingMetadata:
 
         greedy_mask = None
         if any_greedy and not all_greedy:
-            greedy_mask = torch.tensor(greedy_flags, dtype=torch.bool).to(device)
+            greedy_mask = host_to_device(torch.tensor(greedy_flags, dtype=torch.bool), device)
 
         penalties = None
         if any(
@@ -134,9 +139,10 @@ class SamplingMetadata:
         suppressed_rows = [index for index, row in enumerate(rows) if len(row.suppressed_token_ids) > 0]
         suppressed_flat_ids = None
         if suppressed_rows:
-            suppressed_flat_ids = flat_token_ids(
-                suppressed_rows, [row.suppressed_token_ids for row in rows], vocab_size
-            ).to(device)
+            suppressed_flat_ids = host_to_device(
+                flat_token_ids(suppressed_rows, [row.suppressed_token_ids for row in rows], vocab_size),
+                device,
+            )
 
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
         return SamplingMetadata(
