@@ -356,6 +356,23 @@ _COUNTER = re.compile(
 )
 
 
+_SERVER_TTFT = re.compile(
+    r"^paged_llm_time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?\s+(\S+)$",
+    re.M,
+)
+
+
+def _server_ttft(server: Any) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the front ends' time-to-first-token histogram: from a request's
+    arrival in a stub's execute() to its first token processed there (all series added up)."""
+    if server is None:
+        return None
+    totals = {"sum": 0.0, "count": 0.0}
+    for kind, value in _SERVER_TTFT.findall(server.metrics()):
+        totals[kind] += float(value)
+    return totals["sum"], totals["count"]
+
+
 def _server_counters(server: Any) -> dict[str, float] | None:
     """The stub's cancellation-polling and the engine core's GC counters from a launched server's
     /metrics (and `now`), else None."""
@@ -594,6 +611,7 @@ def main() -> int:
                 run = replace(run, jobs=_other_tokens(run.jobs, args.vocab_limit))
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             counters_before = _server_counters(server)
+            ttft_before = _server_ttft(server)
             served, client_gc = run_served(
                 openai_url if args.endpoint == "openai" else url,
                 args.model,
@@ -609,6 +627,13 @@ def main() -> int:
             counters_after = _server_counters(server)
             summary["cancellation_polls"] = _poll_delta(counters_before, counters_after)
             summary["engine_gc"] = _engine_gc_delta(counters_before, counters_after)
+            summary["server_ttft_mean_ms"] = None
+            if ttft_before is not None:
+                time.sleep(1.0)  # the stubs flush their histograms every ~0.5 s
+                ttft_after = _server_ttft(server)
+                num_firsts = ttft_after[1] - ttft_before[1]
+                if num_firsts > 0:
+                    summary["server_ttft_mean_ms"] = 1e3 * (ttft_after[0] - ttft_before[0]) / num_firsts
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}
@@ -628,6 +653,13 @@ def main() -> int:
                 )
             if summary["engine_gc"]:
                 print(_format_gc("engine core GC", **summary["engine_gc"]), flush=True)
+            if summary["server_ttft_mean_ms"] is not None:
+                print(
+                    f"   TTFT mean: {summary['ttft_ms']['mean']:.2f} ms at the client, "
+                    f"{summary['server_ttft_mean_ms']:.2f} ms from arrival in the stub to the first token "
+                    "processed there",
+                    flush=True,
+                )
             if args.endpoint == "both":
                 via_openai, _ = run_served(
                     openai_url, args.model, _other_tokens(run.jobs, args.vocab_limit), run.concurrency,

@@ -143,3 +143,37 @@ def test_client_cli_streams_over_grpc_and_http(server):
         assert completed.returncode == 0, completed.stderr
         assert completed.stdout.strip()
         assert "finish_reason: length" in completed.stderr
+
+
+def test_serving_benchmark_runs_served_and_offline_and_writes_its_json(tmp_path):
+    """scripts/bench_serving.py end to end on the tiny model: its own tritonserver (--launch), the
+    offline engine on the same requests, and the server-side TTFT read from /metrics. Timings are
+    not checked (they belong to benchmarks); counts and the JSON's shape are."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    out = tmp_path / "bench.json"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(repo_root() / "scripts" / "bench_serving.py"),
+            "--launch",
+            str(repository),
+            "--compare-offline",
+            "--client-processes",
+            "2",
+            "--scenario",
+            "smoke:6:16:5:c=2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    for side in ("served", "offline"):
+        assert result[side]["num_requests"] == 6 and result[side]["num_errors"] == 0
+        assert result[side]["output_tokens"] == 6 * 5
+    assert result["served"]["server_ttft_mean_ms"] > 0
+    assert result["served_over_offline"] > 0
+    assert "served / offline" in completed.stdout
