@@ -307,28 +307,41 @@ class Run:
 
 
 def _runs(
-    name: str, num: int, input_len: str, output_len: str, load: str, args: argparse.Namespace
+    name: str,
+    num: int,
+    input_len: str,
+    output_len: str,
+    load: str,
+    args: argparse.Namespace,
+    first_index: int,
 ) -> list[Run]:
-    """One run per concurrency level (c=1,2,4) or one Poisson run (r=RATE)."""
-    jobs = random_workload(num, input_len, output_len, args.vocab_limit, args.seed)
+    """One run per concurrency level (c=1,2,4) or one Poisson run (r=RATE). Every run gets prompts
+    of its own (seeded by --seed and the run's index in the invocation): a run that repeated an
+    earlier run's prompts would be served from the prefix cache and report a TTFT of cache hits."""
+
+    def jobs(index: int) -> list[Job]:
+        return random_workload(num, input_len, output_len, args.vocab_limit, args.seed + 1_000_003 * index)
+
     kind, _, value = load.partition("=")
     if kind == "c":
-        return [Run(f"{name}, concurrency {c}", name, jobs, int(c), float("inf")) for c in value.split(",")]
+        return [
+            Run(f"{name}, concurrency {c}", name, jobs(first_index + i), int(c), float("inf"))
+            for i, c in enumerate(value.split(","))
+        ]
     rate = float(value)
-    return [
-        Run(f"{name}, request rate {value}", name, with_poisson_arrivals(jobs, rate, args.seed), None, rate)
-    ]
+    arrivals = with_poisson_arrivals(jobs(first_index), rate, args.seed)
+    return [Run(f"{name}, request rate {value}", name, arrivals, None, rate)]
 
 
 def plan_runs(args: argparse.Namespace) -> list[Run]:
     if args.scenario:
-        runs = []
+        runs: list[Run] = []
         for spec in args.scenario:
             name, num, input_len, output_len, load = spec.split(":", 4)
-            runs += _runs(name, int(num), input_len, output_len, load, args)
+            runs += _runs(name, int(num), input_len, output_len, load, args, len(runs))
         return runs
     load = f"c={args.concurrency}" if args.concurrency else f"r={args.request_rate}"
-    return _runs("workload", args.num_prompts, args.input_len, args.output_len, load, args)
+    return _runs("workload", args.num_prompts, args.input_len, args.output_len, load, args, 0)
 
 
 def _profile_stub(server: Any, path: Path | None) -> Any:
