@@ -169,6 +169,9 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-triton-gemv", action="store_true", help="cuBLAS for one-row linear layers too (A/B of the GEMV)"
+    )
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -182,7 +185,7 @@ def main() -> None:
         model=ModelConfig(model=str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=16384),
-        device=DeviceConfig(device="cuda"),
+        device=DeviceConfig(device="cuda", enable_triton_gemv=not args.no_triton_gemv),
     )
     engine = LLMEngine(config, show_progress=False)
     card = torch.cuda.get_device_name()

@@ -91,6 +91,8 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda | npu (optionally with an index, e.g. cuda:1)
     enable_cuda_graphs: bool = True
+    # A Triton GEMV for the linear layers of one-row batches (batch-1 decode), 16-bit dtypes, CUDA.
+    enable_triton_gemv: bool = True
 
     def __post_init__(self) -> None:
         kind = self.device.split(":", 1)[0]

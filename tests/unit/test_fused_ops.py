@@ -70,3 +70,55 @@ def test_qk_norm_rope_matches_torch_on_strided_views(dtype, head_dim, with_norm,
 def test_silu_and_mul(dtype, size):
     gate_up = randn(3, 2 * size, dtype=dtype, seed=7)
     assert_same(silu_and_mul_triton(gate_up), silu_and_mul_torch(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize(("n", "k"), [(1024, 2048), (6144, 1024), (100, 512), (4096, 3072)])
+def test_one_row_linear_takes_the_gemv_and_matches_cublas(dtype, n, k):
+    from paged_llm.layers import fused_ops
+
+    x = randn(1, k, dtype=dtype, seed=1)
+    weight = randn(n, k, dtype=dtype, seed=2) / k**0.5
+    calls = []
+    original = fused_ops._gemv_kernel
+    try:
+        fused_ops._gemv_kernel = _Recorder(original, calls)
+        actual = fused_ops.linear_triton(x, weight)
+    finally:
+        fused_ops._gemv_kernel = original
+    assert calls, "the one-row GEMV was not used"
+    expected = (x.float() @ weight.float().T).to(dtype)
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype", "k", "with_bias"),
+    [(2, torch.float16, 512, False), (1, torch.float32, 512, False), (1, torch.float16, 300, False),
+     (1, torch.float16, 512, True)],
+)  # fmt: skip
+def test_other_linears_stay_on_torch(rows, dtype, k, with_bias):
+    from paged_llm.layers import fused_ops
+
+    x = randn(rows, k, dtype=dtype, seed=3)
+    weight = randn(64, k, dtype=dtype, seed=4)
+    bias = randn(64, dtype=dtype, seed=5) if with_bias else None
+    calls = []
+    original = fused_ops._gemv_kernel
+    try:
+        fused_ops._gemv_kernel = _Recorder(original, calls)
+        actual = fused_ops.linear_triton(x, weight, bias)
+    finally:
+        fused_ops._gemv_kernel = original
+    assert not calls
+    torch.testing.assert_close(actual, torch.nn.functional.linear(x, weight, bias))
+
+
+class _Recorder:
+    """Wraps a Triton kernel: records launches, then launches it."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]

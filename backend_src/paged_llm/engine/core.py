@@ -107,6 +107,7 @@ class EngineCore:
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             enable_cuda_graphs=config.device.enable_cuda_graphs,
+            enable_triton_gemv=config.device.enable_triton_gemv,
         )
         self.runner.load(show_progress=show_progress)
         plan = plan_kv_cache(config, self.runner, self.device)

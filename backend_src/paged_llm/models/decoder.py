@@ -107,7 +107,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = self.ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         k_weight = self.k_norm.weight if self.k_norm is not None else None
         q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -127,7 +127,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
+        gate_up = self.ops.linear(hidden, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

@@ -108,6 +108,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         enable_cuda_graphs: bool = True,
         attention: AttentionBackend | None = None,
+        enable_triton_gemv: bool = True,
     ) -> None:
         self.spec = spec
         self.model_dir = Path(model_dir)
@@ -119,6 +120,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.attention = attention or default_attention(device)
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
+        self.enable_triton_gemv = enable_triton_gemv
         self.sampler = Sampler()
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -144,7 +146,7 @@ class ModelRunner:
             self.device.torch_device,
             self.dtype,
             show_progress=show_progress,
-            ops=FusedOps(use_triton=self.device.supports_triton),
+            ops=FusedOps(use_triton=self.device.supports_triton, use_gemv=self.enable_triton_gemv),
         )
 
     @property
