@@ -85,15 +85,17 @@ def run_batch(
         engine.add_request(
             f"d{batch_size}-{index}", [rng.randrange(vocab) for _ in range(prompt_len)], params
         )
-    # Prefill (and the first token) first; time only the pure decode steps after it.
+    # Prefill (and the first token) first; time only the pure decode steps after it. With
+    # asynchronous scheduling a sequence's count includes tokens of launched steps whose values are
+    # not on the host yet: after the synchronize below their device work is done, so the timed steps
+    # are the tokens not launched yet.
     while any(r.num_output_tokens == 0 for r in engine.core.scheduler.sequences.values()):
         engine.step()
     torch.cuda.synchronize()
-    steps = 0
+    steps = new_tokens - max(r.num_output_tokens for r in engine.core.scheduler.sequences.values())
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     step_s = elapsed / steps

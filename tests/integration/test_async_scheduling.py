@@ -140,3 +140,38 @@ def test_abort_with_a_step_launched_ahead_frees_everything(engines, prompts):
     engine.check_integrity()
     assert not engine.core.has_in_flight_step
     assert engine.scheduler_stats().kv_usage == 0.0
+
+
+def test_a_failed_step_also_fails_the_step_launched_after_it_then_serving_goes_on(engines, prompts):
+    """Step 3 fails when its tokens are read, with step 4 already launched on its KV: the requests
+    of both fail (INTERNAL), nothing leaks, and a later request is served as usual."""
+    engine = engines("inprocess", async_scheduling="on")
+    core = engine.core
+    launch = core.runner.launch
+
+    def launch_with_a_fault(scheduler_output, previous=None):
+        step = launch(scheduler_output, previous)
+        if core.num_steps == 3:  # launch_step counted this step before calling the runner
+
+            def fail():
+                raise RuntimeError("device fault (test)")
+
+            step.result = fail
+        return step
+
+    core.runner.launch = launch_with_a_fault
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    errors: dict[str, str] = {}
+    engine.add_request("r0", prompts[0], params)
+    for call in range(12):
+        if call == 3:  # before the call that launches step 4 (and finishes step 3)
+            engine.add_request("r1", prompts[1], params)
+        for output in engine.step():
+            if output.error is not None:
+                errors[output.request_id] = str(output.error)
+    assert set(errors) == {"r0", "r1"}, errors
+    assert "device fault (test)" in errors["r0"] and "launched before step 3 failed" in errors["r1"]
+    assert core.num_step_faults == 1
+    assert not engine.has_unfinished_requests()
+    later = _run(engine, [(prompts[2], SamplingParams(temperature=0.0, max_tokens=8))])
+    assert len(later["r0"][0].token_ids) == 8

@@ -84,6 +84,7 @@ class _CoreRequest:
 class InFlightStep:
     scheduler_output: SchedulerOutput
     launched: LaunchedStep  # its result() is the step's one host synchronisation
+    step_number: int  # EngineCore.num_steps when it was launched
 
 
 class EngineCore:
@@ -240,7 +241,7 @@ class EngineCore:
             request_id,
             reason,
             "/".join(sorted({s.status.value for s in live})) or "finished",
-            sum(s.num_output_tokens for s in record.sequences),
+            sum(s.num_output_tokens - s.num_pending_tokens for s in record.sequences),
         )
         self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
         self._close(record, CoreError("aborted", reason))
@@ -307,8 +308,26 @@ class EngineCore:
             if previous is not None and self._in_flight is not None:
                 self.num_steps_launched_ahead += 1
         if previous is not None:
+            num_faults = self.num_step_faults
             outputs = self.finish_step(previous)
+            if self.num_step_faults > num_faults and self._in_flight is not None:
+                self._fail_launched_after_fault(self._in_flight)
+                self._in_flight = None
         return outputs if outputs is not None else self.take_outputs()
+
+    def _fail_launched_after_fault(self, in_flight: InFlightStep) -> None:
+        """Step N failed with N+1 already launched: N+1 read N's KV and may have read prefix-cache
+        blocks that N was writing (they count as computed from launch on), so its requests fail too."""
+        try:
+            in_flight.launched.result()
+        except Exception:  # the device fault shows here as well; the step fails either way
+            pass
+        self._fail_step(
+            in_flight.scheduler_output.scheduled,
+            RuntimeError(f"launched before step {in_flight.step_number - 1} failed, on its KV"),
+            in_flight.step_number,
+            is_fault=False,
+        )
 
     def finish_in_flight(self) -> EngineCoreOutputs:
         """Finishes step_pipelined's running step (if any): what it and everything before produced."""
@@ -345,9 +364,9 @@ class EngineCore:
                 raise RuntimeError(f"injected fault at step {self.num_steps} (fault_injection_step)")
             launched = self.runner.launch(scheduler_output, previous.launched if previous else None)
             self.scheduler.on_launched(scheduler_output)
-            return InFlightStep(scheduler_output, launched)
+            return InFlightStep(scheduler_output, launched, self.num_steps)
         except Exception as error:  # a model fault must not take the server down
-            self._fail_step(scheduler_output.scheduled, error)
+            self._fail_step(scheduler_output.scheduled, error, self.num_steps)
             return None
 
     def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
@@ -356,7 +375,7 @@ class EngineCore:
             try:
                 runner_output = in_flight.launched.result()
             except Exception as error:
-                self._fail_step(in_flight.scheduler_output.scheduled, error)
+                self._fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
             else:
                 updates = self.scheduler.update_from_output(
                     in_flight.scheduler_output, runner_output.sampled_token_ids
@@ -436,16 +455,24 @@ class EngineCore:
                 ),
             )
 
-    def _fail_step(self, scheduled: list[ScheduledSequence], error: Exception) -> None:
-        """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving."""
+    def _fail_step(
+        self, scheduled: list[ScheduledSequence], error: Exception, step_number: int, is_fault: bool = True
+    ) -> None:
+        """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving.
+        `is_fault=False`: the step failed because of another step's fault (not counted again)."""
         logger.error(
             "model step %d failed; failing %d sequences:\n%s",
-            self.num_steps,
+            step_number,
             len(scheduled),
             "".join(traceback.format_exception(error)),
         )
-        self.num_step_faults += 1
-        records = {id(r): r for r in (self._owner[s.seq_id][0] for s in scheduled if s.seq_id in self._owner)}
+        self.num_step_faults += int(is_fault)
+        records: dict[int, _CoreRequest] = {}
+        for item in scheduled:
+            owner = None if item.seq.is_finished else self._owner.get(item.seq_id)
+            # The id may belong to a newer request by now (aborted, then reused): match the object.
+            if owner is not None and owner[0].sequences[owner[1]] is item.seq:
+                records[id(owner[0])] = owner[0]
         message = f"the model step failed: {type(error).__name__}: {error}".splitlines()[0]
         for record in records.values():
             self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ERROR)
