@@ -83,26 +83,23 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @functools.cached_property
+    def has_penalties(self) -> bool:
+        """A repetition, presence or frequency penalty is on."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @functools.cached_property
     def needs_output_history(self) -> bool:
         """Sampling reads the values of the tokens generated so far (penalties, bad words): the next
         token cannot be sampled before the previous one is on the host (no asynchronous scheduling)."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or bool(self.bad_words_token_ids)
-        )
+        return self.has_penalties or bool(self.bad_words_token_ids)
 
     @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that changes or reports the logits: an argmax decides the token."""
         return (
             self.temperature < GREEDY_TEMPERATURE_EPS
-            and self.repetition_penalty == 1.0
-            and self.presence_penalty == 0.0
-            and self.frequency_penalty == 0.0
+            and not self.needs_output_history
             and self.logprobs is None
-            and not self.bad_words_token_ids
         )
 
     @property

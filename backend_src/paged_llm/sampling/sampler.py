@@ -120,12 +120,7 @@ class SamplingMetadata:
             greedy_mask = host_to_device(torch.tensor(greedy_flags, dtype=torch.bool), device)
 
         penalties = None
-        if any(
-            row.params.repetition_penalty != 1.0
-            or row.params.presence_penalty != 0.0
-            or row.params.frequency_penalty != 0.0
-            for row in rows
-        ):
+        if any(row.params.has_penalties for row in rows):
             penalties = PenaltyMetadata.build(
                 repetition_penalties=[row.params.repetition_penalty for row in rows],
                 presence_penalties=[row.params.presence_penalty for row in rows],
