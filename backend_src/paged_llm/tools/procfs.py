@@ -12,6 +12,7 @@ class ProcStat:
     pid: int
     parent_pid: int
     state: bytes  # b"R", b"S", ..., b"Z" (zombie), b"X" (dead)
+    group_id: int  # the process group
 
     @property
     def is_alive(self) -> bool:
@@ -34,9 +35,9 @@ def processes() -> Iterator[ProcStat]:
         stat = read_proc(int(entry), "stat")
         if stat is None:
             continue
-        try:  # "pid (comm) state ppid ...": comm may contain spaces and parentheses
+        try:  # "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses
             fields = stat.rsplit(b")", 1)[1].split()
-            yield ProcStat(int(entry), int(fields[1]), fields[0])
+            yield ProcStat(int(entry), int(fields[1]), fields[0], int(fields[2]))
         except (IndexError, ValueError):
             continue
 
@@ -52,3 +53,9 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             stack.append(child)
     return found
+
+
+def process_group_members(group_id: int) -> list[int]:
+    """The live processes (zombies left out) of a process group, which outlives its leader while
+    any member lives."""
+    return [p.pid for p in processes() if p.group_id == group_id and p.is_alive]

@@ -21,6 +21,7 @@ from pathlib import Path
 from paged_llm.parent_death import parent_death_signal
 from paged_llm.paths import repo_root
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
+from paged_llm.tools.procfs import process_group_members
 
 
 def free_ports(count: int) -> list[int]:
@@ -68,7 +69,11 @@ class RunningServer:
         except OSError:
             return False
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 30.0, stragglers_timeout_s: float = 15.0) -> None:
+        """SIGTERM to the server's process group; SIGKILL to it after `timeout_s`. Then waits up to
+        `stragglers_timeout_s` for the rest of the group (stubs, engine cores), which may outlive the
+        server by seconds, before killing it too: a caller that next cleans up shared memory must
+        not find a stub still mapping it."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
@@ -76,6 +81,18 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+        deadline = time.monotonic() + stragglers_timeout_s
+        while process_group_members(self.process.pid):
+            if time.monotonic() >= deadline:
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    break
+                deadline = time.monotonic() + 5.0
+                while process_group_members(self.process.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                break
+            time.sleep(0.05)
 
 
 SHM_DIR = Path("/dev/shm")
