@@ -10,6 +10,7 @@ FINAL. A housekeeping thread polls cancellation, refreshes metrics and watches t
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import itertools
 import json
@@ -58,6 +59,7 @@ _METRICS_INTERVAL_S = 0.5
 _UNLOAD_POLL_INTERVAL_S = 0.5
 _INLINE_TOKENIZE_CHARS = 16384  # longer text prompts are tokenized on a worker thread
 _TOKENIZE_THREADS = 2
+_STUCK_SHUTDOWN_DUMP_S = 30.0  # an unload or finalize() still going after this writes every stack
 logger = logging.getLogger("paged_llm")
 
 
@@ -321,6 +323,7 @@ class TritonPythonModel:
             self.engine.num_unfinished_requests,
             self.config.serving.shutdown_grace_s,
         )
+        _dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
         self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
 
     def _leave_with_the_server(self) -> None:
@@ -339,6 +342,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stops accepting work, gives in-flight requests a bounded grace period, cancels the rest
         (each gets its CANCELLED final), then stops the engine core and our threads."""
+        _dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
         self._finalized.set()
         self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
         for _ in self._tokenize_threads:  # what waits there is answered UNAVAILABLE now
@@ -353,3 +357,11 @@ class TritonPythonModel:
             self.engine.is_alive,
             self._housekeeping.is_alive(),
         )
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _dump_stacks_if_stuck(grace_s: float) -> None:
+    """Unloading must end in seconds: if it has not _STUCK_SHUTDOWN_DUMP_S after the grace period
+    (finalize() never came, or hangs), every thread's stack goes to stderr (the server's log).
+    finalize() cancels it as it returns."""
+    faulthandler.dump_traceback_later(grace_s + _STUCK_SHUTDOWN_DUMP_S, exit=False, file=sys.stderr)
