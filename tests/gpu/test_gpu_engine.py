@@ -60,15 +60,47 @@ def test_greedy_matches_hf_on_gpu(model_dir, prompts):
     assert [r[0].token_ids for r in results] == expected
 
 
-def test_lone_prompts_take_the_prefill_graphs_and_match_hf(model_dir, prompts):
+def test_lone_prompts_take_the_mixed_graphs_and_match_hf(model_dir, prompts):
     """One request at a time: each prefill is a single-sequence step, replayed from a CUDA graph."""
     expected = hf_greedy(model_dir, prompts)
     engine = cuda_engine(model_dir, max_num_seqs=32)
-    graphs = engine.core.runner.prefill_graphs
+    graphs = engine.core.runner.mixed_graphs
     assert graphs is not None and all(graphs.bucket(len(p)) for p in prompts)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     got = [run_to_completion(engine, [prompt], greedy)[0][0].token_ids for prompt in prompts]
     assert got == expected
+    assert graphs.num_replays == sum(len(p) > 1 for p in prompts)  # one-token prompts: decode graphs
+
+
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
+def test_prompts_joining_running_decodes_take_the_mixed_graphs_and_match_hf(
+    model_dir, prompts, async_scheduling
+):
+    """A new prompt every other step, next to the decodes of the earlier ones (and two at once at
+    the start): small mixed steps of several sequences, each replayed from a graph whose padding
+    sequences and tokens touch nothing real."""
+    expected = hf_greedy(model_dir, prompts)
+    engine = cuda_engine(model_dir, max_num_seqs=32, async_scheduling=async_scheduling)
+    graphs = engine.core.runner.mixed_graphs
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    got: dict[str, list[int]] = {}
+    waiting = list(enumerate(prompts))
+    for index, prompt in waiting[:2]:
+        engine.add_request(f"r{index}", prompt, greedy)
+    waiting = waiting[2:]
+    step = 0
+    while engine.has_unfinished_requests() or waiting:
+        if waiting and step % 2 == 0:
+            index, prompt = waiting.pop(0)
+            engine.add_request(f"r{index}", prompt, greedy)
+        for output in engine.step():
+            got.setdefault(output.request_id, []).extend(t for s in output.sequences for t in s.token_ids)
+        engine.check_integrity()
+        step += 1
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    # every prompt of 2+ tokens (one-token prompts are decode rows) but the second of the first step
+    assert graphs.num_replays >= sum(len(p) > 1 for p in prompts) - 1
+    assert engine.scheduler_stats().kv_usage == 0.0
 
 
 def test_gpu_preemption_and_chunked_prefill_still_match(model_dir, prompts):

@@ -125,25 +125,36 @@ class DecodeGraphs:
         return self.logits[bucket][:num_seqs]
 
 
-def prefill_token_buckets(max_num_batched_tokens: int, largest: int = 512) -> list[int]:
-    sizes = [16, 32, 64, 128, 256, 512, 1024]
+def prefill_token_buckets(max_num_batched_tokens: int, largest: int = 2048) -> list[int]:
+    """Token buckets of the mixed-step graphs. Up to 2048 tokens the eager step is bound by launching
+    kernels from Python (12.9 ms eagerly for 8 x 128 prompt tokens on an H100)."""
+    sizes = [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
     return [s for s in sizes if s <= min(largest, max_num_batched_tokens)]
 
 
-class PrefillGraphs:
-    """CUDA graphs for a step that is one sequence's (last) prefill chunk, the step of a lone new
-    request: at batch 1 an eager prefill spends most of its time launching ~10 kernels per layer from
-    Python, several times the GPU's own work. One graph per token bucket; a chunk of T tokens runs
-    the smallest bucket >= T, padded:
+MAX_MIXED_GRAPH_SEQS = 32  # sequence slots of a mixed-step graph (padding slots cost one early exit)
 
-        rows:          0 .. T-1 (the chunk)           T .. bucket-1 (padding)
-        input_ids      the chunk's tokens             0
-        positions      their positions                0
-        slot_mapping   their cache slots              -1   (the KV write kernel skips them)
-        query_start_loc = [0, T], seq_lens = [context + T]   (device values: the attention kernel's
-        programs past row T return at once; padding rows never reach another row's attention)
 
-    The logits of row T-1 come out (`sample_row` is a device tensor too).
+class MixedStepGraphs:
+    """CUDA graphs for small steps that are not decode-only: a lone new request's prefill, or a few
+    new prompts next to running decodes (the step that gives new requests their first token at low
+    and medium load). Run eagerly, such a step spends 10-25 ms launching ~15 kernels per layer from
+    Python (an H100: 2 x 128 prompt tokens took 16.6 ms eagerly, 1.5 ms of it on the GPU). One graph
+    per token bucket, each with MAX_MIXED_GRAPH_SEQS sequence slots; a step of T tokens in S
+    sequences runs the smallest bucket >= T, padded:
+
+        tokens:        0 .. T-1 (the step's)           T .. bucket-1 (padding)
+        input_ids      the step's tokens               0
+        positions      their positions                 0
+        slot_mapping   their cache slots               -1   (the KV write kernel skips them)
+        sequences:     0 .. S-1 (the step's)           S .. slots-1 (padding)
+        query_start_loc  the step's offsets            T    (query length 0: the attention
+        seq_lens         context lengths               0     kernel's programs return at once)
+        block_tables     the step's tables             stale rows, never read
+        sample_rows      the rows to sample            0    (their logits are dropped)
+
+    max_query_len is the bucket, so the attention kernel's launch shape never changes under replay;
+    rows of padding tokens belong to no sequence and reach no real row.
     """
 
     def __init__(
@@ -155,6 +166,7 @@ class PrefillGraphs:
         max_model_len: int,
         device: torch.device,
         pool: object | None = None,
+        max_num_seqs: int = MAX_MIXED_GRAPH_SEQS,
     ) -> None:
         """`model_forward(input_ids, positions, metadata) -> hidden`, `logits_of(rows) -> logits`."""
         self.model_forward = model_forward
@@ -162,62 +174,77 @@ class PrefillGraphs:
         self.buckets = buckets
         self.device = device
         self.max_model_len = max_model_len
+        self.num_slots = max_num_seqs
         largest = buckets[-1] if buckets else 0
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((1, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.sample_row = torch.zeros(1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.sample_rows = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = pool
+        self.num_replays = 0
 
     def _metadata(self, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_tokens=bucket,
-            num_seqs=1,
+            num_seqs=self.num_slots,
             slot_mapping=self.slot_mapping[:bucket],
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
             block_tables=self.block_tables,
             max_query_len=bucket,
             max_seq_len=self.max_model_len,
-            query_lens_host=[bucket],
+            query_lens_host=[],
             seq_lens_host=[],
         )
 
     def _forward(self, bucket: int) -> torch.Tensor:
         hidden = self.model_forward(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
-        return self.logits_of(hidden.index_select(0, self.sample_row))
+        return self.logits_of(hidden.index_select(0, self.sample_rows))
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket, largest first, on dummy inputs that write nothing to the cache."""
+        """Captures every bucket, largest first, on dummy inputs (one sequence of `bucket` tokens)
+        that write nothing to the cache."""
         for bucket in reversed(self.buckets):
             self.slot_mapping.fill_(-1)
-            self.query_start_loc.copy_(torch.tensor([0, bucket], dtype=torch.int32))
-            self.seq_lens.fill_(bucket)
-            self.sample_row.fill_(bucket - 1)
+            self.query_start_loc.fill_(bucket)
+            self.query_start_loc[0] = 0
+            self.seq_lens.zero_()
+            self.seq_lens[0] = bucket
+            self.sample_rows.zero_()
+            self.sample_rows[0] = bucket - 1
             run = functools.partial(self._forward, bucket)
             graph, self.logits[bucket] = capture_graph(run, self.pool, self.device)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured prefill CUDA graphs for %s tokens", self.buckets)
+        logger.info(
+            "captured mixed-step CUDA graphs for %s tokens, up to %d sequences", self.buckets, self.num_slots
+        )
 
-    def bucket(self, num_tokens: int) -> int | None:
+    def bucket(self, num_tokens: int, num_seqs: int = 1) -> int | None:
+        if num_seqs > self.num_slots:
+            return None
         return next((size for size in self.buckets if size >= num_tokens), None)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        sample_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Replays the bucket for this one-sequence chunk; returns the logits of its last token [1, V]."""
-        num_tokens = metadata.num_tokens
-        bucket = self.bucket(num_tokens)
-        assert bucket is not None and metadata.num_seqs == 1
+        """Replays the bucket for this step; returns the logits of `sample_indices`' rows, in order."""
+        num_tokens, num_seqs = metadata.num_tokens, metadata.num_seqs
+        num_sampled = sample_indices.shape[0]
+        bucket = self.bucket(num_tokens, num_seqs)
+        assert bucket is not None
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
         self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
@@ -225,10 +252,14 @@ class PrefillGraphs:
             self.input_ids[num_tokens:bucket].zero_()
             self.positions[num_tokens:bucket].zero_()
             self.slot_mapping[num_tokens:bucket].fill_(-1)
-        self.query_start_loc.copy_(metadata.query_start_loc)
-        self.seq_lens.copy_(metadata.seq_lens)
+        self.query_start_loc[: num_seqs + 1].copy_(metadata.query_start_loc)
+        self.query_start_loc[num_seqs + 1 :].fill_(num_tokens)
+        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
+        self.seq_lens[num_seqs:].zero_()
         width = metadata.block_tables.shape[1]
-        self.block_tables[:, :width].copy_(metadata.block_tables)
-        self.sample_row.fill_(num_tokens - 1)
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
+        self.sample_rows[:num_sampled].copy_(sample_indices)
+        self.sample_rows[num_sampled:].zero_()
         self.graphs[bucket].replay()
-        return self.logits[bucket]
+        self.num_replays += 1
+        return self.logits[bucket][:num_sampled]

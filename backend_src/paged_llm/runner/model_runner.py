@@ -23,7 +23,7 @@ from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
-from paged_llm.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_token_buckets
+from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, prefill_token_buckets
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
@@ -134,7 +134,7 @@ class ModelRunner:
             pin_memory=device.pin_memory,
         )
         self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
+        self.mixed_graphs: MixedStepGraphs | None = None
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -173,7 +173,7 @@ class ModelRunner:
                 self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
             )
             self.graphs.capture()
-            self.prefill_graphs = PrefillGraphs(
+            self.mixed_graphs = MixedStepGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                 self.model.compute_logits,
                 prefill_token_buckets(self.max_num_batched_tokens),
@@ -182,7 +182,7 @@ class ModelRunner:
                 device,
                 pool=self.graphs.pool,
             )
-            self.prefill_graphs.capture()
+            self.mixed_graphs.capture()
 
     def _forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -224,11 +224,12 @@ class ModelRunner:
             if len(inputs.sampled_seqs) != metadata.num_seqs:  # a 1-token prefill chunk among decodes
                 logits = logits.index_select(0, inputs.sample_indices)
         elif (
-            self.prefill_graphs is not None
-            and metadata.num_seqs == 1
-            and self.prefill_graphs.bucket(metadata.num_tokens) is not None
-        ):  # a lone sequence's last prefill chunk: the latency of a new request at low load
-            logits = self.prefill_graphs.run(inputs.input_ids, inputs.positions, metadata)
+            self.mixed_graphs is not None
+            and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs) is not None
+        ):  # a small step with prefill chunks: the first token of new requests at low load
+            logits = self.mixed_graphs.run(
+                inputs.input_ids, inputs.positions, metadata, inputs.sample_indices
+            )
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
