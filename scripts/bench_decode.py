@@ -3,6 +3,9 @@ bandwidth against the measured copy bandwidth of the device.
 
   Batch-1 latency (128-token prompt, 256 new tokens), with HF generate on the same card:
     python scripts/bench_decode.py --model /tmp/qwen3-0.6b-random --hf
+  On the CPU (float32; HF generate in the same run and process, same threads):
+    python scripts/bench_decode.py --model /tmp/qwen3-0.6b-f32 --device cpu --dtype float32 --hf \
+        --new-tokens 64
   Sweep at 1k context (batch 1/16/64/256), PNG plot:
     python scripts/bench_decode.py --model /tmp/qwen3-0.6b-random --batch-sizes 1,16,64,256 \
         --prompt-len 1024 --new-tokens 64 --plot decode_sweep.png
@@ -41,17 +44,24 @@ class DecodeResult:
     bandwidth_utilization: float  # vs the measured copy bandwidth
 
 
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def copy_bandwidth_gb_per_s(device: torch.device, num_bytes: int = 2 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        num_bytes = 512 << 20  # well beyond the caches; less time on a slow memory bus
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     repeats = 10
     for _ in range(repeats):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
+    synchronize(device)
     elapsed = time.perf_counter() - start
     del src, dst
     return 2 * num_bytes * repeats / elapsed / 1e9
@@ -91,12 +101,13 @@ def run_batch(
     # are the tokens not launched yet.
     while any(r.num_output_tokens == 0 for r in engine.core.scheduler.sequences.values()):
         engine.step()
-    torch.cuda.synchronize()
+    device = engine.core.device.torch_device
+    synchronize(device)
     steps = new_tokens - max(r.num_output_tokens for r in engine.core.scheduler.sequences.values())
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    torch.cuda.synchronize()
+    synchronize(device)
     elapsed = time.perf_counter() - start
     step_s = elapsed / steps
     mean_context = prompt_len + 1 + (new_tokens - 1) / 2
@@ -113,23 +124,26 @@ def run_batch(
     )
 
 
-def hf_ms_per_token(model_dir: Path, prompt_len: int, new_tokens: int, dtype: torch.dtype) -> float:
+def hf_ms_per_token(
+    model_dir: Path, prompt_len: int, new_tokens: int, dtype: torch.dtype, device: str = "cuda"
+) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).cuda().eval()
-    ids = torch.randint(0, 1000, (1, prompt_len), device="cuda")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ids = torch.randint(0, 1000, (1, prompt_len), device=device)
     kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
         timings = []
         for count in (1, new_tokens):  # the difference removes the prefill
-            torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=count, min_new_tokens=count, **kwargs)
-            torch.cuda.synchronize()
+            synchronize(device)
             timings.append(time.perf_counter() - start)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return (timings[1] - timings[0]) / (new_tokens - 1) * 1e3
 
 
@@ -165,6 +179,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--hf", action="store_true", help="also time HF generate at batch 1")
@@ -181,16 +196,16 @@ def main() -> None:
     hf_ms = None
     if args.hf:  # first, while the whole card is free (the engine takes 90% of it for KV)
         hf_ms = hf_ms_per_token(
-            model_dir, args.prompt_len, min(args.new_tokens, 64), config_dtype(args.dtype)
+            model_dir, args.prompt_len, min(args.new_tokens, 64), config_dtype(args.dtype), args.device
         )
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=16384),
-        device=DeviceConfig(device="cuda", enable_triton_gemv=not args.no_triton_gemv),
+        device=DeviceConfig(device=args.device, enable_triton_gemv=not args.no_triton_gemv),
     )
     engine = LLMEngine(config, show_progress=False)
-    card = torch.cuda.get_device_name()
+    card = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     copy_gb_per_s = copy_bandwidth_gb_per_s(engine.core.device.torch_device)
     run_batch(engine, 1, 16, 8, args.seed)  # warm-up
     results = []
@@ -219,6 +234,15 @@ def main() -> None:
         payload = {"card": card, "copy_gb_per_s": copy_gb_per_s, "hf_ms_per_token": hf_ms}
         payload["results"] = [asdict(r) for r in results]
         args.json.write_text(json.dumps(payload, indent=2))
+
+
+def cpu_name() -> str:
+    model = "cpu"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    return f"{model}, {torch.get_num_threads()} torch threads"
 
 
 def config_dtype(name: str) -> torch.dtype:
