@@ -5,10 +5,13 @@ triton-inference-server/vllm_backend; the code is ours."""
 from __future__ import annotations
 
 import json
+import queue
 
 import pytest
+import tritonclient.grpc as grpcclient
 
-from tests.e2e.client import stream
+from tests.e2e.client import make_inputs, stream
+from tests.e2e.metrics import wait_for
 
 # ci/L0_additional_outputs_vllm/additional_outputs_test.py at r24.12
 # (0b9c8e255388ea3dbb5d9b395dbd1a247d1fe4d2)
@@ -77,3 +80,35 @@ def test_boolean_logprobs_and_a_lora_name_get_clear_answers(server):
     # samples/client.py -l NAME (vllm_backend) sends lora_name
     lora = stream(server.grpc_url, PROMPT, sampling_parameters={**GREEDY, "lora_name": "mylora"})
     assert len(lora.errors) == 1 and "lora_name: LoRA is not supported" in lora.errors[0]
+
+
+def test_a_cancelled_request_ends_cancelled_and_logs_vllm_backends_lines(server):
+    # ci/L0_backend_vllm/request_cancellation/request_cancellation_test.py at r24.10
+    # (f018d4a229862535b113ecaaf3f9d547f03000c9): the stream stopped with cancel_requests=True while
+    # its request runs; one CANCELLED error, and the server log holds vllm_backend's two lines (that
+    # test greps them). Upstream sends the request non-streaming; here it streams, so that the
+    # request is seen running and the stub learns of the cancellation for certain (the poll or a
+    # refused send): Triton 2.51 once never reported a non-streaming request's cancellation (1 run
+    # of 9 on a loaded machine), and that request ran to its end.
+    log_before = server.log()
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    long = {"temperature": "0", "top_p": "1", "max_tokens": "1500", "ignore_eos": True}
+    client.async_stream_infer("llm", make_inputs("Write an original poem.", stream=True,
+                              sampling_parameters=long), request_id="1")  # fmt: skip
+    _result, error = events.get(timeout=60)
+    assert error is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    while (item := events.get(timeout=30))[1] is None:  # tokens that were on their way
+        pass
+    assert item[1].status() == "StatusCode.CANCELLED"
+    assert events.empty()
+
+    def new_log() -> str:
+        return server.log()[len(log_before) :]
+
+    assert wait_for(lambda: "[vllm] Successfully cancelled the request" in new_log()), new_log()[-3000:]
+    assert "[vllm] Cancelling the request" in new_log()
+    assert stream(server.grpc_url, PROMPT, sampling_parameters=GREEDY).finals == 1

@@ -32,6 +32,10 @@ from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
 from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
 logger = logging.getLogger(__name__)
+# vllm_backend's log lines for a request its client cancelled (its tests and log-based alerts look
+# for them): written when the cancellation is seen and when the CANCELLED final has gone out.
+CANCELLING_LOG_LINE = "[vllm] Cancelling the request"
+CANCELLED_LOG_LINE = "[vllm] Successfully cancelled the request"
 AbortFn = Callable[[str, BaseException], None]
 
 
@@ -168,6 +172,8 @@ class ResponseStreams:
         # The send itself runs outside the lock, so the cancellation poller never waits on it.
         if response.error is not None:
             self.send_error(stream.sender, response.error, stream.errors_as_output)
+            if stream.cancelled:
+                logger.info("%s (request %s)", CANCELLED_LOG_LINE, stream.request_id)
             return False
         pb = self._pb
         tensors = [pb.Tensor(name, array) for name, array in response.tensors.items()]
@@ -195,7 +201,9 @@ class ResponseStreams:
         try:
             stream.sender.send(outgoing.response, flags=outgoing.flags)
         except Exception as send_error:  # the client went away: stop generating for it
-            logger.info("request %s: send failed (%s); aborting", stream.request_id, send_error)
+            logger.info(
+                "%s (request %s: a send failed, %s)", CANCELLING_LOG_LINE, stream.request_id, send_error
+            )
             if not outgoing.flags:
                 with stream.lock:
                     stream.cancelled = True
@@ -238,6 +246,7 @@ class ResponseStreams:
                 num_checks += 1
                 stream.cancelled = cancelled
             if cancelled:
+                logger.info("%s (request %s: its client cancelled)", CANCELLING_LOG_LINE, stream.request_id)
                 self._abort(stream.request_id, RequestAbortedError("cancelled by the client"))
         elapsed = time.monotonic() - start
         self._stats.on_cancellation_poll(num_checks, elapsed)
