@@ -334,7 +334,15 @@ def test_repeated_load_unload_leaks_no_threads_processes_or_memory(tmp_path):
     samples = []
     try:
         for _ in range(4):
-            assert stream(explicit.grpc_url, "reload", sampling_parameters={"max_tokens": 4}).finals == 1
+            # HTTP generate, not a gRPC stream. Twice in full CI runs an unload here did not complete
+            # within 60 s after a gRPC stream that the client had cancelled once its final came; the
+            # cause is not known (a stuck unload now writes the stub's stacks to the log). Triton
+            # 2.51's stream bookkeeping has outlived a stream's requests before (tests/e2e/client.py),
+            # and this test is about leaks across reloads, not streams.
+            status, body = http_post(
+                explicit.http_url, "/v2/models/llm/generate", {"text_input": "reload", "max_tokens": 4}
+            )
+            assert status == 200 and json.loads(body)["text_output"], body
             ours = our_processes(explicit)
             samples.append(
                 (process.memory_info().rss, process.num_threads(), len(ours["stubs"]), len(ours["cores"]))
