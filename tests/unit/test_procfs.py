@@ -46,11 +46,18 @@ _LEADER_WITH_STUBBORN_CHILD = (
 def test_process_group_members_outlive_the_leader_and_stop_waits_for_them_then_kills_them(tmp_path):
     command = [sys.executable, "-c", _LEADER_WITH_STUBBORN_CHILD]
     leader = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    child_pid = int(leader.stdout.readline())
-    assert sorted(process_group_members(leader.pid)) == sorted([leader.pid, child_pid])
-    server = RunningServer(leader, ServerPorts(0, 0, 0), Path(tmp_path / "log"))
-    started = time.monotonic()
-    server.stop(timeout_s=30.0, stragglers_timeout_s=0.5)
-    assert leader.returncode == -signal.SIGTERM
-    assert process_group_members(leader.pid) == []  # the child ignored SIGTERM and got SIGKILL
-    assert time.monotonic() - started >= 0.5  # it was given its time first
+    try:
+        child_pid = int(leader.stdout.readline())
+        assert sorted(process_group_members(leader.pid)) == sorted([leader.pid, child_pid])
+        server = RunningServer(leader, ServerPorts(0, 0, 0), Path(tmp_path / "log"))
+        started = time.monotonic()
+        server.stop(timeout_s=30.0, stragglers_timeout_s=0.5)
+        assert leader.returncode == -signal.SIGTERM
+        assert process_group_members(leader.pid) == []  # the child ignored SIGTERM and got SIGKILL
+        assert time.monotonic() - started >= 0.5  # it was given its time first
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        leader.wait(timeout=30)

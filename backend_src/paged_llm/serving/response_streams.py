@@ -67,9 +67,10 @@ class Stream:
 @dataclass
 class _Outgoing:
     stream: Stream
-    response: Any  # pb_utils.InferenceResponse, built by the output thread
+    response: Any  # pb_utils.InferenceResponse, built by the output thread (None for an error final)
     flags: int
     num_tokens: int  # streamed tokens in it, for the tokens-per-response histogram
+    error: BaseException | None = None  # an error FINAL: sent by send_error, after what is queued
 
 
 class ResponseStreams:
@@ -126,7 +127,7 @@ class ResponseStreams:
                 self._close(stream)
                 self.send_error(stream.sender, error, stream.errors_as_output)
 
-    def send_error(self, sender: Any, error: BaseException, as_output: bool = False) -> None:
+    def send_error(self, sender: Any, error: BaseException, as_output: bool = False) -> bool:
         """An error as the request's FINAL response (for a sender that has no Stream, too). To
         llm_trtllm and clients that ask (`as_output`) it goes as an ordinary response holding
         FORWARDED_ERROR_OUTPUT: Triton 2.51's BLS loses an error response that follows data, and its
@@ -142,6 +143,8 @@ class ResponseStreams:
             sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as send_error:  # the client may be gone already
             logger.info("could not send an error response: %s", send_error)
+            return False
+        return True
 
     @property
     def num_open(self) -> int:
@@ -169,11 +172,10 @@ class ResponseStreams:
                 self._close(stream)
                 if stream.cancelled and response.error is None:  # finished before the abort landed
                     response = Response(None, True, RequestAbortedError("cancelled by the client"))
-        # The send itself runs outside the lock, so the cancellation poller never waits on it.
+        # The send itself runs outside the lock, so the cancellation poller never waits on it. An
+        # error final takes the same send queue as the stream's data: it must go after them.
         if response.error is not None:
-            self.send_error(stream.sender, response.error, stream.errors_as_output)
-            if stream.cancelled:
-                logger.info("%s (request %s)", CANCELLED_LOG_LINE, stream.request_id)
+            self._dispatch(_Outgoing(stream, None, 0, 0, response.error))
             return False
         pb = self._pb
         tensors = [pb.Tensor(name, array) for name, array in response.tensors.items()]
@@ -185,11 +187,17 @@ class ResponseStreams:
             pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.is_final else 0,
             response.num_tokens if stream.accumulator.parsed.stream else 0,
         )
-        if self._send_queues:
-            self._send_queues[hash(stream.request_id) % len(self._send_queues)].put(outgoing)
-        elif not self._transmit(outgoing):
+        if not self._dispatch(outgoing):
             return False
         return not response.is_final and stream.accumulator.has_pending
+
+    def _dispatch(self, outgoing: _Outgoing) -> bool:
+        """Onto the stream's send thread (one per stream, so its responses keep their order), or
+        sent here; False if the client is gone."""
+        if self._send_queues:
+            self._send_queues[hash(outgoing.stream.request_id) % len(self._send_queues)].put(outgoing)
+            return True
+        return self._transmit(outgoing)
 
     def _send_loop(self, inbox: queue.SimpleQueue[_Outgoing | None]) -> None:
         while (outgoing := inbox.get()) is not None:
@@ -198,15 +206,30 @@ class ResponseStreams:
     def _transmit(self, outgoing: _Outgoing) -> bool:
         """The round trip to the server (it releases the GIL); False if the client is gone."""
         stream = outgoing.stream
+        if outgoing.error is not None:
+            sent = self.send_error(stream.sender, outgoing.error, stream.errors_as_output)
+            if sent and stream.cancelled and isinstance(outgoing.error, RequestAbortedError):
+                logger.info("%s (request %s)", CANCELLED_LOG_LINE, stream.request_id)
+            return False
         try:
             stream.sender.send(outgoing.response, flags=outgoing.flags)
         except Exception as send_error:  # the client went away: stop generating for it
-            logger.info(
-                "%s (request %s: a send failed, %s)", CANCELLING_LOG_LINE, stream.request_id, send_error
-            )
-            if not outgoing.flags:
-                with stream.lock:
-                    stream.cancelled = True
+            if outgoing.flags:  # the final itself: nothing is left to stop
+                logger.info(
+                    "request %s: the final response could not be sent (%s)", stream.request_id, send_error
+                )
+                return False
+            with stream.lock:
+                newly_cancelled = not stream.cancelled and not stream.closed
+                stream.cancelled = True
+                if newly_cancelled:
+                    logger.info(
+                        "%s (request %s: a send failed, %s)",
+                        CANCELLING_LOG_LINE,
+                        stream.request_id,
+                        send_error,
+                    )
+            if newly_cancelled:
                 self._abort(
                     stream.request_id, RequestAbortedError(f"response could not be sent ({send_error})")
                 )
@@ -244,9 +267,12 @@ class ResponseStreams:
                 except Exception:  # a sender that cannot answer belongs to a request Triton dropped
                     cancelled = True
                 num_checks += 1
+                if cancelled:  # logged before the output thread can send the CANCELLED final
+                    logger.info(
+                        "%s (request %s: its client cancelled)", CANCELLING_LOG_LINE, stream.request_id
+                    )
                 stream.cancelled = cancelled
             if cancelled:
-                logger.info("%s (request %s: its client cancelled)", CANCELLING_LOG_LINE, stream.request_id)
                 self._abort(stream.request_id, RequestAbortedError("cancelled by the client"))
         elapsed = time.monotonic() - start
         self._stats.on_cancellation_poll(num_checks, elapsed)

@@ -7,6 +7,7 @@ process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ from paged_llm.parent_death import parent_death_signal
 from paged_llm.paths import repo_root
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
 from paged_llm.tools.procfs import process_group_members
+
+logger = logging.getLogger(__name__)
 
 
 def free_ports(count: int) -> list[int]:
@@ -74,25 +77,40 @@ class RunningServer:
         `stragglers_timeout_s` for the rest of the group (stubs, engine cores), which may outlive the
         server by seconds, before killing it too: a caller that next cleans up shared memory must
         not find a stub still mapping it."""
+        group = self.process.pid  # started with start_new_session: its own process group
+        if self.process.poll() is None or process_group_members(group):
+            _signal_group(group, signal.SIGTERM)
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                _signal_group(group, signal.SIGKILL)
                 self.process.wait(timeout=10)
-        deadline = time.monotonic() + stragglers_timeout_s
-        while process_group_members(self.process.pid):
-            if time.monotonic() >= deadline:
-                try:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + 5.0
-                while process_group_members(self.process.pid) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                break
-            time.sleep(0.05)
+        if _wait_for_group_exit(group, stragglers_timeout_s):
+            return
+        _signal_group(group, signal.SIGKILL)
+        if not _wait_for_group_exit(group, 5.0):
+            logger.warning(
+                "processes of tritonserver's group %d survived SIGKILL: %s",
+                group,
+                process_group_members(group),
+            )
+
+
+def _signal_group(group: int, signum: int) -> None:
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:  # nobody left in it
+        pass
+
+
+def _wait_for_group_exit(group: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while process_group_members(group):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 SHM_DIR = Path("/dev/shm")

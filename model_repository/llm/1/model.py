@@ -323,7 +323,8 @@ class TritonPythonModel:
             self.engine.num_unfinished_requests,
             self.config.serving.shutdown_grace_s,
         )
-        _dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
+        if not self._finalized.is_set():  # (finalize() cancels the dump as it returns)
+            _dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
         self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
 
     def _leave_with_the_server(self) -> None:
