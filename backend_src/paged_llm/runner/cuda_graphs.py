@@ -32,14 +32,30 @@ def capture_graph(
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Warms `run` up twice (Triton autotuning/compilation and cuBLAS handles happen there), then
     captures it into a graph on the memory pool `pool` (None: a new one). Returns the graph and the
-    output tensor its replays write."""
-    for _ in range(2):
-        run()
+    output tensor its replays write.
+
+    The warm-up runs on the stream that then captures, as PyTorch's CUDA-graph notes ask. Warmed up
+    on the default stream, a capture (mixed-step bucket 32, float32 tiny Llama) failed inside cuBLAS
+    with CUBLAS_STATUS_INTERNAL_ERROR in 2 of 4 GPU test runs on fresh H100 machines; whether this
+    removes that failure is not measured yet (no device time was left)."""
+    stream = _capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         output = run()
+    torch.cuda.synchronize(device)
     return graph, output
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every warm-up and capture: the caching allocator keeps freed
+    blocks per stream, so a stream per graph would strand each warm-up's activations."""
+    return torch.cuda.Stream(device)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

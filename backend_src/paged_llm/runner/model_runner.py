@@ -183,6 +183,7 @@ class ModelRunner:
                 pool=self.graphs.pool,
             )
             self.mixed_graphs.capture()
+            torch.cuda.empty_cache()  # the warm-ups' blocks, cached for the capture stream only
 
     def _forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
