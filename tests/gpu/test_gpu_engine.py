@@ -135,3 +135,27 @@ def test_async_scheduling_on_gpu_matches_sync(model_dir, prompts, tiny_tokenizer
         assert engine.core.launch_ahead
         assert_same_results(_run(engine, requests), sync)
         assert engine.core.num_steps_launched_ahead > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_fit_the_memory_the_profile_set_aside_for_them(tiny_model_dir, dtype):
+    """The KV budget leaves room for the graphs captured after the pool (their logits outputs and
+    the largest graph's activations): what they hold, measured, stays within that estimate."""
+    import gc
+
+    gc.collect()  # engines and HF models of earlier tests
+    torch.cuda.empty_cache()
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    utilization = min(1.0, (total_bytes - free_bytes + (8 << 30)) / total_bytes)  # ~8 GiB to spend
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype=dtype),
+        cache=CacheConfig(gpu_memory_utilization=utilization, block_size_tokens=16),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
+        device=DeviceConfig(device="cuda"),
+    )
+    runner = LLMEngine(config, show_progress=False).core.runner
+    reserve, held = runner.graph_pool_reserve_bytes, runner.graph_pool_bytes
+    print(f"{dtype}: graphs hold {held / 2**20:.0f} MiB of {reserve / 2**20:.0f} MiB set aside")
+    assert reserve is not None and 0 < held <= reserve
+    # the estimate is not wildly above what they hold either (logits outputs dominate it)
+    assert held > reserve / 3

@@ -36,8 +36,8 @@ def capture_graph(
 
     The warm-up runs on the stream that then captures, as PyTorch's CUDA-graph notes ask. Warmed up
     on the default stream, a capture (mixed-step bucket 32, float32 tiny Llama) failed inside cuBLAS
-    with CUBLAS_STATUS_INTERNAL_ERROR in 2 of 4 GPU test runs on fresh H100 machines; whether this
-    removes that failure is not measured yet (no device time was left)."""
+    with CUBLAS_STATUS_INTERNAL_ERROR in 2 of 4 GPU test runs on fresh H100 machines; warmed up here,
+    3 of 3 runs passed (a fresh machine, then twice with Triton's kernel cache emptied)."""
     stream = _capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -49,6 +49,25 @@ def capture_graph(
         output = run()
     torch.cuda.synchronize(device)
     return graph, output
+
+
+def capture_buckets(
+    buckets: list[int],
+    run_for: Callable[[int], Callable[[], torch.Tensor]],
+    pool: object | None,
+    device: torch.device,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor], object]:
+    """Captures `run_for(bucket)` for every bucket, largest first, so the smaller graphs reuse the
+    largest one's memory (one pool: `pool`, or the first graph's). Returns the graphs, their output
+    tensors and the pool."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for bucket in sorted(buckets, reverse=True):
+        graphs[bucket], outputs[bucket] = capture_graph(run_for(bucket), pool, device)
+        if pool is None:
+            pool = graphs[bucket].pool()
+    torch.cuda.synchronize(device)
+    return graphs, outputs, pool
 
 
 @functools.cache
@@ -108,14 +127,14 @@ class DecodeGraphs:
         """Captures every bucket, largest first so the smaller ones reuse its memory pool."""
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
-        for batch_size in reversed(self.batch_sizes):
+
+        def run_for(batch_size: int) -> Callable[[], torch.Tensor]:
             args = (self.input_ids[:batch_size], self.positions[:batch_size], self._metadata(batch_size))
-            run = functools.partial(self.forward, *args)
-            graph, self.logits[batch_size] = capture_graph(run, self.pool, self.device)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch_size] = graph
-        torch.cuda.synchronize(self.device)
+            return functools.partial(self.forward, *args)
+
+        self.graphs, self.logits, self.pool = capture_buckets(
+            self.batch_sizes, run_for, self.pool, self.device
+        )
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def bucket(self, num_seqs: int) -> int | None:
@@ -141,7 +160,7 @@ class DecodeGraphs:
         return self.logits[bucket][:num_seqs]
 
 
-def prefill_token_buckets(max_num_batched_tokens: int, largest: int = 2048) -> list[int]:
+def mixed_step_token_buckets(max_num_batched_tokens: int, largest: int = 2048) -> list[int]:
     """Token buckets of the mixed-step graphs. Up to 2048 tokens the eager step is bound by launching
     kernels from Python (12.9 ms eagerly for 8 x 128 prompt tokens on an H100)."""
     sizes = [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
@@ -226,7 +245,8 @@ class MixedStepGraphs:
     def capture(self) -> None:
         """Captures every bucket, largest first, on dummy inputs (one sequence of `bucket` tokens)
         that write nothing to the cache."""
-        for bucket in reversed(self.buckets):
+
+        def run_for(bucket: int) -> Callable[[], torch.Tensor]:
             self.slot_mapping.fill_(-1)
             self.query_start_loc.fill_(bucket)
             self.query_start_loc[0] = 0
@@ -234,12 +254,9 @@ class MixedStepGraphs:
             self.seq_lens[0] = bucket
             self.sample_rows.zero_()
             self.sample_rows[0] = bucket - 1
-            run = functools.partial(self._forward, bucket)
-            graph, self.logits[bucket] = capture_graph(run, self.pool, self.device)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize(self.device)
+            return functools.partial(self._forward, bucket)
+
+        self.graphs, self.logits, self.pool = capture_buckets(self.buckets, run_for, self.pool, self.device)
         logger.info(
             "captured mixed-step CUDA graphs for %s tokens, up to %d sequences", self.buckets, self.num_slots
         )

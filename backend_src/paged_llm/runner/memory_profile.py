@@ -8,19 +8,35 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.runner.cuda_graphs import MAX_MIXED_GRAPH_SEQS, graph_batch_sizes, mixed_step_token_buckets
 
 if TYPE_CHECKING:
     from paged_llm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-GRAPH_RESERVE_BYTES = 512 << 20  # captured decode graphs' private memory pool
+GRAPH_POOL_MARGIN_BYTES = 64 << 20  # allocator rounding, cuBLAS workspaces of the capture stream
+
+
+def graph_pool_bytes(runner: ModelRunner, step_peak_bytes: int) -> int:
+    """Estimated private memory of the CUDA graphs captured after the KV pool: the logits that every
+    graph keeps as its output (one row per decode batch slot, MAX_MIXED_GRAPH_SEQS rows per mixed-step
+    bucket), plus the largest graph's transient activations, taken as the worst step's peak scaled
+    to that graph's tokens (the graphs share one pool, so smaller graphs reuse those blocks), plus a
+    margin. The runner measures the real figure after capture and logs both."""
+    element_bytes = torch.finfo(runner.dtype).bits // 8
+    buckets = mixed_step_token_buckets(runner.max_num_batched_tokens)
+    logits_rows = sum(graph_batch_sizes(runner.max_num_seqs)) + len(buckets) * MAX_MIXED_GRAPH_SEQS
+    outputs_bytes = logits_rows * runner.spec.vocab_size * element_bytes
+    largest_graph_tokens = max([runner.max_num_seqs, *buckets])
+    share = min(1.0, largest_graph_tokens / runner.max_num_batched_tokens)
+    return outputs_bytes + int(step_peak_bytes * share) + GRAPH_POOL_MARGIN_BYTES
 
 
 @torch.inference_mode()
 def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) -> int:
     """The utilisation share of device memory, minus what is in use now (weights, CUDA context, other
     processes), minus the peak of a worst-case step (the whole token budget, logits for
-    max_num_seqs rows and the sampler's float32 copy), minus the graphs' reserve."""
+    max_num_seqs rows and the sampler's float32 copy), minus the graphs' pool (graph_pool_bytes)."""
     assert runner.model is not None
     device = runner.device
     torch_device = device.torch_device
@@ -72,13 +88,16 @@ def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) ->
     device.empty_cache()
 
     used_bytes = total_bytes - free_bytes
-    reserve = GRAPH_RESERVE_BYTES if runner.use_cuda_graphs else 0
+    reserve = graph_pool_bytes(runner, peak_bytes) if runner.use_cuda_graphs else 0
+    runner.graph_pool_reserve_bytes = reserve
     budget = int(total_bytes * gpu_memory_utilization) - used_bytes - peak_bytes - reserve
     logger.info(
-        "memory profile: %.1f GiB total, %.1f GiB in use, worst step peak %.2f GiB -> KV budget %.1f GiB",
+        "memory profile: %.1f GiB total, %.1f GiB in use, worst step peak %.2f GiB, CUDA graphs %.2f GiB"
+        " -> KV budget %.1f GiB",
         total_bytes / 2**30,
         used_bytes / 2**30,
         peak_bytes / 2**30,
+        reserve / 2**30,
         budget / 2**30,
     )
     return max(budget, 0)

@@ -23,7 +23,7 @@ from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
-from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, prefill_token_buckets
+from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_step_token_buckets
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
@@ -135,6 +135,8 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedStepGraphs | None = None
+        self.graph_pool_reserve_bytes: int | None = None  # set aside by the memory profile
+        self.graph_pool_bytes = 0  # what the captured graphs hold, measured
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -169,6 +171,8 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
         if self.use_cuda_graphs:
+            torch.cuda.synchronize(device)
+            reserved_before = torch.cuda.memory_reserved(device)
             self.graphs = DecodeGraphs(
                 self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
             )
@@ -176,7 +180,7 @@ class ModelRunner:
             self.mixed_graphs = MixedStepGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                 self.model.compute_logits,
-                prefill_token_buckets(self.max_num_batched_tokens),
+                mixed_step_token_buckets(self.max_num_batched_tokens),
                 self.max_blocks_per_seq,
                 self.max_model_len,
                 device,
@@ -184,6 +188,14 @@ class ModelRunner:
             )
             self.mixed_graphs.capture()
             torch.cuda.empty_cache()  # the warm-ups' blocks, cached for the capture stream only
+            self.graph_pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
+            reserve = self.graph_pool_reserve_bytes
+            log = logger.warning if reserve is not None and self.graph_pool_bytes > reserve else logger.info
+            log(
+                "CUDA graphs hold %.0f MiB (%s MiB were set aside for them)",
+                self.graph_pool_bytes / 2**20,
+                "none" if reserve is None else f"{reserve / 2**20:.0f}",
+            )
 
     def _forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

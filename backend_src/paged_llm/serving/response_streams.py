@@ -121,11 +121,14 @@ class ResponseStreams:
             return next((s for s in self._streams.values() if s.triton_request_id == triton_request_id), None)
 
     def fail(self, stream: Stream, error: BaseException) -> None:
-        """Ends a stream that never reached the engine."""
+        """Ends a stream that never reached the engine. Its error final is transmitted here, on the
+        caller's thread, by the same code as every other final: nothing of the stream can be queued
+        on a send thread yet, and the caller (Triton's execute) must not return before it is out."""
         with stream.lock:
-            if not stream.closed:
-                self._close(stream)
-                self.send_error(stream.sender, error, stream.errors_as_output)
+            if stream.closed:
+                return
+            self._close(stream)
+        self._transmit(_Outgoing(stream, None, 0, 0, error))
 
     def send_error(self, sender: Any, error: BaseException, as_output: bool = False) -> bool:
         """An error as the request's FINAL response (for a sender that has no Stream, too). To
