@@ -113,6 +113,48 @@ def test_other_linears_stay_on_torch(rows, dtype, k, with_bias):
     torch.testing.assert_close(actual, torch.nn.functional.linear(x, weight, bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize(
+    ("n", "k"), [(100, 512), (96, 2048)] + ([(1024, 3072), (4096, 1024)] if DEVICE == "cuda" else [])
+)  # the Qwen3-0.6B / Llama shapes take ~10 s each in the CPU interpreter
+def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k):
+    """The MLP's activation fused into its down projection (one row): one launch, and the same bits
+    as silu_and_mul then the GEMV (it rounds the activation as they do)."""
+    from paged_llm.layers import fused_ops
+
+    gate_up = randn(1, 2 * k, dtype=dtype, seed=8)
+    weight = randn(n, k, dtype=dtype, seed=9) / k**0.5
+    calls = []
+    original = fused_ops._silu_mul_gemv_kernel
+    try:
+        fused_ops._silu_mul_gemv_kernel = _Recorder(original, calls)
+        actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
+    finally:
+        fused_ops._silu_mul_gemv_kernel = original
+    assert len(calls) == 1
+    two_kernels = fused_ops.linear_triton(silu_and_mul_triton(gate_up), weight)
+    assert torch.equal(actual, two_kernels)
+    expected = fused_ops.silu_mul_linear_torch(gate_up.float(), weight.float()).to(dtype)
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("rows", "dtype"), [(3, torch.float16), (1, torch.float32)])
+def test_other_silu_mul_linears_take_the_two_ops(rows, dtype):
+    from paged_llm.layers import fused_ops
+
+    gate_up = randn(rows, 1024, dtype=dtype, seed=10)
+    weight = randn(64, 512, dtype=dtype, seed=11)
+    calls = []
+    original = fused_ops._silu_mul_gemv_kernel
+    try:
+        fused_ops._silu_mul_gemv_kernel = _Recorder(original, calls)
+        actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
+    finally:
+        fused_ops._silu_mul_gemv_kernel = original
+    assert not calls
+    assert_same(actual, fused_ops.silu_mul_linear_torch(gate_up, weight), dtype)
+
+
 class _Recorder:
     """Wraps a Triton kernel: records launches, then launches it."""
 

@@ -170,26 +170,73 @@ if triton is not None:
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
 
+    @triton.jit
+    def _silu_mul_gemv_kernel(gu_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[n] = sum_k w[n, k] * (silu(gate[k]) * up[k]) for one row gate_up = [gate | up] of width
+        2K: the MLP's activation and its down projection in one kernel (batch-1 decode). Each
+        program recomputes the activation of the whole row (K exps, cheap next to its BLOCK_N x K
+        weights) with the roundings of _silu_and_mul_kernel, so the result equals the two kernels'."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            gate = tl.load(gu_ptr + offs_k)
+            up = tl.load(gu_ptr + K + offs_k)
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, k: int, block_k: int) -> bool:
+    """One contiguous row of a 16-bit dtype, K a multiple of the block: where the GEMVs beat cuBLAS."""
+    return (
+        x.shape[0] == 1
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and k % block_k == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    )
+
+
+def _gemv_blocks(n: int, k: int) -> tuple[int, int]:
+    return (8 if n >= 4096 else 4), (256 if k <= 1024 else 512)
+
+
+def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up), weight): one kernel for one row (see _silu_mul_gemv_kernel),
+    else the two ops."""
+    k = gate_up.shape[1] // 2
+    n = weight.shape[0]
+    block_n, block_k = _gemv_blocks(n, k)
+    if not _gemv_applies(gate_up, weight, k, block_k) or weight.shape[1] != k:
+        return linear_triton(silu_and_mul_triton(gate_up), weight)
+    out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_gemv_kernel[(triton.cdiv(n, block_n),)](
+        gate_up, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3
+    )
+    return out
+
+
+def silu_mul_linear_torch(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_and_mul_torch(gate_up), weight)
+
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with a Triton GEMV for one row of a 16-bit dtype and no bias (batch-1 decode).
     Measured on an H100 inside CUDA graphs (scripts/_diag/gemv_bench.py, Qwen3-0.6B shapes):
     1.3-1.9x faster than cuBLAS per layer GEMM at one row, no faster at 4-16 rows, so more rows and
     float32 (HF parity) stay on cuBLAS."""
-    num_rows, k = x.shape
+    k = x.shape[1]
     n = weight.shape[0]
-    block_k = 256 if k <= 1024 else 512
-    if (
-        num_rows != 1
-        or bias is not None
-        or x.dtype not in (torch.float16, torch.bfloat16)
-        or weight.dtype != x.dtype
-        or k % block_k
-        or not (x.is_contiguous() and weight.is_contiguous())
-    ):
+    block_n, block_k = _gemv_blocks(n, k)
+    if bias is not None or not _gemv_applies(x, weight, k, block_k):
         return F.linear(x, weight, bias)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n = 8 if n >= 4096 else 4
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3
     )
@@ -253,3 +300,9 @@ class FusedOps:
         self.qk_norm_rope = qk_norm_rope_triton if self.use_triton else qk_norm_rope_torch
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
         self.linear = linear_triton if self.use_triton and use_gemv else F.linear
+        if self.use_triton and use_gemv:
+            self.silu_mul_linear = silu_mul_linear_triton  # one kernel for a one-row batch
+        elif self.use_triton:
+            self.silu_mul_linear = lambda gate_up, weight: F.linear(silu_and_mul_triton(gate_up), weight)
+        else:
+            self.silu_mul_linear = silu_mul_linear_torch

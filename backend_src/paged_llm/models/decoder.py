@@ -128,7 +128,7 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(hidden, self.gate_up_proj.weight)
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
+        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
