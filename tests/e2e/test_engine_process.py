@@ -420,3 +420,23 @@ def _ignore_errors(function, *args) -> None:
         function(*args)
     except Exception:
         pass
+
+
+def test_make_serve_removes_the_shared_memory_its_killed_server_left(tmp_path):
+    """Triton removes a stub's /dev/shm region when it finalizes the model, so a killed server (or
+    one that exits with a model whose unload never finished: README, Known limits) leaves it
+    behind; `make serve`'s launcher removes its stubs' regions once nothing uses them."""
+    launcher, server = _start_launcher(tmp_path)
+    try:
+        assert wait_for(server.is_ready, timeout_s=180, interval_s=0.25), server.log()[-3000:]
+        [stub] = _stubs(launcher.pid)
+        [region] = [arg for arg in stub.cmdline() if arg.startswith("triton_python_backend_shm_region_")]
+        time.sleep(2 * STUB_CHECK_INTERVAL_S)  # the launcher has seen the stub
+        [tritonserver] = [p for p in psutil.Process(launcher.pid).children() if p.pid != stub.pid]
+        tritonserver.kill()
+        assert launcher.wait(timeout=60) != 0
+        assert not stub.is_running() or stub.status() == psutil.STATUS_ZOMBIE
+        assert not (SHM_DIR / region).exists(), "the launcher left its server's region"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)

@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from paged_llm.frontend.server import API_KEY_ENV, api_keys
@@ -40,6 +40,7 @@ from paged_llm.tools.launch import (
 )
 from paged_llm.tools.procfs import descendants
 from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, make_model_repository
+from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
 from paged_llm.tools.stub_watch import StubWatch
 from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S
 
@@ -51,6 +52,7 @@ _POLL_S = 0.25
 class _Children:
     server: subprocess.Popen
     frontend: subprocess.Popen | None = None
+    regions: set[str] = field(default_factory=set)  # the stubs' shared memory, removed after exit
 
 
 def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
@@ -211,6 +213,7 @@ def _stop_all(children: _Children, signum: int) -> None:
     """Signals both children and waits for them; kills what is still there after tritonserver's
     exit timeout (and whatever it started)."""
     _stop(children, signum)
+    children.regions.update(stub_regions(children.server.pid))
     kill_at = time.monotonic() + EXIT_TIMEOUT_S + KILL_MARGIN_S
     for process in (children.frontend, children.server):
         if process is None:
@@ -225,6 +228,7 @@ def _stop_all(children: _Children, signum: int) -> None:
                 except ProcessLookupError:
                     pass
             process.wait()
+    remove_unused_regions(children.regions)
 
 
 def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
@@ -247,6 +251,7 @@ def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
             break
         if time.monotonic() >= next_check:
             next_check = time.monotonic() + 1.0
+            children.regions.update(stub_regions(children.server.pid))
             dead = watch.check()
             if dead:
                 for message in dead:

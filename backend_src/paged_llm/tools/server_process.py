@@ -23,6 +23,13 @@ from paged_llm.parent_death import parent_death_signal
 from paged_llm.paths import repo_root
 from paged_llm.tools.launch import ServerPorts, server_command, server_env
 from paged_llm.tools.procfs import process_group_members
+from paged_llm.tools.shm_regions import (  # noqa: F401 (re-exported: tests and scripts use them here)
+    SHM_DIR,
+    SHM_REGION_GLOB,
+    remove_orphaned_shm_regions,
+    remove_unused_regions,
+    stub_regions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,13 @@ class RunningServer:
         server by seconds, before killing it too: a caller that next cleans up shared memory must
         not find a stub still mapping it."""
         group = self.process.pid  # started with start_new_session: its own process group
+        regions = stub_regions(group)  # removed below once unused (tools/shm_regions.py)
+        try:
+            self._stop_group(group, timeout_s, stragglers_timeout_s)
+        finally:
+            remove_unused_regions(regions, timeout_s=5.0)
+
+    def _stop_group(self, group: int, timeout_s: float, stragglers_timeout_s: float) -> None:
         if self.process.poll() is None or process_group_members(group):
             _signal_group(group, signal.SIGTERM)
         if self.process.poll() is None:
@@ -111,45 +125,6 @@ def _wait_for_group_exit(group: int, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-SHM_DIR = Path("/dev/shm")
-SHM_REGION_GLOB = "triton_python_backend_shm_region_*"
-
-
-def _shm_paths_in_use() -> set[str]:
-    """/dev/shm paths some process has open or mapped (processes we may not inspect are skipped)."""
-    in_use: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for line in (proc / "maps").read_text(errors="replace").splitlines():
-                if str(SHM_DIR) in line:
-                    in_use.add(line.split(maxsplit=5)[-1].removesuffix(" (deleted)"))
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith(str(SHM_DIR)):
-                    in_use.add(target)
-        except OSError:
-            continue
-    return in_use
-
-
-def remove_orphaned_shm_regions(changed_since: float) -> list[Path]:
-    """Removes the Python backend's shared-memory regions that changed since `changed_since` (a
-    time.time()) and that no process has open or mapped any more: what servers killed with SIGKILL
-    leave behind (a server that stops normally removes its own). Returns what it removed."""
-    in_use = _shm_paths_in_use()
-    removed = []
-    for path in SHM_DIR.glob(SHM_REGION_GLOB):
-        try:
-            if path.stat().st_mtime >= changed_since and str(path) not in in_use:
-                path.unlink()
-                removed.append(path)
-        except OSError:
-            continue
-    return removed
 
 
 def start_server(

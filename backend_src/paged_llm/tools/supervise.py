@@ -9,6 +9,10 @@ whatever it started are killed. The exit status is the server's (128 + signal if
 With `http_url`, the stubs below the server are watched (tools/stub_watch.py): a stub that dies
 while Triton still calls its model ready stops the server the same way, and the exit status is
 then DEAD_STUB_EXIT_STATUS, so that a supervisor (systemd, Kubernetes) restarts it.
+
+The shared-memory regions of the server's stubs (seen every STUB_CHECK_INTERVAL_S) are removed once
+the server has exited and nothing uses them: Triton leaves them in /dev/shm when it is killed or
+exits with a model it never finished unloading (tools/shm_regions.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import time
 
 from paged_llm.tools.procfs import descendants
+from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
 from paged_llm.tools.stub_watch import StubWatch
 
 KILL_MARGIN_S = 2.0  # after the server's own exit timeout
@@ -29,6 +34,16 @@ DEAD_STUB_EXIT_STATUS = 3
 
 def run_supervised(
     command: list[str], env: dict[str, str], exit_timeout_s: float, http_url: str | None = None
+) -> int:
+    regions: set[str] = set()
+    try:
+        return _run_supervised(command, env, exit_timeout_s, http_url, regions)
+    finally:
+        remove_unused_regions(regions)
+
+
+def _run_supervised(
+    command: list[str], env: dict[str, str], exit_timeout_s: float, http_url: str | None, regions: set[str]
 ) -> int:
     process = subprocess.Popen(command, env=env)
     kill_at: list[float] = []  # set by the first stop signal
@@ -54,13 +69,15 @@ def run_supervised(
             pass
         if kill_at and time.monotonic() >= kill_at[0]:
             break
-        if watch is not None and not kill_at and time.monotonic() >= next_check:
+        if not kill_at and time.monotonic() >= next_check:
             next_check = time.monotonic() + STUB_CHECK_INTERVAL_S
-            dead_stub = watch.check()
-            for message in dead_stub:
-                print(f"paged_llm: {message}: stopping the server", file=sys.stderr, flush=True)
-            if dead_stub:
-                stop(signal.SIGTERM)
+            regions.update(stub_regions(process.pid))
+            if watch is not None:
+                dead_stub = watch.check()
+                for message in dead_stub:
+                    print(f"paged_llm: {message}: stopping the server", file=sys.stderr, flush=True)
+                if dead_stub:
+                    stop(signal.SIGTERM)
     stuck = [process.pid, *descendants(process.pid)]
     print(
         f"paged_llm: tritonserver did not exit within {exit_timeout_s:.0f} s + {KILL_MARGIN_S:.0f} s of the "
