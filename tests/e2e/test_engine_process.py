@@ -181,6 +181,11 @@ def test_make_serve_stops_everything_under_load(tmp_path, signum):
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+TRITON_ABORT_ON_DEAD_STUB = (
+    "terminate called after throwing an instance of 'boost::interprocess::lock_exception'"
+)
+
+
 def test_make_serve_exits_non_zero_when_a_stub_dies_but_not_on_an_unload(tmp_path):
     """Triton 2.51 keeps a model READY after its stub was killed, and never ends the requests it had.
     `make serve`'s launcher watches the stubs: an unload (the model is no longer ready) and a load
@@ -199,8 +204,14 @@ def test_make_serve_exits_non_zero_when_a_stub_dies_but_not_on_an_unload(tmp_pat
         pids = [launcher.pid, *(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))]
         clients = _load(server)
         stubs[0].kill()
-        assert launcher.wait(timeout=EXIT_BOUND_S + 15) == DEAD_STUB_EXIT_STATUS, server.log()[-3000:]
-        assert "the Python stub of instance llm_0_0 of model 'llm' (version 1)" in server.log()
+        status = launcher.wait(timeout=EXIT_BOUND_S + 15)
+        if status == 128 + signal.SIGABRT and TRITON_ABORT_ON_DEAD_STUB in server.log():
+            # Triton itself aborted: the stub died holding the lock of its shared-memory region (a
+            # Triton 2.51 defect; seen once in CI). Still a non-zero exit and nothing left behind.
+            assert "paged_llm: tritonserver was ended by SIGABRT" in server.log()
+        else:
+            assert status == DEAD_STUB_EXIT_STATUS, server.log()[-3000:]
+            assert "the Python stub of instance llm_0_0 of model 'llm' (version 1)" in server.log()
         _assert_gone_within_bound(pids, "the launcher's exit")
         for client in clients:
             client.client.close()

@@ -42,7 +42,7 @@ from paged_llm.tools.procfs import descendants
 from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, make_model_repository
 from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
 from paged_llm.tools.stub_watch import StubWatch
-from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S
+from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S, describe_server_exit, exit_status
 
 EXIT_TIMEOUT_S = 5
 _POLL_S = 0.25
@@ -238,8 +238,8 @@ def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
     failure = 0
     while not stopping:
         if children.server.poll() is not None:
-            failure = children.server.returncode or 1
-            print(f"paged-llm: tritonserver exited ({children.server.returncode})", file=sys.stderr)
+            failure = exit_status(children.server.returncode) or 1
+            print(f"paged-llm: {describe_server_exit(children.server.returncode)}", file=sys.stderr)
             break
         if children.frontend is not None and children.frontend.poll() is not None:
             failure = 1

@@ -6,6 +6,10 @@ alive (serving/server_watch.py). So: the first SIGINT or SIGTERM is passed on (C
 whole process group anyway); if the server has not exited `grace_s` after its exit timeout, it and
 whatever it started are killed. The exit status is the server's (128 + signal if it was killed).
 
+tritonserver can also die on its own of a dead stub: a stub killed while it holds the lock of its
+shared-memory region makes Triton 2.51 abort (`boost::interprocess::lock_exception`, SIGABRT), so
+the launcher then exits with 134 instead of DEAD_STUB_EXIT_STATUS; both are failures to restart on.
+
 With `http_url`, the stubs below the server are watched (tools/stub_watch.py): a stub that dies
 while Triton still calls its model ready stops the server the same way, and the exit status is
 then DEAD_STUB_EXIT_STATUS, so that a supervisor (systemd, Kubernetes) restarts it.
@@ -32,13 +36,31 @@ STUB_CHECK_INTERVAL_S = 1.0
 DEAD_STUB_EXIT_STATUS = 3
 
 
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + signal when a signal ended it (Popen's negative
+    returncode would otherwise wrap around, e.g. -6 to 250)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_server_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"tritonserver was ended by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"tritonserver was ended by signal {-returncode}"
+    return f"tritonserver exited with status {returncode}"
+
+
 def run_supervised(
     command: list[str], env: dict[str, str], exit_timeout_s: float, http_url: str | None = None
 ) -> int:
     regions: set[str] = set()
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run_supervised(command, env, exit_timeout_s, http_url, regions)
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         remove_unused_regions(regions)
 
 
@@ -63,10 +85,13 @@ def _run_supervised(
     signal.signal(signal.SIGTERM, lambda signum, _frame: stop(signum))
     while True:
         try:
-            status = process.wait(timeout=0.2)
-            return DEAD_STUB_EXIT_STATUS if dead_stub else status
+            returncode = process.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
+        else:
+            if not kill_at and returncode != 0:  # nobody asked it to stop
+                print(f"paged_llm: {describe_server_exit(returncode)}", file=sys.stderr, flush=True)
+            return DEAD_STUB_EXIT_STATUS if dead_stub else exit_status(returncode)
         if kill_at and time.monotonic() >= kill_at[0]:
             break
         if not kill_at and time.monotonic() >= next_check:
@@ -90,5 +115,5 @@ def _run_supervised(
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    status = process.wait()
-    return DEAD_STUB_EXIT_STATUS if dead_stub else status
+    returncode = process.wait()
+    return DEAD_STUB_EXIT_STATUS if dead_stub else exit_status(returncode)
