@@ -88,6 +88,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    """Multi-turn sessions (core/sessions.py)."""
+
+    max_sessions: int = 1024  # open sessions; starting one more is refused (UNAVAILABLE)
+    session_idle_ttl_s: float = 600.0  # a session without a turn for this long is closed (0: never)
+    session_window_tokens: int = 0  # history + turn + max_tokens kept per turn (0: max_model_len)
+    num_sink_tokens: int = 4  # first history tokens always kept when the history is truncated
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 0:
+            raise ConfigError(f"max_sessions must be >= 0, got {self.max_sessions}")
+        if not self.session_idle_ttl_s >= 0.0:
+            raise ConfigError(f"session_idle_ttl_s must be >= 0, got {self.session_idle_ttl_s}")
+        if self.session_window_tokens < 0:
+            raise ConfigError(f"session_window_tokens must be >= 0, got {self.session_window_tokens}")
+        if self.num_sink_tokens < 0:
+            raise ConfigError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda | npu (optionally with an index, e.g. cuda:1)
     enable_cuda_graphs: bool = True
@@ -152,6 +172,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     serving: ServingConfig = field(default_factory=ServingConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
     fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
 
     @staticmethod
@@ -186,6 +207,7 @@ class EngineConfig:
                 device=DeviceConfig(**sections["device"]),
                 limits=RequestLimits(**sections["limits"]),
                 serving=ServingConfig(**sections["serving"]),
+                sessions=SessionConfig(**sections["sessions"]),
                 **top,
             )
         except ValueError as error:
@@ -199,6 +221,7 @@ _SECTIONS = {
     "device": DeviceConfig,
     "limits": RequestLimits,
     "serving": ServingConfig,
+    "sessions": SessionConfig,
 }
 _ALIASES = {
     "num_kv_blocks": "num_blocks",

@@ -18,6 +18,25 @@ class InvalidRequestError(ValueError):
         return error
 
 
+class SessionNotFoundError(LookupError):
+    """A turn names a session that is not open: never opened, closed, or expired (becomes NOT_FOUND)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session_id: session {session_id!r} is not open (never started, closed, or expired after "
+            "its idle TTL); start it with session_start"
+        )
+        self.session_id = session_id
+        self.field = "session_id"
+
+    @classmethod
+    def with_message(cls, message: str) -> SessionNotFoundError:
+        """The error rebuilt from its message (it crossed the engine core's process boundary)."""
+        error = cls("")
+        error.args = (f"session_id: {message}",)
+        return error
+
+
 class QueueFullError(RuntimeError):
     """The engine refuses the request for load (becomes UNAVAILABLE): the waiting queue is at
     `max_queued_requests`, `admission_policy` reject found it at capacity, or it waited longer than

@@ -67,6 +67,13 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
     first_scheduled_time: float | None = None
     num_pending_tokens: int = 0  # placeholders at the end of all_token_ids (asynchronous scheduling)
+    # A session's turn (core/sessions.py): at admission it takes the blocks that `held_kv_owner`
+    # holds for its first `num_held_kv_tokens` tokens instead of looking up the prefix cache; when
+    # it finishes (stop or length) its blocks go to `keep_kv_owner` instead of back to the pool.
+    # After admission num_held_kv_tokens is what it did take (0: the holder had lost them).
+    held_kv_owner: str | None = None
+    num_held_kv_tokens: int = 0
+    keep_kv_owner: str | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -156,10 +156,26 @@ class KVCacheManager:
         self.num_cached_blocks[seq.seq_id] = num_full_blocks
 
     def free(self, seq: Sequence) -> None:
-        blocks = self.seq_to_blocks.pop(seq.seq_id, [])
-        self.seq_to_block_ids.pop(seq.seq_id, None)
-        self.num_cached_blocks.pop(seq.seq_id, None)
+        self.free_owner(seq.seq_id)
+
+    def hand_over(self, from_owner: str, to_owner: str) -> None:
+        """Moves a block table to another owner, unchanged (a session keeps a finished turn's blocks
+        and gives them to its next turn: core/sessions.py). Owners are sequence ids or holder keys."""
+        assert to_owner not in self.seq_to_blocks, f"{to_owner!r} already holds blocks"
+        self.seq_to_blocks[to_owner] = self.seq_to_blocks.pop(from_owner)
+        self.seq_to_block_ids[to_owner] = self.seq_to_block_ids.pop(from_owner)
+        self.num_cached_blocks[to_owner] = self.num_cached_blocks.pop(from_owner)
+
+    def free_owner(self, owner: str) -> int:
+        """Frees whatever `owner` holds (a holder key); returns how many blocks it held."""
+        blocks = self.seq_to_blocks.pop(owner, [])
+        self.seq_to_block_ids.pop(owner, None)
+        self.num_cached_blocks.pop(owner, None)
         self.pool.free(reversed(blocks))
+        return len(blocks)
+
+    def holds(self, owner: str) -> bool:
+        return owner in self.seq_to_blocks
 
     def get_block_ids(self, seq_id: str) -> list[int]:
         return list(self.seq_to_block_ids.get(seq_id, ()))

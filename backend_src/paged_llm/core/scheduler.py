@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from paged_llm.config import SchedulerConfig
@@ -64,6 +64,7 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queried_tokens: int  # prompt tokens looked up at admission
     prefix_cache_hit_tokens: int  # of those, served from the prefix cache
+    prompt_tokens_computed: int = 0  # prompt tokens whose KV steps computed, since start
 
 
 @dataclass
@@ -92,6 +93,10 @@ class Scheduler:
         self._next_arrival_seq = 0
         self.num_preemptions_total = 0
         self._prefill_left = 0  # prefill tokens the step being scheduled may still take
+        # Called when the pool is short, before anything is preempted or left waiting: frees KV that
+        # no sequence uses (an idle session's, core/sessions.py); True if it freed anything.
+        self.reclaim_kv: Callable[[], bool] = lambda: False
+        self.num_prompt_tokens_computed = 0
 
     # ----------------------------------------------------------------------------------- sequences
     def add_sequence(self, seq: Sequence) -> None:
@@ -130,7 +135,11 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.drop_pending_tokens()
         seq.status = status
-        self.kv_cache.free(seq)
+        completed = status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
+        if seq.keep_kv_owner is not None and completed and self.kv_cache.holds(seq.seq_id):
+            self.kv_cache.hand_over(seq.seq_id, seq.keep_kv_owner)
+        else:
+            self.kv_cache.free(seq)
         del self.sequences[seq.seq_id]
 
     # ----------------------------------------------------------------------------------- schedule
@@ -158,6 +167,8 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv_cache.allocate_slots(seq, num_new) is None:
+                if self.reclaim_kv():
+                    continue
                 # Worst sequence not yet scheduled this step: running[index:] is sorted best first.
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -187,14 +198,20 @@ class Scheduler:
                 if not made_room:
                     break
                 continue
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(seq)
+            held = seq.held_kv_owner is not None and self.kv_cache.holds(seq.held_kv_owner)
+            if held:  # a session's turn: its history's KV, partial last block included
+                hit_blocks, num_hit_tokens = [], seq.num_held_kv_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(seq)
             num_new = seq.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget) if num_new == 1 else min(num_new, budget, self._prefill_left)
             if num_new == 0:
                 break
-            if self.kv_cache.allocate_slots(seq, num_new, hit_blocks) is None:
+            if not self._allocate_for_admission(seq, num_new, hit_blocks, held):
+                if self.reclaim_kv():
+                    continue
                 # FCFS: the head waits for blocks rather than being overtaken, unless it outranks a
                 # running seq.
                 budget, made_room = self._preempt_lower_priority(seq, output, budget)
@@ -202,6 +219,9 @@ class Scheduler:
                     break
                 continue
             self.waiting.pop(0)
+            seq.held_kv_owner = None  # taken (or gone): a resume after preemption recomputes
+            if not held:
+                seq.num_held_kv_tokens = 0  # what it took from its session (reported once it ends)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_hit_tokens
             if seq.first_scheduled_time is None:
@@ -213,6 +233,18 @@ class Scheduler:
             if num_new > 1:
                 self._prefill_left -= num_new
         return budget
+
+    def _allocate_for_admission(self, seq: Sequence, num_new: int, hit_blocks: list, held: bool) -> bool:
+        if not held:
+            return self.kv_cache.allocate_slots(seq, num_new, hit_blocks) is not None
+        assert seq.held_kv_owner is not None
+        self.kv_cache.hand_over(seq.held_kv_owner, seq.seq_id)
+        seq.num_computed_tokens = seq.num_held_kv_tokens
+        if self.kv_cache.allocate_slots(seq, num_new) is not None:
+            return True
+        self.kv_cache.hand_over(seq.seq_id, seq.held_kv_owner)  # the holder keeps them while it waits
+        seq.num_computed_tokens = 0
+        return False
 
     def _preempt_lower_priority(
         self, seq: Sequence, output: SchedulerOutput, budget: int
@@ -237,6 +269,7 @@ class Scheduler:
         return budget, True
 
     def _add_scheduled(self, output: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
+        self.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
         output.scheduled.append(
             ScheduledSequence(
                 seq=seq,
@@ -339,16 +372,19 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queried_tokens=self.kv_cache.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_cache.num_prefix_hit_tokens,
+            prompt_tokens_computed=self.num_prompt_tokens_computed,
         )
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, kv_holders: Iterable[str] = ()) -> None:
+        """`kv_holders`: owners of blocks other than running sequences (idle sessions)."""
         self.kv_cache.check_integrity()
         running_ids = {r.seq_id for r in self.running}
         waiting_ids = {r.seq_id for r in self.waiting}
         assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
         assert not running_ids & waiting_ids, "a seq is both running and waiting"
         assert running_ids | waiting_ids == set(self.sequences), "registry out of sync with the queues"
-        assert set(self.kv_cache.seq_to_blocks) <= running_ids, "a non-running seq holds blocks"
+        owners = set(self.kv_cache.seq_to_blocks)
+        assert owners <= running_ids | set(kv_holders), "a non-running seq holds blocks"
         keys = [r.schedule_key for r in self.waiting]
         assert keys == sorted(keys), "waiting queue out of order"
         for seq in self.running:

@@ -28,6 +28,7 @@ from paged_llm.core.scheduler import (
     SchedulerStats,
     SequenceUpdate,
 )
+from paged_llm.core.sessions import SessionManager, SessionTurn
 from paged_llm.engine.core_types import (
     CoreError,
     EngineCoreInfo,
@@ -37,7 +38,7 @@ from paged_llm.engine.core_types import (
     FinishedSequence,
 )
 from paged_llm.engine.validation import validate_params, validate_prompt
-from paged_llm.errors import InvalidRequestError, QueueFullError
+from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import load_model_spec
@@ -70,6 +71,7 @@ class _CoreRequest:
     deadline: float | None
     arrival_time: float
     reported_finished: set[int] = field(default_factory=set)  # indices whose end was published
+    session: SessionTurn | None = None
 
     @property
     def num_samples(self) -> int:
@@ -148,6 +150,8 @@ class EngineCore:
         salt = hashlib.sha256((model_dir / "config.json").read_bytes() + str(dtype).encode()).digest()
         self.kv_cache = KVCacheManager(plan.num_blocks, block_size, config.cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
+        self.sessions = SessionManager(config.sessions, self.kv_cache, max_model_len)
+        self.scheduler.reclaim_kv = self.sessions.reclaim_idle_kv
         self._requests: dict[str, _CoreRequest] = {}
         self._owner: dict[str, tuple[_CoreRequest, int]] = {}  # live sequence id -> (request, index)
         self._seed_rng = random.Random(config.model.seed)
@@ -168,9 +172,14 @@ class EngineCore:
         """Queues a request. InvalidRequestError / QueueFullError: it was not queued."""
         if request.request_id in self._requests:
             raise InvalidRequestError("request id", f"{request.request_id!r} is already in flight")
+        if request.session is not None and not request.prompt_token_ids and request.session.end:
+            self._close_session(request)
+            return
         validate_prompt(self.info, request.prompt_token_ids)
         validate_params(self.info, request.params)
         params = request.params
+        if request.session is not None and params.n != 1:
+            raise InvalidRequestError("n", f"a session's turn has one sample, got n={params.n}")
         scheduler_config = self.config.scheduler
         max_queued = scheduler_config.max_queued_requests
         if self.scheduler.num_waiting >= max_queued:
@@ -190,6 +199,12 @@ class EngineCore:
                 )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         prompt = list(request.prompt_token_ids)
+        if request.session is not None:  # the last check: it marks the session busy
+            self.sessions.expire_idle()
+            turn = self.sessions.begin_turn(request.session, request.request_id, prompt, params.max_tokens)
+            prompt = turn.prompt_token_ids
+            if turn.num_dropped_tokens:
+                self._outputs.history_truncated[request.request_id] = turn.num_dropped_tokens
         sequences = [
             Sequence(
                 seq_id=request.request_id if params.n == 1 else f"{request.request_id}#{index}",
@@ -208,9 +223,27 @@ class EngineCore:
             unstarted=sequences[1:],
             deadline=request.deadline,
             arrival_time=request.arrival_time,
+            session=request.session,
         )
+        if request.session is not None:
+            self.sessions.attach(request.session.session_id, sequences[0])
         self._requests[request.request_id] = record
         self._start(record, sequences[0])
+
+    def _close_session(self, request: EngineCoreRequest) -> None:
+        """A request with no new tokens that ends a session: closes it, generates nothing."""
+        assert request.session is not None
+        session = self.sessions.get(request.session.session_id)
+        if session is None:
+            raise SessionNotFoundError(request.session.session_id)
+        if session.turn_request_id is not None:
+            raise InvalidRequestError(
+                "session_id",
+                f"session {session.session_id!r} has a turn in flight ({session.turn_request_id!r}); "
+                "cancel it or close the session after it",
+            )
+        self.sessions.close(session.session_id)
+        self._outputs.finished_requests.append(FinishedRequest(request.request_id))
 
     def _start(self, record: _CoreRequest, seq: Sequence) -> None:
         self._owner[seq.seq_id] = (record, len(record.sequences))
@@ -269,6 +302,10 @@ class EngineCore:
         for seq in record.sequences:
             self._owner.pop(seq.seq_id, None)
         record.unstarted = []
+        if record.session is not None:
+            self.sessions.end_turn(
+                record.session.session_id, record.sequences[0] if record.sequences else None
+            )
         self._outputs.finished_requests.append(FinishedRequest(record.request_id, error))
 
     def reject(self, request_id: str, error: CoreError) -> None:
@@ -353,6 +390,7 @@ class EngineCore:
         device, after this step in stream order). `previous`: a launched step not finished yet,
         whose sampled tokens this step takes as inputs on the device (asynchronous scheduling)."""
         self._expire_deadlines()
+        self.sessions.expire_idle()
         if self.config.scheduler.queue_max_wait_s > 0.0:
             self._expire_queue_waits()
         scheduler_output = self.scheduler.schedule()
@@ -387,6 +425,7 @@ class EngineCore:
         """What happened since the last call (the busy loop also calls it after handling input)."""
         outputs, self._outputs = self._outputs, EngineCoreOutputs()
         outputs.scheduler_stats = self.scheduler_stats()
+        outputs.session_stats = self.sessions.stats()
         outputs.num_steps = self.num_steps
         outputs.num_step_faults = self.num_step_faults
         outputs.gc_pauses = process_gc_pauses()
@@ -477,8 +516,10 @@ class EngineCore:
         for record in records.values():
             self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ERROR)
             self._close(record, CoreError("internal", message))
-        # KV written by the failed step may be garbage: never serve it from the prefix cache.
+        # KV written by the failed step may be garbage: never serve it from the prefix cache, and
+        # idle sessions recompute their history.
         self.kv_cache.reset_prefix_cache()
+        self.sessions.drop_all_kv()
 
     # ---------------------------------------------------------------------------------- utility
     def record_utility_result(self, call_id: int, result: tuple[bool, object]) -> None:
@@ -491,7 +532,8 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        self.scheduler.check_integrity(self.sessions.kv_holders)
+        self.sessions.check_integrity()
         live = {s.seq_id for r in self._requests.values() for s in r.sequences if not s.is_finished}
         assert live == set(self.scheduler.sequences), "requests and scheduler disagree on live sequences"
         assert set(self._owner) == live, "owner map out of sync"

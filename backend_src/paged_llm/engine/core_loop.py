@@ -34,7 +34,7 @@ from paged_llm.engine.core_types import (
     Shutdown,
     UtilityCall,
 )
-from paged_llm.errors import InvalidRequestError, QueueFullError
+from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking around again
@@ -83,6 +83,8 @@ def handle_input(core: EngineCore, item: CoreInput) -> None:
             core.reject(item.request_id, CoreError("invalid_arg", str(error).split(": ", 1)[-1], error.field))
         except QueueFullError as error:
             core.reject(item.request_id, CoreError("unavailable", str(error)))
+        except SessionNotFoundError as error:
+            core.reject(item.request_id, CoreError("not_found", str(error).split(": ", 1)[-1], error.field))
     elif isinstance(item, AbortRequest):
         core.abort_request(item.request_id, item.seq_index, item.reason)
     elif isinstance(item, UtilityCall):

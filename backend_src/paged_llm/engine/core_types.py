@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_llm.core.scheduler import SchedulerStats
+from paged_llm.core.sessions import SessionStats, SessionTurn
 from paged_llm.gc_pauses import GcPauses
 from paged_llm.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class EngineCoreRequest:
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the front end accepted it (shared clock on Linux)
     deadline: float | None = None  # time.monotonic() after which the core aborts it
+    session: SessionTurn | None = None  # a turn of a session: the prompt is only the new tokens
 
 
 @dataclass
@@ -127,7 +129,7 @@ class FinishedSequence:
 class CoreError:
     """Why a request failed inside the core; the front end turns `kind` into a typed error."""
 
-    kind: str  # "invalid_arg" | "unavailable" | "aborted" | "internal"
+    kind: str  # "invalid_arg" | "unavailable" | "not_found" | "aborted" | "internal"
     message: str
     field: str | None = None  # for invalid_arg: the input the client must fix
 
@@ -157,6 +159,9 @@ class EngineCoreOutputs:
     finished_sequences: list[FinishedSequence] = field(default_factory=list)
     finished_requests: list[FinishedRequest] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None  # after this step
+    session_stats: SessionStats | None = None
+    # request id -> history tokens its session dropped to fit the turn (attention-sink truncation)
+    history_truncated: dict[str, int] = field(default_factory=dict)
     num_step_faults: int = 0  # model steps that raised, since start
     gc_pauses: GcPauses | None = None  # the core process's garbage-collection pauses, since start
     utility_results: dict[int, tuple[bool, object]] = field(default_factory=dict)  # call id -> (ok, value)

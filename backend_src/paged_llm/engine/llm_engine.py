@@ -18,6 +18,7 @@ from typing import Any
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.scheduler import SchedulerStats
+from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.core_client import InProcessCoreClient, start_core_and_tokenizer
 from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
 from paged_llm.engine.output_processor import OutputProcessor
@@ -61,19 +62,24 @@ class LLMEngine:
         params: SamplingParams,
         deadline: float | None = None,
         arrival_time: float | None = None,
+        session: SessionTurn | None = None,
     ) -> None:
         """Validates and queues a request; InvalidRequestError if it can never be served,
         QueueFullError if it is refused for load. `arrival_time`: time.monotonic() when it arrived
-        (default now; queue_max_wait_s counts from it)."""
+        (default now; queue_max_wait_s counts from it). `session`: the request is a turn of that
+        session and `prompt_token_ids` only its new tokens (none, with `session.end`: close it)."""
         prompt = list(prompt_token_ids)
         params = with_bad_words_tokenized(params, self.tokenize)
-        validate_prompt(self.info, prompt)
+        if prompt or session is None or not session.end:
+            validate_prompt(self.info, prompt)
         validate_params(self.info, params)
         if arrival_time is None:
             arrival_time = time.monotonic()
         core_id = self.processor.add_request(request_id, prompt, params, arrival_time)
         try:
-            self.client.add_request(EngineCoreRequest(core_id, prompt, params, arrival_time, deadline))
+            self.client.add_request(
+                EngineCoreRequest(core_id, prompt, params, arrival_time, deadline, session)
+            )
         except BaseException:
             self.processor.remove_request(request_id)
             raise

@@ -26,6 +26,7 @@ from paged_llm.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestAbortedError,
+    SessionNotFoundError,
 )
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer, decode_token
@@ -37,6 +38,8 @@ def error_from_core(error: CoreError) -> BaseException:
         return InvalidRequestError(error.field or "request", error.message)
     if error.kind == "unavailable":
         return QueueFullError(error.message)
+    if error.kind == "not_found":
+        return SessionNotFoundError.with_message(error.message)
     if error.kind == "aborted":
         return RequestAbortedError(error.message)
     return EngineStepError(error.message)
@@ -93,6 +96,7 @@ class RequestState:
     arrival_time: float
     first_token_time: float | None = None
     error: BaseException | None = None  # the request failed (or was aborted) with this
+    history_truncated_tokens: int | None = None  # its session dropped these; reported on one output
 
     @property
     def finished(self) -> bool:
@@ -183,12 +187,21 @@ class OutputProcessor:
             if state is not None and not state.sequences[end.seq_index].finished:
                 self._end_sequence(state, end.seq_index, end.finish_reason, None)
                 touched.add(state.request_id)
+        for core_id, num_dropped in outputs.history_truncated.items():
+            state = self._by_core_id.get(core_id)
+            if state is not None:
+                state.history_truncated_tokens = num_dropped
         for finished in outputs.finished_requests:
             state = self._by_core_id.get(finished.request_id)
-            if state is None or finished.error is None:
+            if state is None:
                 continue
-            self._fail(state, error_from_core(finished.error))
-            touched.add(state.request_id)
+            if finished.error is not None:
+                self._fail(state, error_from_core(finished.error))
+                touched.add(state.request_id)
+            elif not state.finished:  # ended with nothing to generate (a session's close)
+                for index in range(len(state.sequences)):
+                    self._end_sequence(state, index, "stop", None)
+                touched.add(state.request_id)
         if outputs.scheduler_stats is not None:
             self.stats.update_scheduler(outputs.scheduler_stats, outputs.num_step_faults, outputs.gc_pauses)
         return touched, aborts
@@ -264,9 +277,16 @@ class OutputProcessor:
                     sum(seq.num_output_tokens for seq in state.sequences),
                     len(state.sequences),
                 )
-                outputs.append(RequestOutput(request_id, state.num_prompt_tokens, deltas, True, state.error))
+                output = RequestOutput(request_id, state.num_prompt_tokens, deltas, True, state.error)
             elif deltas:
-                outputs.append(RequestOutput(request_id, state.num_prompt_tokens, deltas, False))
+                output = RequestOutput(request_id, state.num_prompt_tokens, deltas, False)
+            else:
+                continue
+            output.history_truncated_tokens, state.history_truncated_tokens = (
+                state.history_truncated_tokens,
+                None,
+            )
+            outputs.append(output)
         return outputs
 
     def abort_request(self, request_id: str, error: BaseException) -> RequestOutput | None:

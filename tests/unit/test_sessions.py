@@ -1,0 +1,242 @@
+"""Sessions over the real scheduler and KV cache manager with the fake model of test_scheduler:
+which blocks a session holds between turns, what each turn computes, eviction, expiry, truncation."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_llm.config import SessionConfig
+from paged_llm.core.scheduler import Scheduler
+from paged_llm.core.sessions import SessionManager, SessionTurn, truncate_with_sinks
+from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
+from paged_llm.sequence import Sequence, SequenceStatus
+from tests.unit.test_scheduler import expected_outputs, make_scheduler, make_sequence, summary
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """A scheduler with sessions, stepped with the fake model; integrity checked after each call."""
+
+    def __init__(self, num_blocks: int = 32, config: SessionConfig | None = None, **kwargs) -> None:
+        self.sched: Scheduler = make_scheduler(num_blocks, **kwargs)
+        self.clock = Clock()
+        self.sessions = SessionManager(
+            config or SessionConfig(), self.sched.kv_cache, self.sched.max_model_len, self.clock
+        )
+        self.sched.reclaim_kv = self.sessions.reclaim_idle_kv
+        self.turn_seqs: dict[str, tuple[str, Sequence]] = {}  # request id -> (session id, seq)
+
+    def check(self) -> None:
+        self.sched.check_integrity(self.sessions.kv_holders)
+        self.sessions.check_integrity()
+
+    def add_turn(
+        self, session_id: str, request_id: str, new: list[int], *, max_tokens: int = 3, start: bool = False,
+        end: bool = False,
+    ) -> Sequence:  # fmt: skip
+        turn = SessionTurn(session_id, start=start, end=end)
+        prepared = self.sessions.begin_turn(turn, request_id, new, max_tokens)
+        seq = make_sequence(request_id, prepared.prompt_token_ids, max_tokens=max_tokens)
+        self.sessions.attach(session_id, seq)
+        self.sched.add_sequence(seq)
+        self.turn_seqs[request_id] = (session_id, seq)
+        self.check()
+        return seq
+
+    def step(self) -> list[tuple[str, int, int, bool]]:
+        output = self.sched.schedule()
+        self.check()
+        sampled = {
+            s.seq_id: expected_outputs(s.seq_id, s.seq.num_output_tokens + 1)[-1] for s in output.scheduled
+        }
+        self.sched.update_from_output(output, {k: v for k, v in sampled.items() if k in sampled})
+        self._close_finished()
+        self.check()
+        return summary(output)
+
+    def run(self, max_steps: int = 100) -> list[list[tuple[str, int, int, bool]]]:
+        steps = []
+        while self.sched.has_unfinished_sequences():
+            assert len(steps) < max_steps
+            steps.append(self.step())
+        return steps
+
+    def abort(self, request_id: str) -> None:
+        self.sched.finish_sequences([request_id], SequenceStatus.FINISHED_ABORTED)
+        self._close_finished()
+        self.check()
+
+    def _close_finished(self) -> None:
+        for request_id, (session_id, seq) in list(self.turn_seqs.items()):
+            if seq.is_finished:
+                del self.turn_seqs[request_id]
+                self.sessions.end_turn(session_id, seq)
+
+    def holder_blocks(self, session_id: str) -> list[int]:
+        return self.sched.kv_cache.get_block_ids(self.sessions.get(session_id).holder)
+
+    def assert_all_free(self) -> None:
+        kv = self.sched.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks and not kv.seq_to_blocks
+
+
+U1 = [11, 12, 13, 14, 15, 16]  # block size 4: one full block and half of the next
+U2 = [21, 22]
+
+
+def test_a_turn_takes_the_sessions_blocks_and_computes_only_its_new_tokens():
+    h = Harness()
+    h.add_turn("s", "r1", U1, start=True)
+    assert h.run() == [[("r1", 0, 6, True)], [("r1", 6, 1, True)], [("r1", 7, 1, True)]]
+    history = U1 + expected_outputs("r1", 3)
+    session = h.sessions.get("s")
+    assert session.token_ids == history
+    assert session.num_kv_tokens == 8  # the last output token has no KV yet
+    assert h.holder_blocks("s") == [0, 1]  # the partial block is held too, not only cached ones
+    computed_before = h.sched.num_prompt_tokens_computed
+    seq = h.add_turn("s", "r2", U2)
+    assert seq.prompt_token_ids == history + U2
+    steps = h.run()
+    assert steps[0] == [("r2", 8, 3, True)]  # the last output token of turn 1 and the 2 new ones
+    assert h.sched.num_prompt_tokens_computed - computed_before == 3
+    assert h.holder_blocks("s") == [0, 1, 2, 3]  # grown in place: 11 + 3 tokens, the last without KV
+    assert h.sessions.get("s").num_kv_tokens == 13
+    assert h.sessions.stats().reused_tokens_total == 8
+    assert h.sessions.close("s")
+    h.assert_all_free()
+
+
+def test_a_turn_aborted_after_admission_keeps_the_history_and_recomputes_it_from_the_prefix_cache():
+    h = Harness()
+    h.add_turn("s", "r1", U1, start=True)
+    h.run()
+    history = list(h.sessions.get("s").token_ids)
+    h.add_turn("s", "r2", U2)
+    h.step()  # admitted: it took the session's blocks
+    h.abort("r2")
+    session = h.sessions.get("s")
+    assert session.token_ids == history and session.num_kv_tokens == 0
+    assert not h.sched.kv_cache.holds(session.holder)
+    h.add_turn("s", "r3", [31])
+    # blocks 0 and 1 were full and cached by turn 1: prefix hits; history[8] and 31 are computed
+    assert h.step() == [("r3", 8, 2, True)]
+    h.run()
+    assert h.sessions.get("s").token_ids == [*history, 31, *expected_outputs("r3", 3)]
+
+
+def test_a_turn_aborted_while_waiting_leaves_the_session_its_blocks():
+    h = Harness(max_num_seqs=1)
+    h.add_turn("s", "r1", U1, start=True)
+    h.run()
+    blocking = make_sequence("other", 4, max_tokens=5)
+    h.sched.add_sequence(blocking)
+    h.step()
+    h.add_turn("s", "r2", U2)
+    h.step()  # max_num_seqs=1: r2 waits
+    h.abort("r2")
+    assert h.holder_blocks("s") == [0, 1] and h.sessions.get("s").num_kv_tokens == 8
+    assert h.sessions.get("s").turn_request_id is None
+
+
+def test_the_pool_reclaims_idle_sessions_least_recently_used_first_before_preempting():
+    # 8 blocks of 4 tokens. Sessions a and b each hold 2 blocks; a request needing 6 blocks takes
+    # a's first (used least recently), then b's, and nobody is preempted.
+    h = Harness(num_blocks=8)
+    h.add_turn("a", "ra", [1, 2, 3, 4, 5], start=True)
+    h.run()
+    h.add_turn("b", "rb", [6, 7, 8, 9, 10], start=True)
+    h.run()
+    assert h.holder_blocks("a") == [0, 1] and h.holder_blocks("b") == [2, 3]
+    big = make_sequence("big", 21, max_tokens=3)
+    h.sched.add_sequence(big)
+    h.step()
+    assert not h.sched.kv_cache.holds(h.sessions.get("a").holder)
+    assert h.holder_blocks("b") == [2, 3]
+    h.run()
+    assert h.sched.num_preemptions_total == 0
+    assert h.sessions.stats().num_evicted_total >= 1
+    # a's history is intact; its next turn recomputes what the prefix cache no longer has
+    h.add_turn("a", "ra2", [40])
+    h.run()
+    assert h.sessions.get("a").token_ids[:5] == [1, 2, 3, 4, 5]
+
+
+def test_a_preempted_turn_recomputes_its_history_and_still_extends_the_session():
+    h = Harness(num_blocks=6, max_num_seqs=2)
+    h.add_turn("s", "r1", [1, 2, 3, 4, 5], start=True)
+    h.run()
+    hog = make_sequence("hog", 8, max_tokens=12)  # earlier: the turn is the one preempted
+    h.sched.add_sequence(hog)
+    h.step()
+    turn = h.add_turn("s", "r2", [6], max_tokens=8)
+    h.run()
+    assert turn.num_preemptions >= 1  # the pool is too small for both to finish together
+    history = [1, 2, 3, 4, 5, *expected_outputs("r1", 3), 6, *expected_outputs("r2", 8)]
+    assert h.sessions.get("s").token_ids == history  # the same tokens with or without preemption
+
+
+def test_ttl_not_found_busy_and_max_sessions():
+    h = Harness(config=SessionConfig(max_sessions=2, session_idle_ttl_s=60.0))
+    h.add_turn("a", "ra", [1, 2], start=True)
+    with pytest.raises(InvalidRequestError, match="session_id: session 'a' already has a turn in flight"):
+        h.add_turn("a", "ra2", [3])
+    with pytest.raises(InvalidRequestError, match="session_id: session 'a' is already open"):
+        h.add_turn("a", "ra3", [3], start=True)
+    with pytest.raises(SessionNotFoundError, match="session_id: session 'nope' is not open"):
+        h.add_turn("nope", "rn", [3])
+    h.run()
+    h.add_turn("b", "rb", [4], start=True)
+    with pytest.raises(QueueFullError, match="max_sessions=2"):
+        h.add_turn("c", "rc", [5], start=True)
+    h.run()
+    h.clock.now += 30
+    h.add_turn("b", "rb2", [6])  # b used again: a is now the least recently used
+    h.run()
+    h.clock.now += 31
+    assert h.sessions.expire_idle() == ["a"]
+    assert h.sessions.get("b") is not None
+    with pytest.raises(SessionNotFoundError):
+        h.add_turn("a", "ra4", [7])
+    h.sessions.close("b")
+    h.assert_all_free()
+
+
+def test_end_closes_the_session_after_its_turn():
+    h = Harness()
+    h.add_turn("s", "r1", U1, start=True)
+    h.run()
+    h.add_turn("s", "r2", U2, end=True)
+    h.run()
+    assert h.sessions.get("s") is None
+    h.assert_all_free()
+
+
+def test_truncate_with_sinks():
+    history = list(range(10))
+    assert truncate_with_sinks(history, [20, 21], 12, 2) == ([*history, 20, 21], 0)
+    assert truncate_with_sinks(history, [20, 21], 8, 2) == ([0, 1, 6, 7, 8, 9, 20, 21], 4)
+    assert truncate_with_sinks(history, [20, 21], 3, 0) == ([9, 20, 21], 9)
+    with pytest.raises(ValueError, match="do not fit"):
+        truncate_with_sinks(history, [20, 21, 22], 4, 2)
+
+
+def test_a_turn_past_the_window_drops_the_middle_of_the_history_and_recomputes():
+    h = Harness(config=SessionConfig(session_window_tokens=16, num_sink_tokens=2))
+    h.add_turn("s", "r1", U1, start=True)  # 6 + 3 = 9 tokens of history
+    h.run()
+    history = list(h.sessions.get("s").token_ids)
+    seq = h.add_turn("s", "r2", [21, 22, 23, 24, 25], max_tokens=4)  # 9 + 5 + 4 > 16: drop 2
+    assert seq.prompt_token_ids == history[:2] + history[4:] + [21, 22, 23, 24, 25]
+    assert h.sessions.stats().num_truncated_total == 1
+    assert h.step() == [("r2", 0, 12, True)]  # positions changed: nothing reused
+    h.run()
+    assert h.sessions.get("s").token_ids == seq.prompt_token_ids + expected_outputs("r2", 4)
+    with pytest.raises(InvalidRequestError, match="text_input: the turn's 14 new tokens"):
+        h.add_turn("s", "r3", list(range(100, 114)), max_tokens=4)
