@@ -314,9 +314,18 @@ def test_injected_step_fault_fails_in_flight_requests_then_recovers(tmp_path):
 def our_processes(server: RunningServer) -> dict[str, list[psutil.Process]]:
     """The server's Python stubs and the engine core processes they started."""
     children = psutil.Process(server.process.pid).children(recursive=True)
+
+    def is_core(process: psutil.Process) -> bool:
+        try:
+            return "paged_llm.engine.core_process" in " ".join(process.cmdline())
+        except psutil.ZombieProcess:  # a core that exited, not reaped yet: still there
+            return True
+        except psutil.NoSuchProcess:
+            return False
+
     return {
         "stubs": [p for p in children if "stub" in p.name()],
-        "cores": [p for p in children if "paged_llm.engine.core_process" in " ".join(p.cmdline())],
+        "cores": [p for p in children if "stub" not in p.name() and is_core(p)],
     }
 
 

@@ -104,3 +104,42 @@ def test_api_key_check_takes_a_forwarded_bearer_header_of_a_known_key():
     assert authorization_of("") is None
     # a forwarded header is neither a sampling parameter nor an unknown one
     assert request_parameter_mapping('{"Authorization": "Bearer one", "max_tokens": 2}') == {"max_tokens": 2}
+
+
+def test_session_fields_come_from_inputs_or_request_parameters():
+    from paged_llm.core.sessions import SessionTurn
+
+    as_inputs = parse_request(
+        {"text_input": text("hi"), "session_id": text("chat-1"), "session_start": np.array([True])},
+        None,
+        LIMITS,
+    )
+    assert as_inputs.session == SessionTurn("chat-1", start=True, end=False)
+    as_parameters = parse_request(
+        {"text_input": text("hi")},
+        json.dumps({"max_tokens": 3, "session_id": "chat-1", "session_end": "true"}),
+        LIMITS,
+    )
+    assert as_parameters.session == SessionTurn("chat-1", start=False, end=True)
+    assert as_parameters.params.max_tokens == 3  # session keys are not sampling parameters
+    assert parse_request(
+        {"text_input": text("hi")}, json.dumps({"session_id": 42}), LIMITS
+    ).session == SessionTurn("42")
+    assert parse_request({"text_input": text("hi")}, None, LIMITS).session is None
+
+
+def test_a_close_needs_no_prompt_and_session_errors_name_their_field():
+    close = parse_request({"session_id": text("c"), "session_end": np.array([True])}, None, LIMITS)
+    assert close.closes_session_only
+    close_empty_text = parse_request(
+        {"text_input": text(""), "session_id": text("c"), "session_end": np.array([True])}, None, LIMITS
+    )
+    assert close_empty_text.closes_session_only
+    with pytest.raises(InvalidRequestError, match="text_input: give exactly one"):
+        parse_request({"session_id": text("c")}, None, LIMITS)  # a turn needs its new tokens
+    with pytest.raises(InvalidRequestError, match="session_id: session_start and session_end need"):
+        parse_request({"text_input": text("hi"), "session_start": np.array([True])}, None, LIMITS)
+    with pytest.raises(InvalidRequestError, match="session_id: must be a non-empty string"):
+        parse_request({"text_input": text("hi"), "session_id": text("")}, None, LIMITS)
+    with pytest.raises(InvalidRequestError, match="session_end: must be a boolean"):
+        parse_request({"text_input": text("hi")}, json.dumps({"session_id": "c", "session_end": 3}), LIMITS)

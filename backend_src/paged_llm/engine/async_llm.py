@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from paged_llm.config import EngineConfig
+from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.core_client import EngineCoreClient, start_core_and_tokenizer
 from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
 from paged_llm.engine.output_processor import OutputProcessor
@@ -83,18 +84,21 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         deadline: float | None = None,
+        session: SessionTurn | None = None,
     ) -> None:
         """Queues a request. Raises InvalidRequestError (bad input) or EngineDeadError (not serving);
-        otherwise its outputs, and exactly one final, reach `on_outputs`."""
+        otherwise its outputs, and exactly one final, reach `on_outputs`. `session`: a turn of that
+        session (`prompt_token_ids` holds only its new tokens; none, with session.end: a close)."""
         self.check_accepting()
         params = with_bad_words_tokenized(params, self.tokenize)
-        self.validate(prompt_token_ids, params)
+        if prompt_token_ids or session is None or not session.end:
+            self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic()
         with self._lock:
             core_id = self.processor.add_request(request_id, prompt_token_ids, params, arrival_time)
         try:
             self.client.add_request(
-                EngineCoreRequest(core_id, prompt_token_ids, params, arrival_time, deadline)
+                EngineCoreRequest(core_id, prompt_token_ids, params, arrival_time, deadline, session)
             )
         except EngineDeadError:
             with self._lock:
@@ -114,11 +118,13 @@ class AsyncLLM:
             core_id = self.processor.core_request_id(request_id)
         if core_id is None:
             return  # already finished
-        self._local_aborts.put((request_id, error))
+        # The core first, then the final: a client that sends its next request once it has the
+        # final (a session's next turn) must find this one ended in the core, not still running.
         try:
             self.client.abort_requests([AbortRequest(core_id, None, str(error))])
         except EngineDeadError:
             pass  # the output thread fails everything in flight anyway
+        self._local_aborts.put((request_id, error))
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt_field: str = "text_input"

@@ -203,7 +203,9 @@ class OutputProcessor:
                     self._end_sequence(state, index, "stop", None)
                 touched.add(state.request_id)
         if outputs.scheduler_stats is not None:
-            self.stats.update_scheduler(outputs.scheduler_stats, outputs.num_step_faults, outputs.gc_pauses)
+            self.stats.update_scheduler(
+                outputs.scheduler_stats, outputs.num_step_faults, outputs.gc_pauses, outputs.session_stats
+            )
         return touched, aborts
 
     def _apply_token(

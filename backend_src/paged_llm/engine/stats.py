@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from paged_llm.core.scheduler import SchedulerStats
+from paged_llm.core.sessions import SessionStats
 from paged_llm.gc_pauses import GcPauses
 
 
@@ -42,6 +43,8 @@ class StatsSnapshot:
     engine_gc: GcPauses  # the engine core process's garbage-collection pauses
     num_cancellation_checks: int  # is_cancelled() round trips to the server
     cancellation_check_seconds: float  # time they took
+    prompt_tokens_computed: int = 0  # prompt tokens whose KV the engine computed (not reused)
+    sessions: SessionStats | None = None
 
 
 class EngineStats:
@@ -53,6 +56,7 @@ class EngineStats:
         self.engine_gc = GcPauses()
         self.requests_by_outcome: Counter[str] = Counter()
         self.scheduler: SchedulerStats | None = None  # as of the last core step seen
+        self.sessions: SessionStats | None = None
         self.num_cancellation_checks = 0
         self.cancellation_check_seconds = 0.0
         self._observations = LatencyObservations()
@@ -63,10 +67,16 @@ class EngineStats:
             self.num_prompt_tokens_total += num_prompt_tokens
 
     def update_scheduler(
-        self, scheduler_stats: SchedulerStats, num_step_faults: int, engine_gc: GcPauses | None = None
+        self,
+        scheduler_stats: SchedulerStats,
+        num_step_faults: int,
+        engine_gc: GcPauses | None = None,
+        session_stats: SessionStats | None = None,
     ) -> None:
         with self._lock:
             self.scheduler = scheduler_stats
+            if session_stats is not None:
+                self.sessions = session_stats
             self.num_step_faults = num_step_faults
             if engine_gc is not None:
                 self.engine_gc = engine_gc
@@ -126,6 +136,8 @@ class EngineStats:
                 engine_gc=self.engine_gc,
                 num_cancellation_checks=self.num_cancellation_checks,
                 cancellation_check_seconds=self.cancellation_check_seconds,
+                prompt_tokens_computed=sched.prompt_tokens_computed if sched else 0,
+                sessions=self.sessions,
             )
 
     def drain_observations(self) -> LatencyObservations:

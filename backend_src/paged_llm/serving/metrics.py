@@ -23,6 +23,12 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_prefix_cache_hits_total | counter | prompt tokens served from the prefix cache |
 | paged_llm_prefix_cache_hit_ratio | gauge | hits / queries since start |
 | paged_llm_num_preemptions_total | counter | preemptions by recompute |
+| paged_llm_prompt_tokens_computed_total | counter | prompt tokens whose KV was computed (not reused) |
+| paged_llm_sessions_open | gauge | open sessions (core/sessions.py) |
+| paged_llm_session_reused_tokens_total | counter | tokens whose KV a turn took from its session |
+| paged_llm_session_kv_evictions_total | counter | idle sessions whose KV was reclaimed for other work |
+| paged_llm_sessions_expired_total | counter | sessions closed after their idle TTL |
+| paged_llm_session_truncations_total | counter | turns whose history was truncated to the window |
 | paged_llm_engine_gc_collections_total | counter | garbage collections in the engine core process |
 | paged_llm_engine_gc_pause_seconds_total | counter | time they stopped the core |
 | paged_llm_engine_gc_long_pauses_total | counter | those of 5 ms or more (longer than a decode step) |
@@ -141,7 +147,7 @@ _E2E_BUCKETS = [
 ]
 _TOKENS_PER_RESPONSE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]
 OUTCOMES = ("stop", "length", "abort", "error")
-FINAL_CODES = ("success", "cancelled", "invalid_arg", "unavailable", "internal")
+FINAL_CODES = ("success", "cancelled", "invalid_arg", "unavailable", "not_found", "internal")
 
 
 class CounterHistogram:
@@ -261,6 +267,25 @@ class TritonMetrics:
         self._preemptions = metric(
             "paged_llm_num_preemptions_total", "Preemptions by recompute", family.COUNTER
         )
+        self._prompt_computed = metric(
+            "paged_llm_prompt_tokens_computed_total",
+            "Prompt tokens whose KV the engine computed (not reused from a session or the prefix cache)",
+            family.COUNTER,
+        )
+        self._sessions_open = gauge("paged_llm_sessions_open", "Open sessions")
+        self._session_counters = {
+            field_name: metric(name, description, family.COUNTER)
+            for field_name, name, description in (
+                ("reused_tokens_total", "paged_llm_session_reused_tokens_total",
+                 "Tokens whose KV a turn took from its session"),
+                ("num_evicted_total", "paged_llm_session_kv_evictions_total",
+                 "Idle sessions whose KV was reclaimed for other work"),
+                ("num_expired_total", "paged_llm_sessions_expired_total",
+                 "Sessions closed after their idle TTL"),
+                ("num_truncated_total", "paged_llm_session_truncations_total",
+                 "Turns whose history was truncated to the session window"),
+            )
+        }  # fmt: skip
         self._gc_collections = metric(
             "paged_llm_engine_gc_collections_total", "Garbage collections in the engine core", family.COUNTER
         )
@@ -366,6 +391,13 @@ class TritonMetrics:
                 self._advance("prefix_queries", self._prefix_queries, queried)
                 self._advance("prefix_hits", self._prefix_hits, hits)
                 self._advance("preemptions", self._preemptions, snapshot.num_preemptions_total)
+                self._advance("prompt_computed", self._prompt_computed, snapshot.prompt_tokens_computed)
+                if snapshot.sessions is not None:
+                    self._sessions_open.set(snapshot.sessions.num_open)
+                    for field_name, counter in self._session_counters.items():
+                        self._advance(
+                            f"session:{field_name}", counter, getattr(snapshot.sessions, field_name)
+                        )
                 engine_gc = snapshot.engine_gc
                 self._advance("gc_collections", self._gc_collections, engine_gc.num_collections)
                 self._advance("gc_seconds", self._gc_seconds, engine_gc.pause_s_total)

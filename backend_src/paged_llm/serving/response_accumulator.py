@@ -51,6 +51,7 @@ class ResponseAccumulator:
         self.max_merged_steps = max_merged_steps
         self.sequences = [_SequenceState() for _ in range(parsed.params.n)]
         self.finished = False  # the final output was taken
+        self.history_truncated_tokens: int | None = None  # to send on the next response
         self._pending: collections.deque[RequestOutput] = collections.deque()
 
     def add(self, output: RequestOutput) -> None:
@@ -107,6 +108,8 @@ class ResponseAccumulator:
             if delta.finish_reason is not None:
                 state.finish_reason = delta.finish_reason
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
+        if output.history_truncated_tokens:
+            self.history_truncated_tokens = output.history_truncated_tokens
 
     def _encode(self) -> dict[str, np.ndarray]:
         """The response's tensors: text_output and output_ids always, the others when their
@@ -151,4 +154,7 @@ class ResponseAccumulator:
             per_response = self.parsed.stream and not self.parsed.totals_on_final
             counts = [s.num_new_tokens if per_response else s.num_tokens for s in self.sequences]
             tensors["num_output_tokens"] = np.array(counts, dtype=np.uint32)
+        if self.history_truncated_tokens is not None and wants("history_truncated"):
+            tensors["history_truncated"] = np.array([self.history_truncated_tokens], dtype=np.uint32)
+        self.history_truncated_tokens = None
         return tensors

@@ -27,7 +27,13 @@ from typing import Any
 
 from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
-from paged_llm.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestAbortedError
+from paged_llm.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAbortedError,
+    SessionNotFoundError,
+)
 from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
 from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
@@ -47,6 +53,8 @@ def error_code(pb_utils: Any, error: BaseException) -> tuple[Any, str]:
         return pb_utils.TritonError.UNAVAILABLE, "unavailable"
     if isinstance(error, RequestAbortedError):
         return pb_utils.TritonError.CANCELLED, "cancelled"
+    if isinstance(error, SessionNotFoundError):
+        return pb_utils.TritonError.NOT_FOUND, "not_found"
     return pb_utils.TritonError.INTERNAL, "internal"  # EngineStepError (a model fault, a dead core)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json
@@ -26,7 +27,9 @@ RETURN_FLAGS = (
     "return_num_output_tokens",
 )
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
-INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS)
+# A session's turn (shared/design/API.md): as inputs, or as request parameters of the same names.
+SESSION_INPUTS = ("session_id", "session_start", "session_end")
+INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS, *SESSION_INPUTS)
 # Request parameters Triton itself may attach; never sampling parameters.
 _IGNORED_REQUEST_PARAMETERS = frozenset(
     {"triton_enable_empty_final_response", "paged_llm_error_output", "paged_llm_totals_on_final"}
@@ -52,6 +55,13 @@ class ParsedRequest:
     # never built, so a client that wants only text_output costs the stub one tensor per response.
     requested_outputs: frozenset[str] | None = None  # None: all
     totals_on_final: bool = False  # TOTALS_ON_FINAL_PARAMETER (streaming only)
+    session: SessionTurn | None = None  # a turn of a session; with session.end and no prompt: a close
+
+    @property
+    def closes_session_only(self) -> bool:
+        return (
+            self.session is not None and self.session.end and not (self.prompt_text or self.prompt_token_ids)
+        )
 
 
 def read_inputs(
@@ -101,8 +111,11 @@ def parse_request(
     limits: RequestLimits,
 ) -> ParsedRequest:
     """Turns a request's input tensors (and Triton request parameters) into engine inputs."""
+    session = parse_session(inputs, request_parameters)
     has_text = "text_input" in inputs
     has_ids = "input_ids" in inputs
+    if session is not None and session.end and not _has_prompt(inputs):
+        return ParsedRequest(None, [], False, SamplingParams(), True, session=session)  # a close
     if has_text == has_ids:
         raise InvalidRequestError("text_input", "give exactly one of text_input or input_ids")
     prompt_text: str | None = None
@@ -127,7 +140,10 @@ def parse_request(
             limits,
         )
     else:
-        params = SamplingParams.from_mapping(request_parameter_mapping(request_parameters), limits)
+        mapping = request_parameter_mapping(request_parameters)
+        params = SamplingParams.from_mapping(
+            {k: v for k, v in mapping.items() if k not in SESSION_INPUTS}, limits
+        )
     if flags.get("stream", False) and flags.get("exclude_input_in_output") is False:
         raise InvalidRequestError.verbatim(  # vllm_backend's words, which its clients compare
             "exclude_input_in_output",
@@ -148,6 +164,51 @@ def parse_request(
         params=params,
         exclude_input_in_output=flags.get("exclude_input_in_output", False),
         return_flags=return_flags,
+        session=session,
+    )
+
+
+def _has_prompt(inputs: Mapping[str, np.ndarray]) -> bool:
+    """Whether the request carries prompt tokens or text (a session's close needs neither)."""
+    if "input_ids" in inputs and inputs["input_ids"].size:
+        return True
+    text_input = inputs.get("text_input")
+    return text_input is not None and (text_input.size != 1 or bool(text_input.reshape(-1)[0]))
+
+
+def parse_session(
+    inputs: Mapping[str, np.ndarray], request_parameters: str | Mapping[str, Any] | None
+) -> SessionTurn | None:
+    """The session fields, from inputs or else from request parameters (HTTP generate's top-level
+    keys); None when the request names no session."""
+    parameters: dict[str, Any] = {}
+    if request_parameters and any(name in request_parameters for name in SESSION_INPUTS):
+        parameters = request_parameter_mapping_raw(request_parameters)
+    if "session_id" in inputs:
+        session_id: Any = _as_text("session_id", _scalar("session_id", inputs["session_id"]), 256)
+    else:
+        session_id = parameters.get("session_id")
+    flags = {}
+    for name in ("session_start", "session_end"):
+        if name in inputs:
+            flags[name] = _as_bool(name, inputs[name])
+        elif name in parameters:
+            value = parameters[name]
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            if not isinstance(value, bool):
+                raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
+            flags[name] = value
+    if isinstance(session_id, int) and not isinstance(session_id, bool):
+        session_id = str(session_id)  # tritonclient sends integer parameters as such
+    if session_id is None:
+        if any(flags.values()):
+            raise InvalidRequestError("session_id", "session_start and session_end need a session_id")
+        return None
+    if not isinstance(session_id, str) or not session_id or len(session_id) > 256:
+        raise InvalidRequestError("session_id", "must be a non-empty string of at most 256 characters")
+    return SessionTurn(
+        session_id, start=flags.get("session_start", False), end=flags.get("session_end", False)
     )
 
 

@@ -235,12 +235,15 @@ class TritonPythonModel:
         cancellation polling finds a request its client already gave up on."""
         try:
             self.engine.check_accepting()  # before tokenizing: no work for a request to be refused
-            if parsed.prompt_token_ids is not None:
+            if parsed.closes_session_only:
+                prompt_ids = []
+            elif parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
                 prompt_ids = self.engine.tokenize(parsed.prompt_text or "")
             prompt_field = "input_ids" if parsed.prompt_token_ids is not None else "text_input"
-            self.engine.validate(prompt_ids, parsed.params, prompt_field)
+            if not parsed.closes_session_only:
+                self.engine.validate(prompt_ids, parsed.params, prompt_field)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.send_error(sender, error, errors_as_output)
             return
@@ -258,7 +261,7 @@ class TritonPythonModel:
         forwarded_id = triton_request_id if is_forwarded(triton_request_id) else ""
         stream = self._streams.open(request_id, sender, accumulator, forwarded_id, errors_as_output)
         try:
-            self.engine.add_request(request_id, prompt_ids, parsed.params, deadline)
+            self.engine.add_request(request_id, prompt_ids, parsed.params, deadline, parsed.session)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.fail(stream, error)
 
