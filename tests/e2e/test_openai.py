@@ -398,6 +398,44 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
 ]  # fmt: skip
 
 
+def test_x_session_id_makes_requests_turns_of_one_session(served):
+    """X-Session-Id (+ X-Session-Start / X-Session-End): each request carries only its turn's new
+    tokens and continues the conversation: the same texts as the same session driven on Triton's
+    own HTTP port (where a session equals stateless requests: tests/e2e/test_sessions.py)."""
+    client = served.client()
+    turns = [[101, 102, 103, 104, 105], [106, 107], [108, 109, 110]]
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    texts, triton_texts = [], []
+    generate = f"http://127.0.0.1:{served.http_port}/v2/models"
+    for index, new in enumerate(turns):
+        flags = {"start": index == 0, "end": index == len(turns) - 1}
+        headers = {"X-Session-Id": "openai-chat"}
+        headers.update({f"X-Session-{k.title()}": "true" for k, on in flags.items() if on})
+        answer = client.completions.create(
+            model="llm", prompt=new, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+            extra_headers=headers,
+        )  # fmt: skip
+        texts.append(answer.choices[0].text)
+        body = {
+            "input_ids": new, "sampling_parameters": json.dumps(greedy), "exclude_input_in_output": True,
+            "session_id": "triton-chat", "session_start": flags["start"], "session_end": flags["end"],
+            "authorization": f"Bearer {API_KEY}",
+        }  # fmt: skip
+        status, reply, _ = post(generate, "/llm/generate", body, key=None)
+        assert status == 200, reply
+        triton_texts.append(reply["text_output"])
+    assert texts == triton_texts
+    with pytest.raises(openai.NotFoundError, match="session 'openai-chat' is not open"):
+        client.completions.create(
+            model="llm", prompt="again", max_tokens=2, extra_headers={"X-Session-Id": "openai-chat"}
+        )
+    with pytest.raises(openai.BadRequestError, match="x-session-start: must be true or false"):
+        client.chat.completions.create(
+            model="llm", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            extra_headers={"X-Session-Id": "c", "X-Session-Start": "maybe"},
+        )  # fmt: skip
+
+
 def test_malformed_bodies_get_400_in_openai_shape_and_the_server_keeps_serving(served):
     assert len(MALFORMED) >= 15
     for path, body, param in MALFORMED:

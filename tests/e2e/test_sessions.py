@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from paged_llm.paths import repo_root
 from tests.e2e.client import http_post, make_inputs, stream_many
 from tests.e2e.metrics import value, wait_for
 from tests.e2e.server import RunningServer, make_model_repository, start_server
@@ -171,3 +174,21 @@ def test_unloading_with_open_sessions_leaves_nothing_and_a_reload_starts_afresh(
         body
     )  # sessions live in the engine: a reload starts without them
     assert http_turn(server, [27], 2, session_id="u1", session_start=True) != []
+
+
+def test_the_terminal_chat_client_runs_a_session_and_closes_it(server):
+    """clients/chat.py with its lines piped in: two turns of one session, closed at the end."""
+    reused_before = value(server.metrics(), "paged_llm_session_reused_tokens_total")
+    command = [
+        sys.executable, str(repo_root() / "clients" / "chat.py"), "--url", server.grpc_url,
+        "--temperature", "0", "--max-tokens", "5", "--params", json.dumps({"ignore_eos": True}),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, input="Hello there\nAnd again\n/quit\n", capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "[error" not in done.stderr, done.stderr
+    # the second turn took the first turn's KV from the session
+    assert wait_for(
+        lambda: value(server.metrics(), "paged_llm_session_reused_tokens_total") > reused_before, 10
+    )
+    assert wait_for(lambda: value(server.metrics(), "paged_llm_sessions_open") == 0.0, 10)

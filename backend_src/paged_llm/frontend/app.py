@@ -258,9 +258,18 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                     echo_texts[position * body.n + index] = text
         request_id = f"cmpl-{uuid.uuid4().hex}"
         sampling = body.sampling_parameters()
+        session = session_of(request)
+        if session is not None and len(prompts) != 1:
+            raise OpenAIError(400, f"a session's turn has one prompt, got {len(prompts)}", "prompt")
         generation_requests = [
             GenerationRequest(
-                body.model, prompt, sampling, body.stream, body.logprobs is not None, f"{request_id}-{i}"
+                body.model,
+                prompt,
+                sampling,
+                body.stream,
+                body.logprobs is not None,
+                f"{request_id}-{i}",
+                session,
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -310,7 +319,13 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation_request = GenerationRequest(
-            body.model, prompt, body.sampling_parameters(), body.stream, body.logprobs, request_id
+            body.model,
+            prompt,
+            body.sampling_parameters(),
+            body.stream,
+            body.logprobs,
+            request_id,
+            session_of(request),
         )
         logprobs_k = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder("chat", request_id, body.model)
@@ -399,6 +414,33 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             metrics.first_token(route, time.monotonic() - start)
 
     return app
+
+
+SESSION_ID_HEADER = "x-session-id"
+SESSION_START_HEADER = "x-session-start"
+SESSION_END_HEADER = "x-session-end"
+
+
+def session_of(request: Request) -> dict[str, Any] | None:
+    """The session a request is a turn of, from its headers: X-Session-Id names it, X-Session-Start
+    and X-Session-End (true/false, 1/0) open and close it. Its messages (or prompt) are then only
+    the turn's new ones: the server keeps the conversation (core/sessions.py)."""
+    session_id = request.headers.get(SESSION_ID_HEADER)
+    flags = {}
+    for name, header in (("session_start", SESSION_START_HEADER), ("session_end", SESSION_END_HEADER)):
+        raw = request.headers.get(header)
+        if raw is None:
+            continue
+        if raw.strip().lower() not in ("true", "false", "1", "0"):
+            raise OpenAIError(400, f"header {header}: must be true or false, got {raw!r}", header)
+        flags[name] = raw.strip().lower() in ("true", "1")
+    if session_id is None:
+        if flags:
+            raise OpenAIError(
+                400, f"{SESSION_START_HEADER} and {SESSION_END_HEADER} need {SESSION_ID_HEADER}"
+            )
+        return None
+    return {"session_id": session_id, **flags}
 
 
 async def _next(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int, GenerationChunk] | None:

@@ -53,6 +53,8 @@ class GenerationRequest:
     stream: bool  # one response per engine step (else one at the end)
     want_logprobs: bool
     request_id: str
+    # A session's turn (X-Session-Id etc.): {"session_id": str, "session_start": bool, "session_end": bool}
+    session: dict[str, Any] | None = None
 
 
 @dataclass
@@ -138,6 +140,11 @@ def build_inputs(request: GenerationRequest) -> list[Any]:
     }
     for name, value in flags.items():
         inputs.append(_tensor(name, np.array([value], dtype=bool), "BOOL"))
+    if request.session is not None:
+        session_id = str(request.session["session_id"]).encode()
+        inputs.append(_tensor("session_id", np.array([session_id], dtype=np.object_), "BYTES"))
+        for name in ("session_start", "session_end"):
+            inputs.append(_tensor(name, np.array([bool(request.session.get(name))], dtype=bool), "BOOL"))
     return inputs
 
 
