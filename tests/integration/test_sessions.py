@@ -46,7 +46,7 @@ def user_turns(vocab_size: int, seed: int = 7) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(rng.randrange(3, 20))] for _ in range(NUM_TURNS)]
 
 
-@pytest.mark.parametrize("core_mode", ["inprocess", "process"])
+@pytest.mark.parametrize("core_mode", ["inprocess", "process", "inprocess+async"])
 def test_a_ten_turn_session_matches_stateless_requests_and_computes_only_new_tokens(engines, core_mode):
     session_engine = engines(core_mode)
     stateless = engines(enable_prefix_caching=False)  # every turn computed from scratch
