@@ -4,13 +4,15 @@ which blocks a session holds between turns, what each turn computes, eviction, e
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from paged_llm.config import SessionConfig
 from paged_llm.core.scheduler import Scheduler
 from paged_llm.core.sessions import SessionManager, SessionTurn, truncate_with_sinks
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 from paged_llm.sequence import Sequence, SequenceStatus
-from tests.unit.test_scheduler import expected_outputs, make_scheduler, make_sequence, summary
+from tests.unit.test_scheduler import ShadowKV, expected_outputs, make_scheduler, make_sequence, summary
 
 
 class Clock:
@@ -240,3 +242,114 @@ def test_a_turn_past_the_window_drops_the_middle_of_the_history_and_recomputes()
     assert h.sessions.get("s").token_ids == seq.prompt_token_ids + expected_outputs("r2", 4)
     with pytest.raises(InvalidRequestError, match="text_input: the turn's 14 new tokens"):
         h.add_turn("s", "r3", list(range(100, 114)), max_tokens=4)
+
+
+# ------------------------------------------------------------------------------ random programs
+Op = tuple[str, int, int, int]  # (kind, session index, size, max_tokens)
+
+
+@st.composite
+def session_programs(draw) -> tuple[int, int, list[Op]]:
+    block_size = draw(st.sampled_from([2, 4]))
+    num_blocks = draw(st.integers(6, 24))
+    kinds = st.sampled_from(["turn", "turn", "turn", "abort", "stateless", "close", "expire", "step"])
+    ops = draw(
+        st.lists(
+            st.tuples(kinds, st.integers(0, 2), st.integers(1, 12), st.integers(1, 6)),
+            min_size=8,
+            max_size=60,
+        )
+    )
+    return block_size, num_blocks, ops
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=session_programs())
+def test_random_session_programs_keep_every_invariant_and_read_only_their_own_kv(program) -> None:
+    """Turns, aborts, stateless requests, closes and TTL expiry in random order on a small pool:
+    integrity after every call, no step reads KV that is not the sequence's own (ShadowKV), each
+    session's history is exactly its completed turns, and everything is free at the end."""
+    block_size, num_blocks, ops = program
+    max_model_len = num_blocks * block_size
+    h = Harness(
+        num_blocks,
+        SessionConfig(session_idle_ttl_s=10.0, num_sink_tokens=2),
+        block_size=block_size,
+        max_model_len=max_model_len,
+        budget=16,
+    )
+    shadow = ShadowKV(block_size)
+    expected: dict[str, list[int]] = {}  # session id -> history after its completed turns
+    turn_prompts: dict[str, list[int]] = {}
+    counter = iter(range(10**6))
+
+    def step() -> None:
+        output = h.sched.schedule()
+        h.check()
+        shadow.run_step(h.sched, output)
+        sampled = {
+            s.seq_id: expected_outputs(s.seq_id, s.seq.num_output_tokens + 1)[-1] for s in output.scheduled
+        }
+        h.sched.update_from_output(
+            output, {s.seq_id: sampled[s.seq_id] for s in output.scheduled if s.needs_sample}
+        )
+        for _request_id, (session_id, seq) in list(h.turn_seqs.items()):
+            if seq.is_finished and seq.status is not SequenceStatus.FINISHED_ABORTED:
+                expected[session_id] = list(seq.all_token_ids)
+        h._close_finished()
+        h.check()
+
+    for kind, index, size, max_tokens in ops:
+        session_id = f"s{index}"
+        busy = any(sid == session_id for sid, _ in h.turn_seqs.values())
+        if kind == "turn" and not busy:
+            start = h.sessions.get(session_id) is None
+            new = [100 + next(counter) % 900 for _ in range(size)]
+            try:
+                seq = h.add_turn(session_id, f"t{next(counter)}", new, max_tokens=max_tokens, start=start)
+            except (InvalidRequestError, QueueFullError):
+                continue  # the turn cannot fit the window even truncated
+            if start:
+                expected[session_id] = []
+            history = expected[session_id]
+            if seq.prompt_token_ids != history + new:  # truncated: sinks + the most recent tokens
+                kept = seq.prompt_token_ids
+                assert kept[:2] == (history + new)[:2] and kept[-len(new) :] == new
+            turn_prompts[seq.seq_id] = seq.prompt_token_ids
+        elif kind == "abort" and busy:
+            request_id = next(r for r, (sid, _) in h.turn_seqs.items() if sid == session_id)
+            h.abort(request_id)
+        elif kind == "stateless":
+            h.sched.add_sequence(
+                make_sequence(f"x{next(counter)}", min(size * 2, max_model_len - 8), max_tokens=3)
+            )
+        elif kind == "close" and not busy and h.sessions.get(session_id) is not None:
+            h.sessions.close(session_id)
+            expected.pop(session_id, None)
+            h.check()
+        elif kind == "expire":
+            h.clock.now += 11.0
+            for expired in h.sessions.expire_idle():
+                expected.pop(expired, None)
+            h.check()
+        for _ in range(1 + size % 4):
+            if h.sched.has_unfinished_sequences():
+                step()
+        for session_id, history in expected.items():
+            session = h.sessions.get(session_id)
+            if session is not None and session.turn_request_id is None:
+                assert session.token_ids == history
+    guard = 0
+    while h.sched.has_unfinished_sequences():
+        guard += 1
+        assert guard < 2000, "no progress"
+        step()
+    stats = h.sessions.stats()
+    event(f"sessions reused KV: {stats.reused_tokens_total > 0}")
+    event(f"session KV evicted: {stats.num_evicted_total > 0}")
+    event(f"history truncated: {stats.num_truncated_total > 0}")
+    event(f"preempted: {h.sched.num_preemptions_total > 0}")
+    for index in range(4):
+        h.sessions.close(f"s{index}")
+    h.check()
+    h.assert_all_free()

@@ -152,9 +152,8 @@ class SessionManager:
             ) from None
         if turn.start:
             self._sessions[turn.session_id] = session
-        if num_dropped:  # positions change: the held KV is of no use
-            self._drop_kv(session)
-            session.token_ids = prompt[: len(prompt) - len(new_token_ids)]
+        if num_dropped:  # positions change: the held KV is of no use (the history changes only
+            self._drop_kv(session)  # when the turn completes: an aborted one leaves it whole)
             self.num_truncated_total += 1
         session.turn_request_id = request_id
         session.closing = turn.end
@@ -220,12 +219,16 @@ class SessionManager:
 
     def reclaim_idle_kv(self) -> bool:
         """Frees the KV of the least recently used idle session that holds any (the scheduler calls
-        this when the pool is short). Its history stays: its next turn recomputes it."""
-        for session in self._sessions.values():
-            if session.turn_request_id is None and self.kv_cache.holds(session.holder):
-                self._drop_kv(session)
-                self.num_evicted_total += 1
-                return True
+        this when the pool is short); its history stays, and its next turn recomputes it. With no
+        idle one, a session whose turn waits for admission gives up its KV: otherwise that turn,
+        queued behind a sequence that needs the room, and that sequence would wait for each other.
+        (An admitted turn holds its blocks itself, as a sequence.)"""
+        holding = [s for s in self._sessions.values() if self.kv_cache.holds(s.holder)]
+        idle = [s for s in holding if s.turn_request_id is None]
+        for session in idle or holding:  # least recently used first
+            self._drop_kv(session)
+            self.num_evicted_total += 1
+            return True
         return False
 
     def drop_all_kv(self) -> None:

@@ -60,7 +60,16 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
                 logger.error("the front end process %d is gone: exiting", parent_pid)
                 os._exit(1)
             if watch_pid is not None and not process_is_alive(watch_pid):
-                logger.error("the server process %d is gone: exiting", watch_pid)
+                # The stub that started this core goes too: it notices the server's death by itself,
+                # but not while a Triton call it is blocked in holds its GIL (seen: a stub in
+                # initialize() outlived a server stopped with SIGTERM by more than 10 s).
+                logger.error(
+                    "the server process %d is gone: exiting, and ending stub %d", watch_pid, parent_pid
+                )
+                try:
+                    os.kill(parent_pid, signal.SIGKILL)
+                except OSError:
+                    pass
                 os._exit(1)
 
     threading.Thread(target=watch, name="paged_llm-core-watchdog", daemon=True).start()
