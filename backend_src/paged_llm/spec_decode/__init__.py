@@ -1,0 +1,1 @@
+"""Speculative decoding (issue "Speculative decoding"): proposers and the verification rule."""

@@ -1,0 +1,102 @@
+"""Speculative decoding pieces on CPU: n-gram prompt lookup, and the rejection sampler (greedy
+exactness, and a chi-square test that emitted tokens follow the target distribution)."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_llm.spec_decode.ngram import propose_ngram
+from paged_llm.spec_decode.rejection import REJECTED, rejection_sample
+
+# chi-square critical values at alpha = 0.001 by degrees of freedom (tables)
+CHI2_CRITICAL_0_001 = {5: 20.515}
+
+
+def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    tokens = [1, 2, 3, 4, 9, 8, 1, 2, 3]
+    assert propose_ngram(tokens, 3, max_n=3) == [4, 9, 8]
+    assert propose_ngram([5, 1, 2, 7, 1, 2, 6, 1, 2], 2, max_n=2) == [6, 1]  # the latest [1 2]
+    assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing recurs
+    assert propose_ngram([7, 7, 7], 4, max_n=2) == [7]  # overlapping match, continuation runs into the suffix
+    assert propose_ngram([1, 2, 1], 5, max_n=3) == [2, 1]  # fewer than asked when the text ends
+    assert propose_ngram([3, 1, 2, 3], 2, max_n=3, min_n=2) == []  # only the 1-gram [3] recurs
+    assert propose_ngram([1, 2, 3], 0) == []
+
+
+def _probs(batch: int, steps: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.softmax(torch.randn(batch, steps, vocab, generator=generator) * 2, dim=-1)
+
+
+def test_greedy_rows_accept_exactly_the_target_argmax_prefix():
+    generator = torch.Generator().manual_seed(0)
+    batch, k, vocab = 6, 4, 11
+    target = _probs(batch, k + 1, vocab, generator)
+    greedy = target.argmax(-1)
+    draft = greedy[:, :k].clone()
+    for row in range(batch):  # row r: the first r drafts right (r = k, k+1: all right)
+        if row < k:
+            draft[row, row] = (draft[row, row] + 1) % vocab
+    noise = torch.empty(batch, k + 1, vocab).exponential_(generator=generator)
+    out, emitted = rejection_sample(
+        target,
+        draft,
+        None,
+        torch.rand(batch, k, generator=generator),
+        noise,
+        torch.ones(batch, dtype=torch.bool),
+    )
+    for row in range(batch):
+        accepted = min(row, k)
+        assert emitted[row] == accepted + 1
+        assert out[row, : accepted + 1].tolist() == greedy[row, : accepted + 1].tolist()
+        assert (out[row, accepted + 1 :] == REJECTED).all()
+
+
+def _chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _check_emitted_distribution(one_hot_draft: bool) -> None:
+    """k = 2, crafted p_1, p_2, p_3 and q_1, q_2 over 6 tokens, drafts drawn from q: the first emitted
+    token follows p_1, and the second, among rows that accepted the first draft, follows p_2."""
+    generator = torch.Generator().manual_seed(1234)
+    batch, k = 400_000, 2
+    p = torch.tensor([
+        [0.30, 0.25, 0.20, 0.10, 0.10, 0.05],
+        [0.05, 0.05, 0.40, 0.30, 0.10, 0.10],
+        [0.20, 0.20, 0.20, 0.20, 0.10, 0.10],
+    ])  # fmt: skip
+    if one_hot_draft:  # the n-gram case: the proposal is fixed, q is one-hot at it
+        draft = torch.tensor([[1, 3]]).expand(batch, k).clone()
+        q = None
+    else:
+        q_rows = torch.tensor([[0.10, 0.50, 0.10, 0.10, 0.10, 0.10], [0.30, 0.10, 0.10, 0.10, 0.30, 0.10]])
+        draft = torch.stack([torch.multinomial(q_rows[i], batch, replacement=True, generator=generator)
+                             for i in range(k)], dim=1)  # fmt: skip
+        q = q_rows.unsqueeze(0).expand(batch, k, 6)
+    target = p.unsqueeze(0).expand(batch, k + 1, 6)
+    out, emitted = rejection_sample(
+        target, draft, q, torch.rand(batch, k, generator=generator),
+        torch.empty(batch, k + 1, 6).exponential_(generator=generator), torch.zeros(batch, dtype=torch.bool),
+    )  # fmt: skip
+    critical = CHI2_CRITICAL_0_001[5]
+    assert (emitted >= 1).all() and (out[:, 0] != REJECTED).all()
+    assert _chi_square(out[:, 0], p[0]) < critical
+    second = out[emitted >= 2]
+    second = second[second[:, 0] == draft[emitted >= 2][:, 0], 1]
+    assert second.numel() > 20_000
+    assert _chi_square(second, p[1]) < critical
+    # The first draft is accepted with probability sum_x min(p_1(x), q_1(x)).
+    q_first = torch.zeros(6).scatter_(0, torch.tensor([1]), 1.0) if one_hot_draft else q[0, 0]
+    rate = float(((emitted >= 2).double()).mean())
+    assert abs(rate - float(torch.minimum(p[0], q_first).sum())) < 0.005
+
+
+def test_emitted_tokens_follow_the_target_distribution_with_a_draft_distribution():
+    _check_emitted_distribution(one_hot_draft=False)
+
+
+def test_emitted_tokens_follow_the_target_distribution_with_one_hot_ngram_drafts():
+    _check_emitted_distribution(one_hot_draft=True)
