@@ -49,3 +49,13 @@ def test_split_outputs_routes_rows_finishes_logprobs_and_utility_results():
 def test_split_outputs_always_has_a_part_for_the_first_front_end():
     parts = split_outputs(EngineCoreOutputs(request_ids=["3:1"], seq_indices=[0], new_token_ids=[9]), {})
     assert sorted(parts) == [0, 3] and parts[0].is_empty
+
+
+def test_split_outputs_routes_history_truncation_and_carries_session_stats():
+    from paged_llm.core.sessions import SessionStats
+
+    stats = SessionStats(2, 1, 0, 0, 1, 40)
+    outputs = EngineCoreOutputs(history_truncated={"1:7": 12, "3": 5}, session_stats=stats)
+    parts = split_outputs(outputs, {})
+    assert parts[1].history_truncated == {"1:7": 12} and parts[0].history_truncated == {"3": 5}
+    assert parts[0].session_stats is stats and parts[1].session_stats is stats

@@ -68,6 +68,7 @@ def split_outputs(
         if found is None:
             found = parts[front_end] = EngineCoreOutputs(
                 scheduler_stats=outputs.scheduler_stats,
+                session_stats=outputs.session_stats,
                 num_step_faults=outputs.num_step_faults,
                 gc_pauses=outputs.gc_pauses,
                 num_steps=outputs.num_steps,
@@ -87,6 +88,8 @@ def split_outputs(
         part(front_end_of(finished.request_id)).finished_sequences.append(finished)
     for request in outputs.finished_requests:
         part(front_end_of(request.request_id)).finished_requests.append(request)
+    for request_id, num_dropped in outputs.history_truncated.items():
+        part(front_end_of(request_id)).history_truncated[request_id] = num_dropped
     for call_id, result in outputs.utility_results.items():
         front_end, own_call_id = call_routes.get(call_id, (0, call_id))
         part(front_end).utility_results[own_call_id] = result
