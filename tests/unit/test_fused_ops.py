@@ -74,18 +74,13 @@ def test_silu_and_mul(dtype, size):
 
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize(("n", "k"), [(1024, 2048), (6144, 1024), (100, 512), (4096, 3072)])
-def test_one_row_linear_takes_the_gemv_and_matches_cublas(dtype, n, k):
+def test_one_row_linear_takes_the_gemv_and_matches_cublas(dtype, n, k, monkeypatch):
     from paged_llm.layers import fused_ops
 
     x = randn(1, k, dtype=dtype, seed=1)
     weight = randn(n, k, dtype=dtype, seed=2) / k**0.5
-    calls = []
-    original = fused_ops._gemv_kernel
-    try:
-        fused_ops._gemv_kernel = _Recorder(original, calls)
-        actual = fused_ops.linear_triton(x, weight)
-    finally:
-        fused_ops._gemv_kernel = original
+    calls = record_launches(monkeypatch, fused_ops, "_gemv_kernel")
+    actual = fused_ops.linear_triton(x, weight)
     assert calls, "the one-row GEMV was not used"
     expected = (x.float() @ weight.float().T).to(dtype)
     torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
@@ -96,19 +91,14 @@ def test_one_row_linear_takes_the_gemv_and_matches_cublas(dtype, n, k):
     [(2, torch.float16, 512, False), (1, torch.float32, 512, False), (1, torch.float16, 300, False),
      (1, torch.float16, 512, True)],
 )  # fmt: skip
-def test_other_linears_stay_on_torch(rows, dtype, k, with_bias):
+def test_other_linears_stay_on_torch(rows, dtype, k, with_bias, monkeypatch):
     from paged_llm.layers import fused_ops
 
     x = randn(rows, k, dtype=dtype, seed=3)
     weight = randn(64, k, dtype=dtype, seed=4)
     bias = randn(64, dtype=dtype, seed=5) if with_bias else None
-    calls = []
-    original = fused_ops._gemv_kernel
-    try:
-        fused_ops._gemv_kernel = _Recorder(original, calls)
-        actual = fused_ops.linear_triton(x, weight, bias)
-    finally:
-        fused_ops._gemv_kernel = original
+    calls = record_launches(monkeypatch, fused_ops, "_gemv_kernel")
+    actual = fused_ops.linear_triton(x, weight, bias)
     assert not calls
     torch.testing.assert_close(actual, torch.nn.functional.linear(x, weight, bias))
 
@@ -117,20 +107,15 @@ def test_other_linears_stay_on_torch(rows, dtype, k, with_bias):
 @pytest.mark.parametrize(
     ("n", "k"), [(100, 512), (96, 2048)] + ([(1024, 3072), (4096, 1024)] if DEVICE == "cuda" else [])
 )  # the Qwen3-0.6B / Llama shapes take ~10 s each in the CPU interpreter
-def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k):
+def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k, monkeypatch):
     """The MLP's activation fused into its down projection (one row): one launch, and the same bits
     as silu_and_mul then the GEMV (it rounds the activation as they do)."""
     from paged_llm.layers import fused_ops
 
     gate_up = randn(1, 2 * k, dtype=dtype, seed=8)
     weight = randn(n, k, dtype=dtype, seed=9) / k**0.5
-    calls = []
-    original = fused_ops._silu_mul_gemv_kernel
-    try:
-        fused_ops._silu_mul_gemv_kernel = _Recorder(original, calls)
-        actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
-    finally:
-        fused_ops._silu_mul_gemv_kernel = original
+    calls = record_launches(monkeypatch, fused_ops, "_silu_mul_gemv_kernel")
+    actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
     assert len(calls) == 1
     two_kernels = fused_ops.linear_triton(silu_and_mul_triton(gate_up), weight)
     assert torch.equal(actual, two_kernels)
@@ -139,20 +124,22 @@ def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k):
 
 
 @pytest.mark.parametrize(("rows", "dtype"), [(3, torch.float16), (1, torch.float32)])
-def test_other_silu_mul_linears_take_the_two_ops(rows, dtype):
+def test_other_silu_mul_linears_take_the_two_ops(rows, dtype, monkeypatch):
     from paged_llm.layers import fused_ops
 
     gate_up = randn(rows, 1024, dtype=dtype, seed=10)
     weight = randn(64, 512, dtype=dtype, seed=11)
-    calls = []
-    original = fused_ops._silu_mul_gemv_kernel
-    try:
-        fused_ops._silu_mul_gemv_kernel = _Recorder(original, calls)
-        actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
-    finally:
-        fused_ops._silu_mul_gemv_kernel = original
+    calls = record_launches(monkeypatch, fused_ops, "_silu_mul_gemv_kernel")
+    actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
     assert not calls
     assert_same(actual, fused_ops.silu_mul_linear_torch(gate_up, weight), dtype)
+
+
+def record_launches(monkeypatch, module, kernel_name: str) -> list:
+    """Replaces `module.<kernel_name>` for the test with a _Recorder; returns its launch grids."""
+    calls: list = []
+    monkeypatch.setattr(module, kernel_name, _Recorder(getattr(module, kernel_name), calls))
+    return calls
 
 
 class _Recorder:
