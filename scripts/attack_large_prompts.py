@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from paged_llm.tools.bench_workload import infer_inputs
+
 
 def _inputs(prompt: str) -> list[grpcclient.InferInput]:
     arrays = [
@@ -34,12 +36,7 @@ def _inputs(prompt: str) -> list[grpcclient.InferInput]:
             "BYTES",
         ),
     ]
-    inputs = []
-    for name, array, dtype in arrays:
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, arrays)
 
 
 class _Stream:

@@ -46,6 +46,7 @@ from paged_llm.tools.bench_workload import (
     Job,
     RequestRecord,
     format_summary,
+    infer_inputs,
     random_workload,
     run_offline,
     summarize,
@@ -71,12 +72,7 @@ def _inputs(job: Job, like_openai: bool = False) -> list[Any]:
     ]
     if like_openai:
         arrays += [(name, np.array([True]), "BOOL") for name in _OPENAI_RETURN_FLAGS]
-    inputs = []
-    for name, array, dtype in arrays:
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, arrays)
 
 
 async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> RequestRecord:

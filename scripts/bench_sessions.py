@@ -31,6 +31,8 @@ import numpy as np
 def _inputs(token_ids: list[int], max_tokens: int, session: dict[str, Any] | None) -> list[Any]:
     import tritonclient.grpc as grpcclient
 
+    from paged_llm.tools.bench_workload import infer_inputs
+
     params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
     tensors = [
         ("input_ids", np.array(token_ids, dtype=np.int32), "INT32"),
@@ -43,12 +45,7 @@ def _inputs(token_ids: list[int], max_tokens: int, session: dict[str, Any] | Non
             ("session_start", np.array([session["start"]]), "BOOL"),
             ("session_end", np.array([session["end"]]), "BOOL"),
         ]
-    inputs = []
-    for name, array, dtype in tensors:
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, tensors)
 
 
 class ServedConversation:
@@ -165,7 +162,6 @@ def main() -> int:
     from paged_llm.config import EngineConfig
     from paged_llm.engine.llm_engine import LLMEngine
     from paged_llm.models.builtin import resolve_model_dir
-    from paged_llm.tools.server_process import start_server
 
     rng = random.Random(0)
 
@@ -174,37 +170,7 @@ def main() -> int:
 
     # Each mode its own tokens: a stateless turn must not hit the blocks a session just computed.
     conversations = {mode: [conversation() for _ in range(args.repeats)] for mode in ("session", "stateless")}
-    served: dict[str, list[list[float]]] = {"served session": [], "served stateless": []}
-    log_path = args.server_log or Path("/tmp/bench_sessions_server.log")
-    server = None if args.offline_only else start_server(args.launch.resolve(), log_path, timeout_s=1800.0)
-    try:
-        if server is None:
-            raise _SkipServed
-        warm_up = ServedConversation(server.grpc_url, False, "warm-up")
-        warm_up.turn(conversation()[0], args.output_tokens, True)
-        warm_up.close()
-        for repeat in tqdm(range(args.repeats), desc="served conversations"):
-            session = ServedConversation(server.grpc_url, True, f"bench-{repeat}")
-            stateless = ServedConversation(server.grpc_url, False, f"stateless-{repeat}")
-            ttfts: dict[str, list[float]] = {"served session": [], "served stateless": []}
-            for index in range(args.turns):  # alternating: both see the same server state over time
-                last = index == args.turns - 1
-                ttfts["served session"].append(
-                    session.turn(conversations["session"][repeat][index], args.output_tokens, last)[0]
-                )
-                ttfts["served stateless"].append(
-                    stateless.turn(conversations["stateless"][repeat][index], args.output_tokens, last)[0]
-                )
-            session.close()
-            stateless.close()
-            for label, values in ttfts.items():
-                served[label].append(values)
-    except _SkipServed:
-        served = {}
-    finally:
-        if server is not None:
-            server.stop()
-
+    served = {} if args.offline_only else run_served(args, conversations, conversation()[0])
     if served:
         _report(served, args)
     offline: dict[str, list[list[float]]] = {}
@@ -235,8 +201,40 @@ def main() -> int:
     return 0
 
 
-class _SkipServed(Exception):
-    pass
+def run_served(
+    args: argparse.Namespace, conversations: dict[str, list[list[list[int]]]], warm_up_turn: list[int]
+) -> dict[str, list[list[float]]]:
+    """TTFT per turn of each served conversation, session and stateless turns alternating."""
+    from tqdm import tqdm
+
+    from paged_llm.tools.server_process import start_server
+
+    served: dict[str, list[list[float]]] = {"served session": [], "served stateless": []}
+    log_path = args.server_log or Path("/tmp/bench_sessions_server.log")
+    server = start_server(args.launch.resolve(), log_path, timeout_s=1800.0)
+    try:
+        warm_up = ServedConversation(server.grpc_url, False, "warm-up")
+        warm_up.turn(warm_up_turn, args.output_tokens, True)
+        warm_up.close()
+        for repeat in tqdm(range(args.repeats), desc="served conversations"):
+            session = ServedConversation(server.grpc_url, True, f"bench-{repeat}")
+            stateless = ServedConversation(server.grpc_url, False, f"stateless-{repeat}")
+            ttfts: dict[str, list[float]] = {"served session": [], "served stateless": []}
+            for index in range(args.turns):  # alternating: both see the same server state over time
+                last = index == args.turns - 1
+                ttfts["served session"].append(
+                    session.turn(conversations["session"][repeat][index], args.output_tokens, last)[0]
+                )
+                ttfts["served stateless"].append(
+                    stateless.turn(conversations["stateless"][repeat][index], args.output_tokens, last)[0]
+                )
+            session.close()
+            stateless.close()
+            for label, values in ttfts.items():
+                served[label].append(values)
+    finally:
+        server.stop()
+    return served
 
 
 def _wait_for_device_memory(timeout_s: float = 120.0) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from paged_llm.tools.bench_workload import infer_inputs
+
 
 @dataclass
 class StreamResult:
@@ -56,12 +58,7 @@ def make_inputs(prompt: str | list[int], **kwargs: Any) -> list[grpcclient.Infer
             tensors.append((name, np.array([raw], dtype=np.object_), "BYTES"))
         else:
             raise TypeError(f"unsupported input {name}={value!r}")
-    inputs = []
-    for name, array, dtype in tensors:
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, tensors)
 
 
 def stream_many(

@@ -19,6 +19,17 @@ from typing import Any
 import numpy as np
 
 
+def infer_inputs(grpcclient: Any, arrays: list[tuple[str, np.ndarray, str]]) -> list[Any]:
+    """(name, array, Triton datatype) -> InferInput tensors of `grpcclient` (tritonclient.grpc or its
+    .aio: both have InferInput)."""
+    inputs = []
+    for name, array, datatype in arrays:
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
 @dataclass(frozen=True)
 class Job:
     index: int
