@@ -43,6 +43,10 @@ class SessionTurn:
     start: bool = False  # open the session with this turn (an open one is an error)
     end: bool = False  # close it once this turn ended
 
+    def closes_only(self, new_token_ids: list[int]) -> bool:
+        """A request that ends the session with no new tokens: closed at once, nothing generated."""
+        return self.end and not new_token_ids
+
 
 @dataclass
 class Session:

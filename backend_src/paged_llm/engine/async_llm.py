@@ -91,7 +91,7 @@ class AsyncLLM:
         session (`prompt_token_ids` holds only its new tokens; none, with session.end: a close)."""
         self.check_accepting()
         params = with_bad_words_tokenized(params, self.tokenize)
-        if prompt_token_ids or session is None or not session.end:
+        if session is None or not session.closes_only(prompt_token_ids):
             self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic()
         with self._lock:

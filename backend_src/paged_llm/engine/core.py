@@ -172,7 +172,7 @@ class EngineCore:
         """Queues a request. InvalidRequestError / QueueFullError: it was not queued."""
         if request.request_id in self._requests:
             raise InvalidRequestError("request id", f"{request.request_id!r} is already in flight")
-        if request.session is not None and not request.prompt_token_ids and request.session.end:
+        if request.session is not None and request.session.closes_only(request.prompt_token_ids):
             self._close_session(request)
             return
         validate_prompt(self.info, request.prompt_token_ids)

@@ -70,7 +70,7 @@ class LLMEngine:
         session and `prompt_token_ids` only its new tokens (none, with `session.end`: close it)."""
         prompt = list(prompt_token_ids)
         params = with_bad_words_tokenized(params, self.tokenize)
-        if prompt or session is None or not session.end:
+        if session is None or not session.closes_only(prompt):
             validate_prompt(self.info, prompt)
         validate_params(self.info, params)
         if arrival_time is None:
