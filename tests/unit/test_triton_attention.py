@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.portable import PortableAttention
-from paged_llm.layers.attention.triton_backend import TritonAttention, choose_num_splits
+from paged_llm.layers.attention.triton_backend import TritonAttention, choose_num_splits, estimated_programs
 from paged_llm.runner.input_buffers import InputBuffers
 
 NUM_BLOCKS = 128
@@ -146,12 +146,68 @@ def test_half_precision(dtype):
     assert_close(*run_both(MIXED, dtype=dtype), atol=2e-2)
 
 
-@pytest.mark.parametrize("chunks", [DECODES, MIXED], ids=["decode", "mixed"])
-def test_split_kv_matches_single_pass(chunks):
+@pytest.fixture
+def nan_filled_empty(monkeypatch):
+    """torch.empty gives NaN-filled tensors: a partial (split) that the reduce reads without the
+    attention kernel having written it shows up as NaN."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# A session turn: new tokens over a long cached history, in several query blocks, next to decodes.
+LONG_CONTEXT_CHUNK = [(300, 40), (9, 1), (0, 3)]
+
+
+@pytest.mark.parametrize(
+    "chunks", [DECODES, MIXED, LONG_CONTEXT_CHUNK], ids=["decode", "mixed", "long_context_chunk"]
+)
+def test_split_kv_matches_single_pass(chunks, nan_filled_empty):
     single, expected = run_both(chunks, splits=1)
     split, _ = run_both(chunks, splits=4)
     assert_close(split, expected)
     assert_close(split, single, atol=1e-5)
+
+
+def test_split_prefill_with_mixed_graph_padding_leaves_real_rows_exact(nan_filled_empty):
+    """A mixed-step graph's layout: the step's tokens, then padding tokens of no sequence, and
+    padding sequence slots with query length 0 and seq_len 0 (runner/cuda_graphs.py)."""
+    block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
+    device = torch.device(DEVICE)
+    metadata = build_metadata(LONG_CONTEXT_CHUNK, block_size, device)
+    q, k, v, k_cache, v_cache = make_inputs(
+        metadata, heads, kv_heads, head_dim, block_size, torch.float32, device
+    )
+    real = TritonAttention(num_splits=1).forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, 0.25)
+    pad_tokens, pad_seqs = 5, 3
+    num_tokens = metadata.num_tokens
+    nan_tokens = torch.full((pad_tokens, kv_heads, head_dim), float("nan"), device=device)
+    padded = replace(
+        metadata,
+        num_tokens=num_tokens + pad_tokens,
+        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad_tokens,), -1, device=device)]),
+        query_start_loc=torch.cat(
+            [metadata.query_start_loc, torch.full((pad_seqs,), num_tokens, dtype=torch.int32, device=device)]
+        ),
+        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(pad_seqs, dtype=torch.int32, device=device)]),
+        block_tables=torch.cat(
+            [
+                metadata.block_tables,
+                torch.zeros(pad_seqs, metadata.block_tables.shape[1], device=device).int(),
+            ]
+        ),
+        max_query_len=metadata.max_query_len + pad_tokens,  # the bucket
+    )
+    q_pad = torch.cat([q, torch.full((pad_tokens, heads, head_dim), float("nan"), device=device)])
+    k_pad, v_pad = torch.cat([k, nan_tokens]), torch.cat([v, nan_tokens])
+    pk, pv = k_cache.clone(), v_cache.clone()
+    out = TritonAttention(num_splits=4).forward(q_pad, k_pad, v_pad, pk, pv, padded, 0.25)
+    assert not pk.isnan().any() and not pv.isnan().any()
+    assert_close(out[:num_tokens], real, atol=1e-5)
 
 
 def test_padding_rows_leave_real_rows_exact():
@@ -191,11 +247,31 @@ def test_padding_rows_leave_real_rows_exact():
 
 def test_split_heuristic():
     # 1 sequence x 8 kv heads on 132 SMs with a 4096-token table: split as far as allowed.
-    assert choose_num_splits(1, 8, 1, 4096, 132) == 16
-    assert choose_num_splits(8, 8, 1, 4096, 132) == 4
-    assert choose_num_splits(64, 8, 1, 4096, 132) == 1  # the batch already fills the GPU
-    assert choose_num_splits(1, 8, 1, 256, 132) == 1  # too short to be worth a reduce
-    assert choose_num_splits(1, 8, 7, 4096, 132) == 1  # prefills never split
+    assert choose_num_splits(1 * 8, 4096, 132) == 16
+    assert choose_num_splits(8 * 8, 4096, 132) == 4
+    assert choose_num_splits(64 * 8, 4096, 132) == 1  # the batch already fills the GPU
+    assert choose_num_splits(1 * 8, 256, 132) == 1  # too short to be worth a reduce
+
+
+def test_programs_of_decodes_and_of_prompt_chunks():
+    # Decode-only: (sequence, kv head) pairs.
+    assert (
+        estimated_programs(num_seqs=3, num_tokens=3, max_query_len=1, num_kv_heads=8, query_block_tokens=8)
+        == 24
+    )
+    # A session turn of 201 new tokens (Qwen3-0.6B: 8 kv heads, 32-token query blocks): 7 x 8 = 56
+    # programs, so over a 4,608-token table it splits 4 ways; a fresh 201-token prompt (its table is
+    # 13 blocks of 16) does not split.
+    turn = estimated_programs(
+        num_seqs=1, num_tokens=201, max_query_len=201, num_kv_heads=8, query_block_tokens=32
+    )
+    assert turn == 56
+    assert choose_num_splits(turn, 4608, 132) == 4
+    assert choose_num_splits(turn, 13 * 16, 132) == 1
+    # A mixed-step graph counts its token bucket, not its 32 sequence slots; 8 x 128-token prompts
+    # fill the GPU.
+    assert estimated_programs(32, 256, 256, 8, 32) == 64
+    assert choose_num_splits(estimated_programs(8, 1024, 128, 8, 32), 4096, 132) == 1
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -5,9 +5,9 @@ fixed (max_query_len, the batch size and the block-table width), so the decode s
 captured and replayed. Padding rows of a graph batch (slot -1, seq_len 0) write nothing to the
 cache and produce zeros in their own output rows.
 
-Decode-only batches with few (sequence, kv head) programs leave most SMs idle while each program
-walks a long context; they split the keys over several programs (flash-decoding) and merge the
-partial softmaxes in a second small kernel.
+Steps with few programs (a decode batch of few sequences, or one prompt chunk over a long cached
+context) leave most SMs idle while each program walks the whole context; they split the keys over
+several programs (flash-decoding) and merge the partial softmaxes in a second small kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
-from paged_llm.layers.attention.triton_kernels import paged_attention, write_kv_cache
+from paged_llm.layers.attention.triton_kernels import attention_tiles, paged_attention, write_kv_cache
 
 DEFAULT_NUM_SMS = 132  # H100 SXM; used when nobody said (tests through the CPU interpreter)
 MAX_SPLITS = 16  # the reduce kernel holds [splits, head_dim] partials in registers
@@ -26,22 +26,35 @@ def _prev_power_of_2(value: int) -> int:
     return 1 << (value.bit_length() - 1) if value > 0 else 0
 
 
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len_bound: int, num_sms: int
-) -> int:
-    """How many programs share the keys of one (sequence, kv head); 1 = single pass.
+def choose_num_splits(num_programs: int, max_seq_len_bound: int, num_sms: int) -> int:
+    """How many programs share the keys of one (sequence, kv head, query block); 1 = single pass.
 
-    Only host ints that are fixed for a captured graph enter: `max_seq_len_bound` is the block-table
-    width in tokens, not the true longest context, so a replayed graph never needs another split.
-    Aim for about two programs per SM, keep >= MIN_KEYS_PER_SPLIT keys per split of the longest
-    possible context, and round down to a power of two (the reduce kernel's tile).
+    `num_programs` is the grid without splits (see `estimated_programs`). Only host ints that are
+    fixed for a captured graph enter: `max_seq_len_bound` is the block-table width in tokens, not the
+    true longest context, so a replayed graph never needs another split. Aim for about two programs
+    per SM, keep >= MIN_KEYS_PER_SPLIT keys per split of the longest possible context, and round
+    down to a power of two (the reduce kernel's tile).
     """
-    programs = num_seqs * num_kv_heads
-    if max_query_len != 1 or programs == 0 or programs >= num_sms:
+    if num_programs == 0 or num_programs >= num_sms:
         return 1
-    wanted = -(-2 * num_sms // programs)
+    wanted = -(-2 * num_sms // num_programs)
     splits = min(MAX_SPLITS, wanted, max_seq_len_bound // MIN_KEYS_PER_SPLIT)
     return max(1, _prev_power_of_2(splits))
+
+
+def estimated_programs(
+    num_seqs: int, num_tokens: int, max_query_len: int, num_kv_heads: int, query_block_tokens: int
+) -> int:
+    """Programs of the attention grid that have work, from host ints a captured graph keeps fixed.
+
+    Decode-only: one per (sequence, kv head). With prompt chunks: the step's tokens packed into
+    query blocks, per kv head; exact for one chunk alone (a session turn's new tokens over its long
+    history: 201 tokens were 56 programs on 132 SMs, each walking the whole history alone), and it
+    counts a mixed-step graph's bucket, not its padding sequence slots.
+    """
+    if max_query_len == 1:
+        return num_seqs * num_kv_heads
+    return -(-num_tokens // query_block_tokens) * num_kv_heads
 
 
 class TritonAttention:
@@ -55,14 +68,18 @@ class TritonAttention:
     def num_splits(self, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> int:
         if self.fixed_num_splits is not None:
             return self.fixed_num_splits
-        block_tables = metadata.block_tables
-        return choose_num_splits(
-            num_seqs=block_tables.shape[0],
-            num_kv_heads=k_cache.shape[2],
-            max_query_len=metadata.max_query_len,
-            max_seq_len_bound=block_tables.shape[1] * k_cache.shape[1],
-            num_sms=self.num_sms,
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        _, query_block_tokens, _ = attention_tiles(
+            metadata.max_query_len, query.shape[1] // num_kv_heads, head_dim
         )
+        programs = estimated_programs(
+            num_seqs=metadata.block_tables.shape[0],
+            num_tokens=query.shape[0],
+            max_query_len=metadata.max_query_len,
+            num_kv_heads=num_kv_heads,
+            query_block_tokens=query_block_tokens,
+        )
+        return choose_num_splits(programs, metadata.block_tables.shape[1] * k_cache.shape[1], self.num_sms)
 
     def forward(
         self,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 # The max/sum of the online softmax live in log2 units: exp2 is the fast hardware path.
 LOG2E = 1.4426950408889634
+PREFILL_MIN_SPLIT_KEYS = 256  # keys per split of a prompt chunk's query block, at least
 
 
 @triton.jit
@@ -67,7 +68,8 @@ def _paged_attention_kernel(
     stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,8 +104,9 @@ def _paged_attention_kernel(
         kv_lo = 0
         kv_hi = kv_end
     else:
-        # Per-sequence chunk: short sequences leave the high splits empty (they write m = -inf).
-        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+        # Per-sequence chunk of >= MIN_SPLIT_KEYS keys (a multiple of TILE_N): short sequences leave
+        # the high splits empty (they write m = -inf).
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N, MIN_SPLIT_KEYS)
         kv_lo = split * chunk
         kv_hi = tl.minimum(kv_end, kv_lo + chunk)
 
@@ -147,42 +150,49 @@ def _paged_attention_kernel(
         out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
+        # A split past the sequence's keys (kv_lo >= kv_hi) leaves its acc unwritten: m = -inf tells
+        # the reduce to skip it.
         acc_ptrs = part_acc_ptr + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :]
-        tl.store(acc_ptrs + split * stride_ps, acc, mask=q_mask)
+        tl.store(acc_ptrs + split * stride_ps, acc, mask=q_mask & (kv_lo < kv_hi))
         ml_off = token * stride_mt + head * stride_mh + split
         tl.store(part_m_ptr + ml_off, m_i, mask=row_valid)
         tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
 
 
-@triton.jit
+# num_seqs changes with every eager step: specializing on it (== 1, multiple of 16) would compile
+# new variants while serving.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr, num_seqs,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
+    """One program per (token, head): a long prefill chunk's tokens merge in parallel."""
+    tok64 = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    # Tokens past the last sequence's (a mixed-step graph's padding) belong to no sequence: the
+    # attention kernel wrote no partials for them.
+    if tok64 >= tl.load(query_start_loc_ptr + num_seqs):
+        return
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM_P)
     dim_valid = dims < HEAD_DIM
-    # Exactly the tokens the attention kernel covered; one per sequence on the decode path.
-    for i in range(0, q_end - q_start):
-        tok64 = q_start.to(tl.int64) + i
-        ml_off = tok64 * stride_mt + head * stride_mh + splits
-        m = tl.load(part_m_ptr + ml_off)
-        l_part = tl.load(part_l_ptr + ml_off)
-        m_max = tl.max(m, 0)
-        weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
-        denom = tl.sum(weight * l_part, 0)
-        acc_ptrs = part_acc_ptr + tok64 * stride_pt + head * stride_ph
-        acc = tl.load(
-            acc_ptrs + splits[:, None] * stride_ps + dims[None, :], mask=dim_valid[None, :], other=0.0
-        )
-        out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-        out_ptrs = out_ptr + tok64 * stride_ot + head * stride_oh + dims
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    ml_off = tok64 * stride_mt + head * stride_mh + splits
+    m = tl.load(part_m_ptr + ml_off)
+    l_part = tl.load(part_l_ptr + ml_off)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
+    denom = tl.sum(weight * l_part, 0)
+    acc_ptrs = part_acc_ptr + tok64 * stride_pt + head * stride_ph
+    has_keys = m > float("-inf")  # an empty split wrote no acc (it may hold anything)
+    acc = tl.load(
+        acc_ptrs + splits[:, None] * stride_ps + dims[None, :],
+        mask=has_keys[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    out_ptrs = out_ptr + tok64 * stride_ot + head * stride_oh + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 # ------------------------------------------------------------------------------------- launchers
@@ -240,7 +250,7 @@ def paged_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     max_query_len: int,
     scale: float,
-    num_splits: int = 1,  # power of two; > 1 = split-KV (meant for decode-only batches)
+    num_splits: int = 1,  # power of two; > 1 = split-KV (see triton_backend.choose_num_splits)
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cache (which already holds it)."""
@@ -267,6 +277,10 @@ def paged_attention(
     # fp32 inputs would run tl.dot in TF32 (10-bit mantissa) by default; keep them exact. The CPU
     # interpreter multiplies bf16 as raw uint16 bits (triton 3.6), so it gets fp32 dots instead.
     dot_fp32 = query.dtype == torch.float32 or (_INTERPRETED and query.dtype == torch.bfloat16)
+    # A query block of a prompt chunk over a short context does its keys alone (H100, 201 new tokens
+    # over no history, one layer: 14.8 us single pass, 44.5 us split 4 ways into 64-key pieces).
+    # Decode splits stay as fine as TILE_N: one row per program has little to set up.
+    min_split_keys = tile_n if block_m <= 16 else max(tile_n, PREFILL_MIN_SPLIT_KEYS)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
@@ -277,12 +291,13 @@ def paged_attention(
         part_m.stride(0), part_m.stride(1),
         GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
+        NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if dot_fp32 else "tf32",
         num_warps=4, num_stages=3 if block_m <= 16 else 2,
     )  # fmt: skip
     if num_splits > 1:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_m, part_l, query_start_loc,
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_m, part_l, query_start_loc, num_seqs,
             out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             part_m.stride(0), part_m.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
