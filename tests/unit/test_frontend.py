@@ -241,3 +241,26 @@ def test_a_closing_streaming_response_closes_its_generator_and_reports_a_client_
     asyncio.run(run(disconnect_after=3))
     asyncio.run(run(disconnect_after=None))
     assert closed == ["closed", "closed"] and statuses == [499, 200]
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir, system):
+    """The text of a later turn of a chat session, appended to what the server holds (the first
+    turn's prompt, the answer and its end-of-turn token), is the whole conversation's prompt."""
+    import asyncio
+
+    from paged_llm.frontend.chat_template import ChatTemplates
+
+    templates = ChatTemplates({"llm": tiny_model_dir}, None, backend=None)
+
+    def render(messages, after_an_answer=False):
+        return asyncio.run(
+            templates.render("llm", messages, True, False, None, after_an_answer=after_an_answer)
+        )
+
+    first = [{"role": "system", "content": "Be brief."}] * system + [{"role": "user", "content": "Hi"}]
+    answer = {"role": "assistant", "content": "Hello there"}
+    later = [{"role": "user", "content": "And then?"}]
+    turn = render(later, after_an_answer=True)
+    assert turn.startswith("\n<|im_start|>user")
+    assert render(first) + answer["content"] + "<|im_end|>" + turn == render([*first, answer, *later])

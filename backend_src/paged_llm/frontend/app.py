@@ -310,12 +310,14 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         )
         await known_model(body.model)
         messages = [message.template_dict(i) for i, message in enumerate(body.messages)]
+        session = session_of(request)
         prompt = await state["chat"].render(
             body.model,
             messages,
             body.add_generation_prompt,
             body.continue_final_message,
             body.chat_template_kwargs,
+            after_an_answer=session is not None and not session.get("session_start", False),
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation_request = GenerationRequest(
@@ -325,7 +327,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             body.stream,
             body.logprobs,
             request_id,
-            session_of(request),
+            session,
         )
         logprobs_k = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder("chat", request_id, body.model)

@@ -16,6 +16,20 @@ from typing import Any
 from paged_llm.frontend.errors import OpenAIError, bad_request
 
 logger = logging.getLogger(__name__)
+# Stands for the answer a session's later turn follows; the template renders the messages after it.
+_PREVIOUS_ANSWER = "PAGED_LLM_PREVIOUS_ANSWER"
+
+
+def _after_previous_answer(text: str, eos_token: str | None) -> str:
+    """The rendered text after the stand-in answer and its end-of-turn token (which the model
+    sampled, so the server's history already holds it)."""
+    marker = text.find(_PREVIOUS_ANSWER)
+    if marker < 0:
+        raise bad_request("the chat template dropped the conversation's previous answer", "messages")
+    rest = text[marker + len(_PREVIOUS_ANSWER) :]
+    if eos_token and rest.startswith(eos_token):
+        rest = rest[len(eos_token) :]
+    return rest
 
 
 class ChatTemplates:
@@ -71,10 +85,18 @@ class ChatTemplates:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
+        after_an_answer: bool = False,
     ) -> str:
+        """The prompt text of `messages`. `after_an_answer`: they continue a conversation whose last
+        message is an answer the model generated and the server keeps (a session's later turn), so
+        the text is what the template puts after that answer, not a conversation's start: for
+        ChatML, "\n<|im_start|>user\n...", the newline that follows the answer's <|im_end|>
+        included (the model generated the <|im_end|> itself; the newline is the template's)."""
         tokenizer = await self.tokenizer(model)
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(f"model {model!r} has no chat template; use /v1/completions", "model")
+        if after_an_answer:
+            messages = [{"role": "assistant", "content": _PREVIOUS_ANSWER}, *messages]
         try:
             text = await asyncio.to_thread(  # a long conversation must not stall the event loop
                 tokenizer.apply_chat_template,
@@ -88,6 +110,8 @@ class ChatTemplates:
             raise
         except Exception as error:  # the template's raise_exception(), or a kwarg it rejects
             raise bad_request(f"the chat template rejected the messages: {error}", "messages") from None
+        if after_an_answer and isinstance(text, str):
+            text = _after_previous_answer(text, getattr(tokenizer, "eos_token", None))
         if not isinstance(text, str) or not text:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         return text
