@@ -110,6 +110,10 @@ def _paged_attention_kernel(
         kv_lo = split * chunk
         kv_hi = tl.minimum(kv_end, kv_lo + chunk)
 
+    # Keys below this are visible to every row of the block: their tiles need no mask (60 -> 54 us a
+    # layer for a 201-token chunk over 4,400 keys, H100). Rows that are padding (no token, or a head
+    # past GROUP) see them too, from a zero query: finite, and never stored.
+    all_visible_hi = tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
@@ -122,14 +126,17 @@ def _paged_attention_kernel(
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head_off
         # Masked loads return 0: an unwritten cache row may hold NaN, and 0 * NaN would leak into acc.
+        # K is loaded as V is (rows of keys) and transposed for the dot: on an H100 that took a
+        # 201-token chunk over 4,400 keys from 54 to 49 us a layer.
         k = tl.load(
-            k_cache_ptr + row_off[None, :] + dims[:, None],
-            mask=dim_valid[:, None] & pos_valid[None, :],
+            k_cache_ptr + row_off[:, None] + dims[None, :],
+            mask=pos_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        )  # [HEAD_DIM_P, TILE_N]
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :] & row_valid[:, None]
-        s = tl.where(visible, s, float("-inf"))
+        )  # [TILE_N, HEAD_DIM_P]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        if start + TILE_N > all_visible_hi:  # the causal edge, the range's end, or padding rows
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :] & row_valid[:, None]
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
