@@ -7,9 +7,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from paged_llm.layers.attention.triton_kernels import write_kv_cache
 from paged_llm.layers.fused_ops import (
     qk_norm_rope_torch,
     qk_norm_rope_triton,
+    qk_norm_rope_write_kv_triton,
     rms_norm_torch,
     rms_norm_triton,
     silu_and_mul_torch,
@@ -63,6 +65,43 @@ def test_qk_norm_rope_matches_torch_on_strided_views(dtype, head_dim, with_norm,
     want_q, want_k = qk_norm_rope_torch(q, k, q_weight, k_weight, 1e-6, rotary.cos_sin, positions)
     assert_same(got_q, want_q, dtype)
     assert_same(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "with_norm"), [(16, True), (128, True), (80, False)])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (6, 3)])
+def test_rope_that_writes_the_kv_cache_leaves_it_as_the_separate_write_does(
+    dtype, head_dim, with_norm, q_heads, kv_heads
+):
+    """The decoder's fused path (q/k-norm + RoPE writing k and v to their cache slots, then
+    TritonAttention.attend) against qk_norm_rope_triton + write_kv_cache: the same q, the same
+    cache bits, and padding rows (slot -1) write nothing."""
+    tokens, block_size, num_blocks = 6, 4, 5
+    qkv = randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=8)
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    rotary = RotaryEmbedding(head_dim, RopeSpec(theta=1e6), max_positions=64)
+    rotary.build(torch.device(DEVICE), dtype)
+    positions = torch.tensor([0, 1, 2, 9, 10, 0], device=DEVICE)
+    slots = torch.tensor([3, 17, 0, 12, 5, -1], device=DEVICE)  # scattered; the last row is padding
+    q_weight = 1 + 0.1 * randn(head_dim, dtype=dtype, seed=9) if with_norm else None
+    k_weight = 1 + 0.1 * randn(head_dim, dtype=dtype, seed=10) if with_norm else None
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    want_k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    want_v_cache = want_k_cache.clone()
+    got_k_cache, got_v_cache = want_k_cache.clone(), want_v_cache.clone()
+    want_q, rotated_k = qk_norm_rope_triton(q, k, q_weight, k_weight, 1e-6, rotary.cos_sin, positions)
+    write_kv_cache(rotated_k, v, want_k_cache, want_v_cache, slots)
+    got_q = qk_norm_rope_write_kv_triton(
+        q, k, v, q_weight, k_weight, 1e-6, rotary.cos_sin, positions, got_k_cache, got_v_cache, slots
+    )
+    assert torch.equal(got_q, want_q)
+    for got, want in ((got_k_cache, want_k_cache), (got_v_cache, want_v_cache)):
+        assert torch.equal(got.isnan(), want.isnan())  # the same slots written, the rest untouched
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert int((~got_k_cache.isnan()).all(-1).all(-1).sum()) == 5  # 5 slots, none for the padding row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

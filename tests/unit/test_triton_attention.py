@@ -316,3 +316,44 @@ def test_cuda_graph_decode_capture_and_replay():
     graph.replay()
     expected = PortableAttention().forward(nq, nk, nv, ref_k, ref_v, second, head_dim**-0.5)
     assert_close(graph_out, expected, atol=2e-2)
+
+
+class _WritesItsOwnKV(TritonAttention):
+    kv_write_in_rope = False
+
+
+def test_decoder_attention_with_the_kv_written_in_rope_equals_the_separate_write():
+    """models/decoder.Attention on Triton ops: the fused path (RoPE kernel writes the cache,
+    TritonAttention.attend) gives the same output and the same cache as write + forward."""
+    from paged_llm.layers.fused_ops import FusedOps
+    from paged_llm.models.decoder import Attention, RotaryEmbedding
+    from paged_llm.models.hf_config import ModelSpec, RopeSpec
+
+    device, block_size, heads, kv_heads, head_dim = torch.device(DEVICE), 4, 4, 2, 16
+    spec = ModelSpec(
+        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, num_layers=1, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=64, rms_norm_eps=1e-6,
+        rope=RopeSpec(theta=1e6), max_position_embeddings=512, tie_word_embeddings=False,
+        attention_bias=False, qk_norm=True, checkpoint_dtype="float32",
+    )  # fmt: skip
+    metadata = build_metadata(MIXED, block_size, device)
+    rotary = RotaryEmbedding(head_dim, spec.rope, max_positions=512)
+    rotary.build(device, torch.float32)
+    positions = torch.cat(
+        [torch.arange(seq_len - query_len, seq_len) for query_len, seq_len in
+         zip(metadata.query_lens_host, metadata.seq_lens_host, strict=True)]
+    ).to(device)  # fmt: skip
+    hidden = torch.randn(metadata.num_tokens, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden = hidden.to(device)
+    results = []
+    for backend in (TritonAttention(), _WritesItsOwnKV()):
+        torch.manual_seed(0)
+        layer = Attention(spec, backend, FusedOps(use_triton=True)).to(device)
+        _, _, _, k_cache, v_cache = make_inputs(
+            metadata, heads, kv_heads, head_dim, block_size, torch.float32, device
+        )
+        out = layer(positions, hidden, (k_cache, v_cache), metadata, rotary)
+        results.append((out, k_cache, v_cache))
+    (fused, fused_k, fused_v), (separate, separate_k, separate_v) = results
+    assert torch.equal(fused_k, separate_k) and torch.equal(fused_v, separate_v)
+    assert torch.equal(fused, separate)

@@ -86,7 +86,7 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_heads(
-        src, dst, stride_h, w_ptr, cos, sin, eps,
+        src, dst, stride_h, dst_stride_h, w_ptr, cos, sin, eps,
         NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr,
     ):  # fmt: skip
@@ -113,33 +113,57 @@ if triton is not None:
         # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the activation dtype.
         out1 = ((f1 * cos).to(dtype).to(tl.float32) + (-(f2 * sin)).to(dtype).to(tl.float32)).to(dtype)
         out2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
-        tl.store(dst + offs, out1, mask=mask)
-        tl.store(dst + HALF + offs, out2, mask=mask)
+        dst_offs = heads[:, None] * dst_stride_h + lo[None, :]
+        out_dtype = dst.dtype.element_ty
+        tl.store(dst + dst_offs, out1.to(out_dtype), mask=mask)
+        tl.store(dst + HALF + dst_offs, out2.to(out_dtype), mask=mask)
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-        stride_cs, max_positions, eps,
+        q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
+        positions_ptr, slot_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_qot, stride_qoh, stride_kot, stride_koh,
+        stride_cb, stride_cs, stride_ch, stride_cs_pos, max_positions, eps,
         NUM_Q_HEADS: tl.constexpr, Q_HEADS_P: tl.constexpr, NUM_K_HEADS: tl.constexpr,
         K_HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+        WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     ):  # fmt: skip
         # One program per token, all its q and k heads: a program per (token, head) left a prefill
         # of 16k tokens at ~30% of memory bandwidth (400k programs of one warp each).
+        # WRITE_KV: the rotated k and the v of the token go straight to their KV-cache slot
+        # (k_out/v_out are the caches; slot < 0, a graph's padding row, writes nothing), which
+        # saves the attention backend's separate cache-write kernel.
         token = tl.program_id(0).to(tl.int64)
         lo = tl.arange(0, HALF_BLOCK)
         position = tl.load(positions_ptr + token)
-        cos = tl.load(cos_sin_ptr + position * stride_cs + lo, mask=lo < HALF, other=0.0).to(tl.float32)
-        sin_ptr = cos_sin_ptr + max_positions * stride_cs + position * stride_cs
+        cos = tl.load(cos_sin_ptr + position * stride_cs_pos + lo, mask=lo < HALF, other=0.0).to(tl.float32)
+        sin_ptr = cos_sin_ptr + max_positions * stride_cs_pos + position * stride_cs_pos
         sin = tl.load(sin_ptr + lo, mask=lo < HALF, other=0.0).to(tl.float32)
         _norm_rope_heads(
-            q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, q_weight_ptr,
+            q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh, q_weight_ptr,
             cos[None, :], sin[None, :], eps, NUM_Q_HEADS, Q_HEADS_P, HALF, HALF_BLOCK, HAS_NORM,
         )  # fmt: skip
-        _norm_rope_heads(
-            k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh, k_weight_ptr,
-            cos[None, :], sin[None, :], eps, NUM_K_HEADS, K_HEADS_P, HALF, HALF_BLOCK, HAS_NORM,
-        )  # fmt: skip
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + token)
+            if slot >= 0:
+                cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+                _norm_rope_heads(
+                    k_ptr + token * stride_kt, k_out_ptr + cache_off, stride_kh, stride_ch, k_weight_ptr,
+                    cos[None, :], sin[None, :], eps, NUM_K_HEADS, K_HEADS_P, HALF, HALF_BLOCK, HAS_NORM,
+                )  # fmt: skip
+                heads = tl.arange(0, K_HEADS_P)
+                dims = tl.arange(0, HEAD_DIM_P)
+                mask = (heads[:, None] < NUM_K_HEADS) & (dims[None, :] < HEAD_DIM)
+                v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+                v_dst = v_out_ptr + cache_off + heads[:, None] * stride_ch + dims[None, :]
+                tl.store(v_dst, v.to(v_out_ptr.dtype.element_ty), mask=mask)
+        else:
+            _norm_rope_heads(
+                k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh, stride_koh,
+                k_weight_ptr, cos[None, :], sin[None, :], eps, NUM_K_HEADS, K_HEADS_P, HALF, HALF_BLOCK,
+                HAS_NORM,
+            )  # fmt: skip
 
     @triton.jit
     def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, size, BLOCK: tl.constexpr):
@@ -261,23 +285,55 @@ def rms_norm_triton(
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos_sin, positions):
     num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
+    k_out = torch.empty((num_tokens, k.shape[1], head_dim), dtype=k.dtype, device=k.device)
+    _launch_qk_norm_rope(q, k, None, q_out, k_out, None, q_weight, k_weight, eps, cos_sin, positions, None)
+    return q_out, k_out
+
+
+def qk_norm_rope_write_kv_triton(
+    q, k, v, q_weight, k_weight, eps, cos_sin, positions, k_cache, v_cache, slot_mapping
+):  # fmt: skip
+    """qk_norm_rope_triton whose rotated k, and v, go to the KV cache at `slot_mapping` (< 0: none)
+    instead of into a new tensor; returns q. The cache holds what write_kv_cache would write."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and v.stride(-1) == 1
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    _launch_qk_norm_rope(
+        q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, eps, cos_sin, positions, slot_mapping
+    )
+    return q_out
+
+
+def _launch_qk_norm_rope(q, k, v, q_out, k_out, v_out, q_weight, k_weight, eps, cos_sin, positions, slots):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if num_tokens == 0:
+        return
     has_norm = q_weight is not None and k_weight is not None
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous()
     half = head_dim // 2
+    write_kv = slots is not None
+    if write_kv:  # k_out / v_out: the caches [num_blocks, block_size, kv_heads, head_dim]
+        stride_cb, stride_cs, stride_ch = k_out.stride(0), k_out.stride(1), k_out.stride(2)
+        block_size, stride_kot, stride_koh = k_out.shape[1], 0, 0
+    else:
+        v, v_out, slots = k, k_out, positions  # never read: WRITE_KV is off
+        stride_cb = stride_cs = stride_ch = 0
+        block_size, stride_kot, stride_koh = 1, k_out.stride(0), k_out.stride(1)
     _qk_norm_rope_kernel[(num_tokens,)](
-        q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin, positions,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos_sin.stride(1), cos_sin.shape[1], eps,
+        q, k, v, q_out, k_out, v_out, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin,
+        positions, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), stride_kot, stride_koh,
+        stride_cb, stride_cs, stride_ch, cos_sin.stride(1), cos_sin.shape[1], eps,
         NUM_Q_HEADS=num_q_heads, Q_HEADS_P=triton.next_power_of_2(num_q_heads),
         NUM_K_HEADS=num_k_heads, K_HEADS_P=triton.next_power_of_2(num_k_heads),
         HALF=half, HALF_BLOCK=triton.next_power_of_2(half), HAS_NORM=has_norm,
+        WRITE_KV=write_kv, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim),
         num_warps=4 if num_q_heads * half >= 512 else 1,
     )  # fmt: skip
-    return q_out, k_out
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
@@ -298,6 +354,8 @@ class FusedOps:
         self.use_triton = use_triton and triton is not None
         self.rms_norm = rms_norm_triton if self.use_triton else rms_norm_torch
         self.qk_norm_rope = qk_norm_rope_triton if self.use_triton else qk_norm_rope_torch
+        # With an attention backend that reads a cache written here (TritonAttention.attend).
+        self.qk_norm_rope_write_kv = qk_norm_rope_write_kv_triton if self.use_triton else None
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
         self.linear = linear_triton if self.use_triton and use_gemv else F.linear
         if self.use_triton and use_gemv:

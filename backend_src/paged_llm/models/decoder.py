@@ -114,8 +114,23 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
-        q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        if self.ops.qk_norm_rope_write_kv is not None and getattr(self.backend, "kv_write_in_rope", False):
+            q = self.ops.qk_norm_rope_write_kv(
+                q,
+                k,
+                v,
+                q_weight,
+                k_weight,
+                self.eps,
+                rotary.cos_sin,
+                positions,
+                *kv_cache,
+                metadata.slot_mapping,
+            )
+            out = self.backend.attend(q, kv_cache[0], kv_cache[1], metadata, self.scale)
+        else:
+            q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
 
 

@@ -59,6 +59,7 @@ def estimated_programs(
 
 class TritonAttention:
     name = "triton"
+    kv_write_in_rope = True  # the decoder may write the cache in its RoPE kernel and call attend()
 
     def __init__(self, num_splits: int | None = None, num_sms: int = DEFAULT_NUM_SMS) -> None:
         # A fixed split count overrides the heuristic (tests; tuning). Must be a power of two.
@@ -93,6 +94,18 @@ class TritonAttention:
     ) -> torch.Tensor:
         # The attention kernel reads the new tokens' keys back from the cache, so write first.
         write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(query, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,  # already holding this step's keys and values
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """forward() without the cache write: the decoder's fused q/k-norm + RoPE kernel wrote the
+        step's keys and values (FusedOps.qk_norm_rope_write_kv), one launch per layer fewer."""
         return paged_attention(
             query,
             k_cache,
