@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from paged_llm.layers.attention.triton_kernels import write_kv_cache
 from paged_llm.layers.fused_ops import (
+    norm_linear_triton,
     qk_norm_rope_torch,
     qk_norm_rope_triton,
     qk_norm_rope_write_kv_triton,
@@ -172,6 +173,33 @@ def test_other_silu_mul_linears_take_the_two_ops(rows, dtype, monkeypatch):
     actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
     assert not calls
     assert_same(actual, fused_ops.silu_mul_linear_torch(gate_up, weight), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (40, 512)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_one_row_norm_linear_is_one_kernel_equal_to_norm_then_linear(dtype, n, k, with_residual, monkeypatch):
+    """The decoder's residual-add + RMSNorm + projection for a one-row batch (_norm_gemv_kernel)
+    against rms_norm_triton then linear_triton: the same residual bits, the output within float32
+    summation order; more rows take the two ops."""
+    from paged_llm.layers import fused_ops
+
+    x, residual = randn(1, k, dtype=dtype, seed=11), randn(1, k, dtype=dtype, seed=12)
+    norm_weight = 1 + 0.1 * randn(k, dtype=dtype, seed=13)
+    weight = randn(n, k, dtype=dtype, seed=14) / k**0.5
+    res = residual if with_residual else None
+    calls = record_launches(monkeypatch, fused_ops, "_norm_gemv_kernel")
+    out, new_residual = norm_linear_triton(x, res, norm_weight, 1e-6, weight)
+    assert len(calls) == 1
+    normed, want_residual = fused_ops.rms_norm_triton(x, norm_weight, 1e-6, res)
+    assert torch.equal(new_residual, want_residual)
+    assert_same(out, fused_ops.linear_triton(normed, weight), dtype)
+    rows = randn(3, k, dtype=dtype, seed=15)
+    out3, _ = norm_linear_triton(rows, None, norm_weight, 1e-6, weight)
+    assert len(calls) == 1  # three rows: rms_norm + cuBLAS
+    assert_same(
+        out3, torch.nn.functional.linear(fused_ops.rms_norm_triton(rows, norm_weight, 1e-6)[0], weight), dtype
+    )
 
 
 def record_launches(monkeypatch, module, kernel_name: str) -> list:

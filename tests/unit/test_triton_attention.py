@@ -326,7 +326,7 @@ def test_decoder_attention_with_the_kv_written_in_rope_equals_the_separate_write
     """models/decoder.Attention on Triton ops: the fused path (RoPE kernel writes the cache,
     TritonAttention.attend) gives the same output and the same cache as write + forward."""
     from paged_llm.layers.fused_ops import FusedOps
-    from paged_llm.models.decoder import Attention, RotaryEmbedding
+    from paged_llm.models.decoder import Attention, RMSNorm, RotaryEmbedding
     from paged_llm.models.hf_config import ModelSpec, RopeSpec
 
     device, block_size, heads, kv_heads, head_dim = torch.device(DEVICE), 4, 4, 2, 16
@@ -352,7 +352,8 @@ def test_decoder_attention_with_the_kv_written_in_rope_equals_the_separate_write
         _, _, _, k_cache, v_cache = make_inputs(
             metadata, heads, kv_heads, head_dim, block_size, torch.float32, device
         )
-        out = layer(positions, hidden, (k_cache, v_cache), metadata, rotary)
+        norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps).to(device)
+        out, _ = layer(positions, hidden, None, norm, (k_cache, v_cache), metadata, rotary)
         results.append((out, k_cache, v_cache))
     (fused, fused_k, fused_v), (separate, separate_k, separate_v) = results
     assert torch.equal(fused_k, separate_k) and torch.equal(fused_v, separate_v)

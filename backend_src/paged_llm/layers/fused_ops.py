@@ -214,6 +214,41 @@ if triton is not None:
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
 
+    @triton.jit
+    def _norm_gemv_kernel(
+        x_ptr, r_ptr, norm_w_ptr, w_ptr, y_ptr, r_out_ptr, N, K, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P: tl.constexpr,
+    ):  # fmt: skip
+        """y = w @ rms_norm(x [+ residual]) for one row: the decoder's residual-add + RMSNorm and the
+        projection after it in one kernel (batch-1 decode). Every program computes the row's
+        statistic the way _rms_norm_kernel does (the whole row in one tl.sum) and recomputes its
+        normalized chunks with the same roundings; program 0 also writes the new residual."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, K_P)
+        col_mask = cols < K
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + cols, mask=col_mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like a torch add
+            tl.store(r_out_ptr + cols, x, mask=col_mask & (pid == 0))
+        x32 = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / K + eps)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            xk = tl.load(x_ptr + offs_k)
+            if HAS_RESIDUAL:
+                rk = tl.load(r_ptr + offs_k)
+                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(xk.dtype)
+            normed = (xk.to(tl.float32) * rstd).to(xk.dtype)
+            norm_w = tl.load(norm_w_ptr + offs_k)
+            h = (norm_w.to(tl.float32) * normed.to(tl.float32)).to(xk.dtype)
+            acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_mask)
+
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, k: int, block_k: int) -> bool:
     """One contiguous row of a 16-bit dtype, K a multiple of the block: where the GEMVs beat cuBLAS."""
@@ -265,6 +300,34 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3
     )
     return out
+
+
+def norm_linear_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x [+ residual]), weight, bias), the new residual): one kernel for one row of
+    a 16-bit dtype (_norm_gemv_kernel), else rms_norm_triton then linear_triton."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    block_n, block_k = _gemv_blocks(n, k)
+    if bias is not None or not _gemv_applies(x, weight, k, block_k) or norm_weight.dtype != x.dtype:
+        normed, residual_out = rms_norm_triton(x, norm_weight, eps, residual)
+        return linear_triton(normed, weight, bias), residual_out
+    if residual is not None and not residual.is_contiguous():
+        residual = residual.contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight, weight, out, residual_out, n, k, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        K_P=triton.next_power_of_2(k), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out, residual_out
 
 
 def rms_norm_triton(
@@ -359,8 +422,24 @@ class FusedOps:
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
         self.linear = linear_triton if self.use_triton and use_gemv else F.linear
         if self.use_triton and use_gemv:
+            self.norm_linear = norm_linear_triton  # one kernel for a one-row batch
             self.silu_mul_linear = silu_mul_linear_triton  # one kernel for a one-row batch
         elif self.use_triton:
             self.silu_mul_linear = lambda gate_up, weight: F.linear(silu_and_mul_triton(gate_up), weight)
         else:
             self.silu_mul_linear = silu_mul_linear_torch
+        if not (self.use_triton and use_gemv):
+            self.norm_linear = self._norm_then_linear
+
+    def _norm_then_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(x [+ residual])), the new residual), as norm_linear_triton computes it."""
+        normed, residual_out = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(normed, weight, bias), residual_out

@@ -103,11 +103,17 @@ class Attention(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         rotary: RotaryEmbedding,
-    ) -> torch.Tensor:
-        qkv = self.ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, the residual stream): `norm` is the layer's input norm, applied to
+        hidden + residual together with the QKV projection (one kernel for a one-row batch)."""
+        qkv, residual = self.ops.norm_linear(
+            hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias
+        )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -131,7 +137,7 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
             out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
+        return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight), residual
 
 
 class MLP(nn.Module):
@@ -141,9 +147,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(hidden, self.gate_up_proj.weight)
-        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, the residual stream): `norm` (post-attention) is applied with gate/up."""
+        gate_up, residual = self.ops.norm_linear(
+            hidden, residual, norm.weight, norm.eps, self.gate_up_proj.weight
+        )
+        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight), residual
 
 
 class DecoderLayer(nn.Module):
@@ -166,12 +177,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next layer adds
         them. HF's `h = h + attn(norm(h)); h = h + mlp(norm(h))` in the same order of operations."""
-        norm = self.input_layernorm
-        hidden, residual = self.ops.rms_norm(hidden, norm.weight, norm.eps, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata, rotary)
-        norm = self.post_attention_layernorm
-        hidden, residual = self.ops.rms_norm(hidden, norm.weight, norm.eps, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(
+            positions, hidden, residual, self.input_layernorm, kv_cache, metadata, rotary
+        )
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class CausalLM(nn.Module):
