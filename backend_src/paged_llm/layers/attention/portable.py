@@ -101,9 +101,12 @@ class PortableAttention:
         block_size = k_cache.shape[1]
         num_blocks = -(-max_len // block_size)
         tables = metadata.block_tables.index_select(0, row_index)[:, :num_blocks]
-        # [B, num_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        # [B * num_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]; index_select, not
+        # k_cache[tables]: advanced indexing took ~2x as long on CPU (Qwen3-0.6B shape, float32).
+        flat_tables = tables.reshape(-1)
+        shape = (len(rows), num_blocks * block_size, *k_cache.shape[2:])
+        k = k_cache.index_select(0, flat_tables).view(shape)[:, :max_len].transpose(1, 2)
+        v = v_cache.index_select(0, flat_tables).view(shape)[:, :max_len].transpose(1, 2)
         valid = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
         q = query.index_select(0, token_index).unsqueeze(2)  # [B, heads, 1, D]
         out = F.scaled_dot_product_attention(
