@@ -421,15 +421,14 @@ class FusedOps:
         self.qk_norm_rope_write_kv = qk_norm_rope_write_kv_triton if self.use_triton else None
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
         self.linear = linear_triton if self.use_triton and use_gemv else F.linear
-        if self.use_triton and use_gemv:
-            self.norm_linear = norm_linear_triton  # one kernel for a one-row batch
-            self.silu_mul_linear = silu_mul_linear_triton  # one kernel for a one-row batch
+        self.norm_linear = self._norm_then_linear
+        if self.use_triton and use_gemv:  # one kernel each for a one-row batch
+            self.norm_linear = norm_linear_triton
+            self.silu_mul_linear = silu_mul_linear_triton
         elif self.use_triton:
             self.silu_mul_linear = lambda gate_up, weight: F.linear(silu_and_mul_triton(gate_up), weight)
         else:
             self.silu_mul_linear = silu_mul_linear_torch
-        if not (self.use_triton and use_gemv):
-            self.norm_linear = self._norm_then_linear
 
     def _norm_then_linear(
         self,

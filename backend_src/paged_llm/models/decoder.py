@@ -98,6 +98,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.backend = backend
+        # The RoPE kernel writes the step's keys and values to the cache, the backend only reads it.
+        self.kv_write_in_rope = ops.qk_norm_rope_write_kv is not None and getattr(
+            backend, "kv_write_in_rope", False
+        )
 
     def forward(
         self,
@@ -120,20 +124,13 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
-        if self.ops.qk_norm_rope_write_kv is not None and getattr(self.backend, "kv_write_in_rope", False):
+        if self.kv_write_in_rope:
+            k_cache, v_cache = kv_cache
             q = self.ops.qk_norm_rope_write_kv(
-                q,
-                k,
-                v,
-                q_weight,
-                k_weight,
-                self.eps,
-                rotary.cos_sin,
-                positions,
-                *kv_cache,
+                q, k, v, q_weight, k_weight, self.eps, rotary.cos_sin, positions, k_cache, v_cache,
                 metadata.slot_mapping,
-            )
-            out = self.backend.attend(q, kv_cache[0], kv_cache[1], metadata, self.scale)
+            )  # fmt: skip
+            out = self.backend.attend(q, k_cache, v_cache, metadata, self.scale)
         else:
             q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
             out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
@@ -160,7 +157,6 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: FusedOps) -> None:
         super().__init__()
-        self.ops = ops
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, backend, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
