@@ -95,20 +95,26 @@ def run_batch(
         engine.add_request(
             f"d{batch_size}-{index}", [rng.randrange(vocab) for _ in range(prompt_len)], params
         )
-    # Prefill (and the first token) first; time only the pure decode steps after it. With
-    # asynchronous scheduling a sequence's count includes tokens of launched steps whose values are
-    # not on the host yet: after the synchronize below their device work is done, so the timed steps
-    # are the tokens not launched yet.
+    # Prefill (and the first token) first; time only the decode steps after it while the whole
+    # batch runs. A long prompt batch prefills in several chunked steps, and the sequences done
+    # first decode alongside the rest (256 x 1,024 tokens: up to 15 tokens ahead), so they also
+    # finish first: the window ends at the first finished sequence, and the steps are counted as
+    # launched (engine.core.num_steps). Counting the tokens still to come instead counted only the
+    # last sequences' steps and timed the shrinking batch after the first ones finished.
     while any(r.num_output_tokens == 0 for r in engine.core.scheduler.sequences.values()):
         engine.step()
     device = engine.core.device.torch_device
-    synchronize(device)
-    steps = new_tokens - max(r.num_output_tokens for r in engine.core.scheduler.sequences.values())
+    synchronize(device)  # a step launched ahead finishes here, outside the window
+    first_step = engine.core.num_steps
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        if any(output.finished for output in engine.step()):
+            break
     synchronize(device)
     elapsed = time.perf_counter() - start
+    steps = engine.core.num_steps - first_step
+    while engine.has_unfinished_requests():  # the rest of the batch, untimed
+        engine.step()
     step_s = elapsed / steps
     mean_context = prompt_len + 1 + (new_tokens - 1) / 2
     step_bytes = weight_bytes(engine) + batch_size * mean_context * kv_bytes_per_token(engine)
