@@ -18,6 +18,7 @@ step / step time / copy bandwidth (a large device-to-device copy, read + write b
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -28,6 +29,7 @@ import torch
 
 from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.sampling_params import SamplingParams
 
@@ -42,6 +44,7 @@ class DecodeResult:
     bytes_per_step: float
     achieved_gb_per_s: float
     bandwidth_utilization: float  # vs the measured copy bandwidth
+    gc_pause_ms: float = 0.0  # garbage-collection pauses inside the timed steps, in all
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -106,6 +109,7 @@ def run_batch(
     device = engine.core.device.torch_device
     synchronize(device)  # a step launched ahead finishes here, outside the window
     first_step = engine.core.num_steps
+    gc_before = process_gc_pauses()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         if any(output.finished for output in engine.step()):
@@ -113,6 +117,7 @@ def run_batch(
     synchronize(device)
     elapsed = time.perf_counter() - start
     steps = engine.core.num_steps - first_step
+    gc_pause_ms = process_gc_pauses().since(gc_before).pause_s_total * 1e3
     while engine.has_unfinished_requests():  # the rest of the batch, untimed
         engine.step()
     step_s = elapsed / steps
@@ -127,6 +132,7 @@ def run_batch(
         bytes_per_step=step_bytes,
         achieved_gb_per_s=step_bytes / step_s / 1e9,
         bandwidth_utilization=0.0,
+        gc_pause_ms=gc_pause_ms,
     )
 
 
@@ -214,6 +220,11 @@ def main() -> None:
     card = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     copy_gb_per_s = copy_bandwidth_gb_per_s(engine.core.device.torch_device)
     run_batch(engine, 1, 16, 8, args.seed)  # warm-up
+    # As the served engine core does (engine/core_process.py): what lives as long as the process
+    # stays out of later collections, so a full collection walks only what the steps create. The
+    # GC column reports the pauses that still fall inside the timed steps.
+    gc.collect()
+    gc.freeze()
     results = []
     for batch_size in batch_sizes:
         result = run_batch(engine, batch_size, args.prompt_len, args.new_tokens, args.seed)
@@ -225,11 +236,14 @@ def main() -> None:
     )
     weights_gb = weight_bytes(engine) / 1e9
     print(f"weights read per step: {weights_gb:.3f} GB; KV per token {kv_bytes_per_token(engine)} B")
-    print(f"{'batch':>6}{'prompt':>8}{'new':>6}{'ms/step':>10}{'tok/s':>11}{'GB/s':>9}{'of copy BW':>12}")
+    print(
+        f"{'batch':>6}{'prompt':>8}{'new':>6}{'ms/step':>10}{'tok/s':>11}{'GB/s':>9}{'of copy BW':>12}"
+        f"{'GC ms':>8}"
+    )
     for r in results:
         print(
             f"{r.batch_size:>6}{r.prompt_len:>8}{r.new_tokens:>6}{r.ms_per_step:>10.3f}{r.tokens_per_s:>11.0f}"
-            f"{r.achieved_gb_per_s:>9.0f}{r.bandwidth_utilization:>11.1%}"
+            f"{r.achieved_gb_per_s:>9.0f}{r.bandwidth_utilization:>11.1%}{r.gc_pause_ms:>8.1f}"
         )
     if hf_ms is not None:
         ratio = hf_ms / results[0].ms_per_step if results[0].batch_size == 1 else float("nan")
