@@ -10,6 +10,9 @@ the activation dtype, so greedy outputs stay token-identical to HF.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -302,6 +305,22 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def norm_then_linear(
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    linear: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x [+ residual])), the new residual) as two ops: what norm_linear_triton
+    fuses for one row, and what every other case runs."""
+    normed, residual_out = rms_norm(x, norm_weight, eps, residual)
+    return linear(normed, weight, bias), residual_out
+
+
 def norm_linear_triton(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -316,8 +335,7 @@ def norm_linear_triton(
     n = weight.shape[0]
     block_n, block_k = _gemv_blocks(n, k)
     if bias is not None or not _gemv_applies(x, weight, k, block_k) or norm_weight.dtype != x.dtype:
-        normed, residual_out = rms_norm_triton(x, norm_weight, eps, residual)
-        return linear_triton(normed, weight, bias), residual_out
+        return norm_then_linear(rms_norm_triton, linear_triton, x, residual, norm_weight, eps, weight, bias)
     if residual is not None and not residual.is_contiguous():
         residual = residual.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -421,7 +439,7 @@ class FusedOps:
         self.qk_norm_rope_write_kv = qk_norm_rope_write_kv_triton if self.use_triton else None
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
         self.linear = linear_triton if self.use_triton and use_gemv else F.linear
-        self.norm_linear = self._norm_then_linear
+        self.norm_linear = functools.partial(norm_then_linear, self.rms_norm, self.linear)
         if self.use_triton and use_gemv:  # one kernel each for a one-row batch
             self.norm_linear = norm_linear_triton
             self.silu_mul_linear = silu_mul_linear_triton
@@ -429,16 +447,3 @@ class FusedOps:
             self.silu_mul_linear = lambda gate_up, weight: F.linear(silu_and_mul_triton(gate_up), weight)
         else:
             self.silu_mul_linear = silu_mul_linear_torch
-
-    def _norm_then_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(x [+ residual])), the new residual), as norm_linear_triton computes it."""
-        normed, residual_out = self.rms_norm(x, norm_weight, eps, residual)
-        return self.linear(normed, weight, bias), residual_out
