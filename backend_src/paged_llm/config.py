@@ -108,6 +108,42 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (spec_decode/): a proposer guesses up to `num_speculative_tokens` next
+    tokens of a decoding sequence and one target step scores them all (vLLM's speculative_config)."""
+
+    speculative_method: str = "ngram"  # ngram: prompt lookup in the sequence's own tokens
+    num_speculative_tokens: int = 0  # k, proposed tokens per step and sequence (0: off)
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up (ngram)
+    prompt_lookup_min: int = 1  # shortest
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda | npu (optionally with an index, e.g. cuda:1)
     enable_cuda_graphs: bool = True
@@ -173,6 +209,7 @@ class EngineConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     serving: ServingConfig = field(default_factory=ServingConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
 
     @staticmethod
@@ -208,6 +245,7 @@ class EngineConfig:
                 limits=RequestLimits(**sections["limits"]),
                 serving=ServingConfig(**sections["serving"]),
                 sessions=SessionConfig(**sections["sessions"]),
+                speculative=SpeculativeConfig(**sections["speculative"]),
                 **top,
             )
         except ValueError as error:
@@ -222,6 +260,7 @@ _SECTIONS = {
     "limits": RequestLimits,
     "serving": ServingConfig,
     "sessions": SessionConfig,
+    "speculative": SpeculativeConfig,
 }
 _ALIASES = {
     "num_kv_blocks": "num_blocks",

@@ -76,6 +76,8 @@ class SamplingParams:
     # space; whenever the output ends with all but the last token of one, that last token is banned.
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # their tokenizations (engine front end)
+    # Speculative decoding for this request where the server has it on (false: one token per step).
+    speculative_decoding: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -309,6 +311,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "logprobs": parse_int,
     "skip_special_tokens": parse_bool,
     "priority": parse_int,
+    "speculative_decoding": parse_bool,
 }
 _NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids", "bad_words"}
 

@@ -74,6 +74,10 @@ class Sequence:
     held_kv_owner: str | None = None
     num_held_kv_tokens: int = 0
     keep_kv_owner: str | None = None
+    # Speculative decoding (spec_decode/): the tokens proposed for its next step (the scheduler
+    # takes them into that step), and the proposer's own state for this sequence.
+    spec_token_ids: list[int] = field(default_factory=list)
+    proposer_state: object | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

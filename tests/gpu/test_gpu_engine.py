@@ -159,3 +159,27 @@ def test_cuda_graphs_fit_the_memory_the_profile_set_aside_for_them(tiny_model_di
     assert reserve is not None and 0 < held <= reserve
     # the estimate is not wildly above what they hold either (logits outputs dominate it)
     assert held > reserve / 3
+
+
+def test_speculative_decoding_matches_hf_on_gpu(model_dir, prompts):
+    """n-gram speculation (k = 4) on copy-heavy prompts: greedy tokens equal HF's one at a time, the
+    verify steps replay the mixed-step CUDA graphs, and proposals were accepted."""
+    from paged_llm.config import SpeculativeConfig
+
+    passage = prompts[4][:16]
+    spec_prompts = [*prompts[:6], passage * 3, [11, 12, 13] * 10]
+    expected = hf_greedy(model_dir, spec_prompts)
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        cache=CacheConfig(num_blocks=1024, block_size_tokens=16),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+        device=DeviceConfig(device="cuda"),
+        speculative=SpeculativeConfig(num_speculative_tokens=4),
+    )
+    engine = LLMEngine(config, show_progress=False)
+    replays_before = engine.core.runner.mixed_graphs.num_replays
+    results = run_to_completion(engine, spec_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [r[0].token_ids for r in results] == expected
+    stats = engine.scheduler_stats()
+    assert stats.spec_num_accepted_tokens > 0
+    assert engine.core.runner.mixed_graphs.num_replays - replays_before >= stats.spec_num_drafts // 8

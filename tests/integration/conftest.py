@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SessionConfig
+from paged_llm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SessionConfig,
+    SpeculativeConfig,
+)
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.sampling_params import SamplingParams
 
@@ -23,8 +30,9 @@ class Completion:
 def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> LLMEngine:
     """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections. With
     core_mode="process" the caller shuts it down (the `engines` fixture does); `sessions` is the
-    SessionConfig."""
+    SessionConfig, `speculative` the SpeculativeConfig."""
     sessions = overrides.pop("sessions", SessionConfig())
+    speculative = overrides.pop("speculative", SpeculativeConfig())
     cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
     cache = {k: v for k, v in overrides.items() if k in cache_fields}
     scheduler = {k: v for k, v in overrides.items() if k not in cache_fields and k != "max_model_len"}
@@ -36,6 +44,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**scheduler),
         sessions=sessions,
+        speculative=speculative,
     )
     return LLMEngine(config, show_progress=False, core_mode=core_mode)
 

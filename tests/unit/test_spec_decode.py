@@ -3,9 +3,11 @@ exactness, and a chi-square test that emitted tokens follow the target distribut
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from paged_llm.spec_decode.ngram import propose_ngram
+from paged_llm.spec_decode.ngram import NgramIndex, propose_ngram
 from paged_llm.spec_decode.rejection import REJECTED, rejection_sample
 
 # chi-square critical values at alpha = 0.001 by degrees of freedom (tables)
@@ -17,10 +19,24 @@ def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
     assert propose_ngram(tokens, 3, max_n=3) == [4, 9, 8]
     assert propose_ngram([5, 1, 2, 7, 1, 2, 6, 1, 2], 2, max_n=2) == [6, 1]  # the latest [1 2]
     assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing recurs
-    assert propose_ngram([7, 7, 7], 4, max_n=2) == [7]  # overlapping match, continuation runs into the suffix
-    assert propose_ngram([1, 2, 1], 5, max_n=3) == [2, 1]  # fewer than asked when the text ends
+    # The continuation runs into the end: the text repeats with the period the match implies.
+    assert propose_ngram([7, 7, 7], 4, max_n=2) == [7, 7, 7, 7]
+    assert propose_ngram([1, 2, 1], 5, max_n=3) == [2, 1, 2, 1, 2]
+    assert propose_ngram([4, 1, 2, 3, 1, 2], 5, max_n=2) == [3, 1, 2, 3, 1]
     assert propose_ngram([3, 1, 2, 3], 2, max_n=3, min_n=2) == []  # only the 1-gram [3] recurs
     assert propose_ngram([1, 2, 3], 0) == []
+
+
+def test_ngram_index_proposes_what_the_scan_proposes_as_a_sequence_grows():
+    rng = random.Random(0)
+    for _ in range(200):
+        vocab, max_n = rng.choice([2, 3, 5, 20]), rng.randint(1, 5)
+        min_n, k = rng.randint(1, max_n), rng.randint(1, 6)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        index = NgramIndex(max_n, min_n)
+        for _ in range(30):
+            assert index.propose(tokens, k) == propose_ngram(tokens, k, max_n, min_n), (tokens, k)
+            tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
 
 
 def _probs(batch: int, steps: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -100,3 +116,52 @@ def test_emitted_tokens_follow_the_target_distribution_with_a_draft_distribution
 
 def test_emitted_tokens_follow_the_target_distribution_with_one_hot_ngram_drafts():
     _check_emitted_distribution(one_hot_draft=True)
+
+
+def test_verify_emits_tokens_that_follow_the_sampling_distribution():
+    """The engine's verification (temperature, top-k, counter-based noise by seed and position):
+    over 60,000 sequences with different seeds, a one-hot proposal at position 0 and a ragged
+    second sequence layout, the first emitted token follows softmax(top-k(logits) / T), the second
+    (after an accepted first proposal) the next position's, and the acceptance rate is p(draft)."""
+    from paged_llm.sampling_params import SamplingParams
+    from paged_llm.sequence import Sequence
+    from paged_llm.spec_decode.verify import VerifyRows, verify
+
+    vocab, temperature, top_k = 8, 0.7, 6
+    row_logits = torch.tensor(
+        [[1.0, 0.2, -0.5, 0.8, 0.0, -1.0, 0.4, -3.0], [0.1, 1.2, 0.3, -0.2, 0.9, 0.0, -0.7, -3.0]]
+    )
+    params = SamplingParams(max_tokens=100, temperature=temperature, top_k=top_k)
+    num_seqs = 60_000
+    seqs = [Sequence(f"s{i}", [1, 2], params, seed=i * 7919 + 3) for i in range(num_seqs)]
+    # Every other sequence proposes 2 tokens (3 rows), the rest 1 (2 rows): ragged rows.
+    drafts = [[0, 1] if i % 2 else [0] for i in range(num_seqs)]
+    logits, first_rows = [], []
+    for draft in drafts:
+        first_rows.append(len(logits))
+        logits.extend([row_logits[0], row_logits[1], row_logits[1]][: len(draft) + 1])
+    result = verify(torch.stack(logits), VerifyRows(seqs, drafts, first_rows), vocab)
+
+    def target(row: torch.Tensor) -> torch.Tensor:
+        scaled = row / temperature
+        kth = scaled.topk(top_k).values[-1]
+        return torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+
+    p0, p1 = target(row_logits[0]), target(row_logits[1])
+    critical = CHI2_CRITICAL_0_001[5]
+    first = result.token_ids[:, 0]
+    assert (result.num_emitted >= 1).all()
+    assert _chi_square_support(first, p0) < critical
+    accepted_first = result.num_emitted >= 2
+    assert abs(float(accepted_first.double().mean()) - float(p0[0])) < 0.01
+    second = result.token_ids[accepted_first, 1]
+    assert _chi_square_support(second, p1) < critical
+
+
+def _chi_square_support(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square over the tokens with positive probability (6 of 8 here: 5 degrees of freedom)."""
+    support = probs > 0
+    assert bool(support[samples].all()), "a token outside the filtered support was emitted"
+    counts = torch.bincount(samples, minlength=probs.numel()).double()[support]
+    expected = probs[support].double() * samples.numel()
+    return float(((counts - expected) ** 2 / expected).sum())

@@ -46,6 +46,7 @@ def build_metadata(
                 num_new_tokens=new,
                 block_ids=[free.pop() for _ in range(num_blocks)],
                 needs_sample=False,
+                draft_token_ids=[],
             )
         )
     num_tokens = sum(new for _, new in chunks)

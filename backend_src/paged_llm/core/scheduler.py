@@ -17,6 +17,14 @@ finishes sequences. With asynchronous scheduling the next step is scheduled betw
 decode then reads the pending token as its input (the runner takes it from the previous step's
 output on the device), and a sequence whose pending token is its last (max_tokens, max_model_len)
 is not scheduled again.
+With speculative decoding a decoding sequence may bring proposed tokens (`seq.spec_token_ids`): the
+step then computes its last token and up to k proposals (as many as the budget and its length limits
+allow). `on_launched` counts only the last token as computed; `update_from_output` takes the tokens
+the verification emitted (the accepted proposals plus one) and counts the accepted proposals too.
+The KV written for rejected ones is never counted, and later steps overwrite it:
+
+    before:  tokens [.. t]         computed up to t-1     step: t d1 d2 d3 (3 proposals)
+    after:   tokens [.. t d1 e]    computed up to d1      (d1 accepted, d2 rejected, e emitted)
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ class ScheduledSequence:
     num_new_tokens: int  # tokens computed this step: all_token_ids[start : start + num_new_tokens]
     block_ids: list[int]  # the sequence's whole block table (live view; read before the next schedule)
     needs_sample: bool  # this chunk reaches the last known token, so the step samples a new one
+    # Proposed tokens this step verifies (computed after the last known token; speculative decoding).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> str:
@@ -65,6 +75,10 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int  # prompt tokens looked up at admission
     prefix_cache_hit_tokens: int  # of those, served from the prefix cache
     prompt_tokens_computed: int = 0  # prompt tokens whose KV steps computed, since start
+    # Speculative decoding, since start (vLLM's spec_decode counters):
+    spec_num_drafts: int = 0  # sequence-steps that verified proposed tokens
+    spec_num_draft_tokens: int = 0  # proposed tokens verified
+    spec_num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -73,6 +87,8 @@ class SequenceUpdate:
 
     seq: Sequence
     new_token_id: int | None  # the sampled token; None for a prefill chunk that sampled nothing
+    # With speculative decoding: every token the step emitted, in order (new_token_id is the last).
+    new_token_ids: list[int] | None = None
 
 
 class Scheduler:
@@ -97,6 +113,9 @@ class Scheduler:
         # no sequence uses (an idle session's, core/sessions.py); True if it freed anything.
         self.reclaim_kv: Callable[[], bool] = lambda: False
         self.num_prompt_tokens_computed = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     # ----------------------------------------------------------------------------------- sequences
     def add_sequence(self, seq: Sequence) -> None:
@@ -162,11 +181,15 @@ class Scheduler:
             if seq.num_pending_tokens and self._reaches_length_limit(seq, seq.num_output_tokens):
                 index += 1  # its pending token is its last: it ends when that token arrives
                 continue
-            num_new = min(lacking, budget) if lacking == 1 else min(lacking, budget, self._prefill_left)
+            num_drafts = self._num_drafts_to_verify(seq, budget - 1) if lacking == 1 else 0
+            num_new = 1 + num_drafts if lacking == 1 else min(lacking, budget, self._prefill_left)
             if num_new == 0:  # a prefill chunk, and the step's prefill share is spent
                 index += 1
                 continue
             while self.kv_cache.allocate_slots(seq, num_new) is None:
+                if num_drafts:  # verify nothing rather than preempt or reclaim for proposals
+                    num_drafts, num_new = 0, 1
+                    continue
                 if self.reclaim_kv():
                     continue
                 # Worst sequence not yet scheduled this step: running[index:] is sorted best first.
@@ -177,7 +200,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted itself; running[index] is now the next seq
-            self._add_scheduled(output, seq, seq.num_computed_tokens, num_new)
+            drafts = seq.spec_token_ids[:num_drafts]
+            self._add_scheduled(output, seq, seq.num_computed_tokens, num_new, drafts)
             budget -= num_new
             if lacking > 1:
                 self._prefill_left -= num_new
@@ -268,17 +292,39 @@ class Scheduler:
         output.preempted.append(victim)
         return budget, True
 
-    def _add_scheduled(self, output: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
+    def _add_scheduled(
+        self,
+        output: SchedulerOutput,
+        seq: Sequence,
+        start: int,
+        num_new: int,
+        drafts: list[int] | None = None,
+    ) -> None:
         self.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+        num_drafts = len(drafts) if drafts else 0
         output.scheduled.append(
             ScheduledSequence(
                 seq=seq,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
                 block_ids=self.kv_cache.block_ids_view(seq.seq_id),
-                needs_sample=start + num_new == seq.num_tokens,
+                needs_sample=start + num_new - num_drafts == seq.num_tokens,
+                draft_token_ids=drafts or [],
             )
         )
+        seq.spec_token_ids = []  # taken (or dropped): the proposer proposes afresh for the next step
+
+    def _num_drafts_to_verify(self, seq: Sequence, room_tokens: int) -> int:
+        """How many of a decoding sequence's proposed tokens this step verifies: no more than the
+        step's budget has room for, nor than could still be emitted before max_tokens or
+        max_model_len (a step emits the accepted proposals plus one token)."""
+        if not seq.spec_token_ids or seq.num_pending_tokens:
+            return 0
+        limit = min(len(seq.spec_token_ids), room_tokens, self.max_model_len - seq.num_tokens - 1)
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - seq.num_output_tokens - 1)
+        return max(limit, 0)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free the KV, keep every token, resume from scratch later."""
@@ -307,14 +353,19 @@ class Scheduler:
             seq = scheduled.seq
             if seq.is_finished:
                 continue  # aborted since schedule()
-            seq.num_computed_tokens += scheduled.num_new_tokens
+            # Proposals count once verified (update_from_output): until then only the last token.
+            seq.num_computed_tokens += scheduled.num_new_tokens - len(scheduled.draft_token_ids)
             if scheduled.needs_sample:
                 seq.append_pending_token()
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int],
+        spec_token_ids: Mapping[str, list[int]] | None = None,
     ) -> list[SequenceUpdate]:
-        """Applies a finished step: one update per scheduled sequence still live.
+        """Applies a finished step: one update per scheduled sequence still live. `spec_token_ids`:
+        for each sequence that verified proposals, the tokens the verification emitted.
 
         Sequences that finished here (EOS, stop token, max_tokens, max_model_len) are already freed.
         """
@@ -329,18 +380,50 @@ class Scheduler:
                 self.kv_cache.cache_computed_blocks(seq)
                 updates.append(SequenceUpdate(seq, None))
                 continue
-            token_id = sampled_token_ids[seq.seq_id]
-            num_output_tokens = seq.resolve_pending_token(token_id) + 1
+            new_token_ids = None
+            if scheduled.draft_token_ids:
+                assert spec_token_ids is not None, f"{seq.seq_id}: proposals verified, no result"
+                first_new = seq.num_output_tokens - seq.num_pending_tokens
+                status = self._apply_verified(seq, scheduled.draft_token_ids, spec_token_ids[seq.seq_id])
+                new_token_ids = seq.output_token_ids[first_new:]
+                token_id = new_token_ids[-1]
+            else:
+                token_id = sampled_token_ids[seq.seq_id]
+                num_output_tokens = seq.resolve_pending_token(token_id) + 1
+                status = self._check_stop(seq, token_id, num_output_tokens)
             self.kv_cache.cache_computed_blocks(seq)
-            status = self._check_stop(seq, token_id, num_output_tokens)
             if status is not None:
                 if seq.status is SequenceStatus.RUNNING:
                     self.running.remove(seq)
                 else:  # preempted while this step ran (asynchronous scheduling)
                     self._remove_waiting(seq)
                 self._finish(seq, status)
-            updates.append(SequenceUpdate(seq, token_id))
+            updates.append(SequenceUpdate(seq, token_id, new_token_ids))
         return updates
+
+    def _apply_verified(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> SequenceStatus | None:
+        """Appends the tokens a verification emitted (the accepted proposals, then one token), up to
+        the first that ends the sequence, and counts the accepted proposals' KV as computed (the
+        rejected ones' KV is stale; later steps overwrite it). Returns the status that ended it."""
+        num_accepted = len(emitted) - 1
+        assert 0 <= num_accepted <= len(drafts) and emitted[:num_accepted] == drafts[:num_accepted]
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += num_accepted
+        seq.num_computed_tokens += num_accepted
+        status = None
+        for position, token_id in enumerate(emitted):
+            if position == 0:
+                num_output_tokens = seq.resolve_pending_token(token_id) + 1
+            else:
+                seq.append_output_token(token_id)
+                num_output_tokens = seq.num_output_tokens
+            status = self._check_stop(seq, token_id, num_output_tokens)
+            if status is not None:
+                break
+        # Ended early: the KV of the accepted proposals it keeps is valid, the rest is not its.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        return status
 
     def _check_stop(self, seq: Sequence, token_id: int, num_output_tokens: int) -> SequenceStatus | None:
         """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence."""
@@ -373,6 +456,9 @@ class Scheduler:
             prefix_cache_queried_tokens=self.kv_cache.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_cache.num_prefix_hit_tokens,
             prompt_tokens_computed=self.num_prompt_tokens_computed,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     def check_integrity(self, kv_holders: Iterable[str] = ()) -> None:

@@ -46,6 +46,7 @@ from paged_llm.runner.device import Device
 from paged_llm.runner.kv_sizing import plan_kv_cache
 from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
+from paged_llm.spec_decode.proposer import can_speculate, make_proposer
 
 logger = logging.getLogger(__name__)
 _UINT64_MASK = (1 << 64) - 1
@@ -111,6 +112,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             enable_cuda_graphs=config.device.enable_cuda_graphs,
             enable_triton_gemv=config.device.enable_triton_gemv,
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
         )
         self.runner.load(show_progress=show_progress)
         plan = plan_kv_cache(config, self.runner, self.device)
@@ -160,6 +162,12 @@ class EngineCore:
         mode = config.scheduler.async_scheduling
         # Launch a step before the previous one's tokens are on the host (step_pipelined).
         self.launch_ahead = mode == "on" or (mode == "auto" and self.device.is_accelerator)
+        # Speculative decoding: proposals need the previous step's tokens on the host, so steps are
+        # not launched ahead while it is on.
+        self.proposer = make_proposer(config.speculative)
+        self.num_speculative_tokens = config.speculative.num_speculative_tokens
+        if self.proposer is not None:
+            self.launch_ahead = False
         # Drive the core with step_pipelined(): on an accelerator publishing overlaps the device work.
         self.pipelined = self.launch_ahead or self.device.is_accelerator
         self._in_flight: InFlightStep | None = None  # step_pipelined's launched, unfinished step
@@ -393,6 +401,10 @@ class EngineCore:
         self.sessions.expire_idle()
         if self.config.scheduler.queue_max_wait_s > 0.0:
             self._expire_queue_waits()
+        if self.proposer is not None:
+            self.proposer.propose(
+                [seq for seq in self.scheduler.running if can_speculate(seq)], self.num_speculative_tokens
+            )
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return None
@@ -416,7 +428,7 @@ class EngineCore:
                 self._fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
             else:
                 updates = self.scheduler.update_from_output(
-                    in_flight.scheduler_output, runner_output.sampled_token_ids
+                    in_flight.scheduler_output, runner_output.sampled_token_ids, runner_output.spec_token_ids
                 )
                 self._publish_updates(updates, runner_output)
         return self.take_outputs()
@@ -438,6 +450,11 @@ class EngineCore:
             if token_id is None:
                 continue  # a prefill chunk
             record, index = self._owner[seq.seq_id]
+            if update.new_token_ids is not None:  # verified proposals: every emitted token, in order
+                for earlier in update.new_token_ids[:-1]:
+                    out.request_ids.append(record.request_id)
+                    out.seq_indices.append(index)
+                    out.new_token_ids.append(earlier)
             row = len(out.request_ids)
             out.request_ids.append(record.request_id)
             out.seq_indices.append(index)

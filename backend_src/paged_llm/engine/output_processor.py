@@ -169,13 +169,19 @@ class OutputProcessor:
         touched: set[str] = set()
         aborts: list[AbortRequest] = []
         ended = {(f.request_id, f.seq_index): f for f in outputs.finished_sequences}
+        # A sequence has several rows when the step verified proposals (speculative decoding): its
+        # end, if it ended, goes with its last row.
+        last_rows = None
+        if ended and len(set(zip(outputs.request_ids, outputs.seq_indices))) < outputs.num_rows:
+            last_rows = {key: row for row, key in enumerate(zip(outputs.request_ids, outputs.seq_indices))}
         for row, (core_id, index, token_id) in enumerate(
             zip(outputs.request_ids, outputs.seq_indices, outputs.new_token_ids)
         ):
             state = self._by_core_id.get(core_id)
             if state is None or state.finished or state.sequences[index].finished:
                 continue  # ended here already (stop string, abort): the core had it in flight
-            end = ended.pop((core_id, index), None)
+            is_last_row = last_rows is None or last_rows[(core_id, index)] == row
+            end = ended.pop((core_id, index), None) if is_last_row else None
             stopped_by_token = end is not None and end.finish_reason == "stop" and end.stop_reason == token_id
             if self._apply_token(state, index, token_id, outputs.logprobs.get(row), stopped_by_token, now):
                 aborts.append(AbortRequest(core_id, index, "stop string"))

@@ -45,6 +45,9 @@ class StatsSnapshot:
     cancellation_check_seconds: float  # time they took
     prompt_tokens_computed: int = 0  # prompt tokens whose KV the engine computed (not reused)
     sessions: SessionStats | None = None
+    spec_num_drafts: int = 0  # speculative decoding: sequence-steps that verified proposals
+    spec_num_draft_tokens: int = 0  # proposed tokens verified
+    spec_num_accepted_tokens: int = 0  # of those, accepted
 
 
 class EngineStats:
@@ -138,6 +141,9 @@ class EngineStats:
                 cancellation_check_seconds=self.cancellation_check_seconds,
                 prompt_tokens_computed=sched.prompt_tokens_computed if sched else 0,
                 sessions=self.sessions,
+                spec_num_drafts=sched.spec_num_drafts if sched else 0,
+                spec_num_draft_tokens=sched.spec_num_draft_tokens if sched else 0,
+                spec_num_accepted_tokens=sched.spec_num_accepted_tokens if sched else 0,
             )
 
     def drain_observations(self) -> LatencyObservations:

@@ -202,8 +202,11 @@ class MixedStepGraphs:
         device: torch.device,
         pool: object | None = None,
         max_num_seqs: int = MAX_MIXED_GRAPH_SEQS,
+        rows_per_seq: int = 1,
     ) -> None:
-        """`model_forward(input_ids, positions, metadata) -> hidden`, `logits_of(rows) -> logits`."""
+        """`model_forward(input_ids, positions, metadata) -> hidden`, `logits_of(rows) -> logits`.
+        `rows_per_seq`: logits rows a sequence may need (1 + proposals it verifies); a bucket of B
+        tokens computes min(B, max_num_seqs * rows_per_seq) rows."""
         self.model_forward = model_forward
         self.logits_of = logits_of
         self.buckets = buckets
@@ -217,7 +220,8 @@ class MixedStepGraphs:
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.sample_rows = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.max_sample_rows = max_num_seqs * rows_per_seq
+        self.sample_rows = torch.zeros(self.max_sample_rows, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = pool
@@ -239,7 +243,10 @@ class MixedStepGraphs:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         hidden = self.model_forward(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
-        return self.logits_of(hidden.index_select(0, self.sample_rows))
+        return self.logits_of(hidden.index_select(0, self.sample_rows[: self._num_rows(bucket)]))
+
+    def _num_rows(self, bucket: int) -> int:
+        return min(bucket, self.max_sample_rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -261,8 +268,8 @@ class MixedStepGraphs:
             "captured mixed-step CUDA graphs for %s tokens, up to %d sequences", self.buckets, self.num_slots
         )
 
-    def bucket(self, num_tokens: int, num_seqs: int = 1) -> int | None:
-        if num_seqs > self.num_slots:
+    def bucket(self, num_tokens: int, num_seqs: int = 1, num_sampled: int = 1) -> int | None:
+        if num_seqs > self.num_slots or num_sampled > self.max_sample_rows:
             return None
         return next((size for size in self.buckets if size >= num_tokens), None)
 
@@ -276,7 +283,7 @@ class MixedStepGraphs:
         """Replays the bucket for this step; returns the logits of `sample_indices`' rows, in order."""
         num_tokens, num_seqs = metadata.num_tokens, metadata.num_seqs
         num_sampled = sample_indices.shape[0]
-        bucket = self.bucket(num_tokens, num_seqs)
+        bucket = self.bucket(num_tokens, num_seqs, num_sampled)
         assert bucket is not None
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
@@ -292,7 +299,7 @@ class MixedStepGraphs:
         width = metadata.block_tables.shape[1]
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
         self.sample_rows[:num_sampled].copy_(sample_indices)
-        self.sample_rows[num_sampled:].zero_()
+        self.sample_rows[num_sampled : self._num_rows(bucket)].zero_()
         self.graphs[bucket].replay()
         self.num_replays += 1
         return self.logits[bucket][:num_sampled]

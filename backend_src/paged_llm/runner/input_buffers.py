@@ -25,6 +25,7 @@ import torch
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.sequence import PENDING_TOKEN, Sequence
+from paged_llm.spec_decode.verify import VerifyRows
 
 
 @dataclass
@@ -41,7 +42,11 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [S] rows of the hidden states that produce logits
-    sampled_seqs: list[Sequence]  # the S sequences sampling this step, in row order
+    sampled_seqs: list[Sequence]  # the sequences sampling one token this step, in row order
+    # Speculative decoding: the sequences verifying proposals (d + 1 logits rows each), and the
+    # logits rows of `sampled_seqs` among all S rows (None: no verification, row i is sampled_seqs[i]).
+    verify_rows: VerifyRows | None = None
+    sampled_rows: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -69,7 +74,8 @@ class InputBuffers:
             "query_start_loc": (max_num_seqs + 1, torch.int32),
             "seq_lens": (max_num_seqs, torch.int32),
             "block_tables": (max_num_seqs * max_blocks_per_seq, torch.int32),
-            "sample_indices": (max_num_seqs, torch.int64),
+            "sample_indices": (max_num_tokens, torch.int64),  # one per sequence, d + 1 if verifying
+            "sampled_rows": (max_num_seqs, torch.int64),
             "pending_rows": (max_num_seqs, torch.int64),  # input rows whose token is pending
             "pending_sources": (max_num_seqs, torch.int64),  # their rows in PendingTokens.token_ids
         }
@@ -110,13 +116,25 @@ class InputBuffers:
         sampled_seqs: list[Sequence] = []
         pending_rows: list[int] = []
         pending_sources: list[int] = []
+        verify: VerifyRows | None = None
+        sampled_logit_rows: list[int] = []  # logits row of each of sampled_seqs
         cursor = 0
         for row, item in enumerate(scheduled):
             start, num_new = item.num_computed_tokens, item.num_new_tokens
             end = cursor + num_new
             block_ids = item.block_ids
             tables_np[row, : len(block_ids)] = block_ids
-            if num_new == 1:  # decode: plain Python beats numpy for one element
+            drafts = item.draft_token_ids
+            if drafts:  # the last known token, then the proposals it verifies
+                token_id = item.seq.all_token_ids[start]
+                assert token_id != PENDING_TOKEN, f"{item.seq_id}: verifying after a pending token"
+                ids_np[cursor] = token_id
+                ids_np[cursor + 1 : end] = drafts
+                table = np.asarray(block_ids, dtype=np.int64)
+                pos = np.arange(start, start + num_new, dtype=np.int64)
+                pos_np[cursor:end] = pos
+                slot_np[cursor:end] = table[pos // block_size] * block_size + pos % block_size
+            elif num_new == 1:  # decode: plain Python beats numpy for one element
                 token_id = item.seq.all_token_ids[start]
                 if token_id == PENDING_TOKEN:
                     assert pending is not None, f"{item.seq_id}: pending input token without its step"
@@ -138,7 +156,15 @@ class InputBuffers:
             query_lens.append(num_new)
             seq_lens.append(start + num_new)
             cursor = end
-            if item.needs_sample:
+            if drafts:
+                if verify is None:
+                    verify = VerifyRows([], [], [])
+                verify.seqs.append(item.seq)
+                verify.drafts.append(drafts)
+                verify.first_rows.append(len(sample_rows))
+                sample_rows.extend(range(end - num_new, end))
+            elif item.needs_sample:
+                sampled_logit_rows.append(len(sample_rows))
                 sample_rows.append(end - 1)
                 sampled_seqs.append(item.seq)
         assert cursor == num_tokens, f"scheduled {cursor} tokens, output says {num_tokens}"
@@ -170,6 +196,10 @@ class InputBuffers:
             input_ids.index_copy_(0, rows, pending.token_ids.index_select(0, sources))
         positions = self._upload("positions", num_tokens)
         sample_indices = self._upload("sample_indices", len(sample_rows))
+        sampled_rows = None
+        if verify is not None:
+            self.host_np["sampled_rows"][: len(sampled_logit_rows)] = sampled_logit_rows
+            sampled_rows = self._upload("sampled_rows", len(sampled_logit_rows))
         if self._new_event is not None:
             self._uploaded = self._new_event()
             self._uploaded.record()
@@ -179,4 +209,6 @@ class InputBuffers:
             metadata=metadata,
             sample_indices=sample_indices,
             sampled_seqs=sampled_seqs,
+            verify_rows=verify,
+            sampled_rows=sampled_rows,
         )

@@ -30,6 +30,7 @@ from paged_llm.runner.memory_profile import profile_free_kv_bytes
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sequence import Sequence
+from paged_llm.spec_decode.verify import VerifyOutput, verify
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # sequence id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only sequences that asked
+    # Sequences that verified proposals: the tokens emitted (accepted proposals, then one token).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +51,9 @@ class LaunchedStep:
     sampled: SamplerOutput | None  # device tensors (None: nothing sampled this step)
     host: SamplerOutput | None = None  # the same, copied (or being copied) to host memory
     copied: Any = None  # device event after the copy to the host (None: nothing to wait for)
+    verify_seqs: list[Sequence] = field(default_factory=list)  # sequences that verified proposals
+    verified: VerifyOutput | None = None  # their verification (device tensors)
+    verified_host: VerifyOutput | None = None  # the same on the host
 
     def pending_tokens(self) -> PendingTokens | None:
         """This step's sampled tokens on the device, for a step launched before its result()."""
@@ -56,13 +62,19 @@ class LaunchedStep:
         return PendingTokens(self.sampled.sampled_token_ids, {s.seq_id: r for r, s in enumerate(self.seqs)})
 
     def result(self) -> ModelRunnerOutput:
-        if self.sampled is None:
-            return ModelRunnerOutput()
         if self.copied is not None:
             self.copied.synchronize()
+        output = ModelRunnerOutput()
+        verified = self.verified_host or self.verified
+        if verified is not None:
+            token_ids = verified.token_ids.tolist()
+            for seq, row, count in zip(self.verify_seqs, token_ids, verified.num_emitted.tolist()):
+                output.spec_token_ids[seq.seq_id] = row[:count]
+        if self.sampled is None:
+            return output
         sampled, seqs = self.host or self.sampled, self.seqs
         token_ids = sampled.sampled_token_ids.tolist()
-        output = ModelRunnerOutput({r.seq_id: t for r, t in zip(seqs, token_ids)})
+        output.sampled_token_ids = {r.seq_id: t for r, t in zip(seqs, token_ids)}
         if sampled.sampled_logprobs is None:
             return output
         logprobs = sampled.sampled_logprobs.tolist()
@@ -109,6 +121,7 @@ class ModelRunner:
         enable_cuda_graphs: bool = True,
         attention: AttentionBackend | None = None,
         enable_triton_gemv: bool = True,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.spec = spec
         self.model_dir = Path(model_dir)
@@ -121,6 +134,7 @@ class ModelRunner:
         self.attention = attention or default_attention(device)
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
+        self.num_speculative_tokens = num_speculative_tokens  # proposals a sequence verifies per step
         self.sampler = Sampler()
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -185,6 +199,7 @@ class ModelRunner:
                 self.max_model_len,
                 device,
                 pool=self.graphs.pool,
+                rows_per_seq=1 + self.num_speculative_tokens,
             )
             self.mixed_graphs.capture()
             torch.cuda.empty_cache()  # the warm-ups' blocks, cached for the capture stream only
@@ -213,15 +228,22 @@ class ModelRunner:
         accelerator); `result()` waits for the sampled tokens. `previous`: the step launched before
         this one whose result() has not been taken yet (its tokens are this step's pending inputs)."""
         step = self._launch(scheduler_output, previous)
-        if step.sampled is not None and self.device.is_accelerator:
+        if not self.device.is_accelerator or (step.sampled is None and step.verified is None):
+            return step
+        if step.sampled is not None:
             step.host = SamplerOutput(
                 *(
                     None if tensor is None else tensor.to("cpu", non_blocking=True)
                     for tensor in (getattr(step.sampled, f.name) for f in fields(SamplerOutput))
                 )
             )
-            step.copied = self.device.new_event()
-            step.copied.record()
+        if step.verified is not None:
+            step.verified_host = VerifyOutput(
+                step.verified.token_ids.to("cpu", non_blocking=True),
+                step.verified.num_emitted.to("cpu", non_blocking=True),
+            )
+        step.copied = self.device.new_event()
+        step.copied.record()
         return step
 
     def _launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
@@ -229,7 +251,7 @@ class ModelRunner:
         pending = previous.pending_tokens() if previous is not None else None
         inputs = self.buffers.prepare(scheduler_output, pending)
         metadata = inputs.metadata
-        if not inputs.sampled_seqs:  # only prefill chunks that do not reach their last token
+        if not inputs.sampled_seqs and inputs.verify_rows is None:  # only prefill chunks short of their end
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             return LaunchedStep([], None)
         if self.graphs is not None and inputs.is_decode_only and self.graphs.bucket(metadata.num_seqs):
@@ -238,7 +260,8 @@ class ModelRunner:
                 logits = logits.index_select(0, inputs.sample_indices)
         elif (
             self.mixed_graphs is not None
-            and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs) is not None
+            and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs, len(inputs.sample_indices))
+            is not None
         ):  # a small step with prefill chunks: the first token of new requests at low load
             logits = self.mixed_graphs.run(
                 inputs.input_ids, inputs.positions, metadata, inputs.sample_indices
@@ -246,7 +269,19 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        return LaunchedStep(inputs.sampled_seqs, self._sample(logits, inputs.sampled_seqs))
+        verify_rows = inputs.verify_rows
+        if verify_rows is None:
+            return LaunchedStep(inputs.sampled_seqs, self._sample(logits, inputs.sampled_seqs))
+        sampled = None
+        if inputs.sampled_seqs:
+            assert inputs.sampled_rows is not None
+            sampled = self._sample(logits.index_select(0, inputs.sampled_rows), inputs.sampled_seqs)
+        return LaunchedStep(
+            inputs.sampled_seqs,
+            sampled,
+            verify_seqs=verify_rows.seqs,
+            verified=verify(logits, verify_rows, self.spec.vocab_size),
+        )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if all(

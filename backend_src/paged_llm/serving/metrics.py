@@ -24,6 +24,9 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_prefix_cache_hit_ratio | gauge | hits / queries since start |
 | paged_llm_num_preemptions_total | counter | preemptions by recompute |
 | paged_llm_prompt_tokens_computed_total | counter | prompt tokens whose KV was computed (not reused) |
+| paged_llm_spec_decode_num_drafts_total | counter | sequence-steps that verified proposals (spec. decoding) |
+| paged_llm_spec_decode_num_draft_tokens_total | counter | proposed tokens verified |
+| paged_llm_spec_decode_num_accepted_tokens_total | counter | of those, accepted |
 | paged_llm_sessions_open | gauge | open sessions (core/sessions.py) |
 | paged_llm_session_reused_tokens_total | counter | tokens whose KV a turn took from its session |
 | paged_llm_session_kv_evictions_total | counter | idle sessions whose KV was reclaimed for other work |
@@ -272,6 +275,17 @@ class TritonMetrics:
             "Prompt tokens whose KV the engine computed (not reused from a session or the prefix cache)",
             family.COUNTER,
         )
+        self._spec_counters = {
+            field_name: metric(name, description, family.COUNTER)
+            for field_name, name, description in (
+                ("spec_num_drafts", "paged_llm_spec_decode_num_drafts_total",
+                 "Speculative decoding: sequence-steps that verified proposed tokens"),
+                ("spec_num_draft_tokens", "paged_llm_spec_decode_num_draft_tokens_total",
+                 "Speculative decoding: proposed tokens verified"),
+                ("spec_num_accepted_tokens", "paged_llm_spec_decode_num_accepted_tokens_total",
+                 "Speculative decoding: proposed tokens accepted"),
+            )
+        }  # fmt: skip
         self._sessions_open = gauge("paged_llm_sessions_open", "Open sessions")
         self._session_counters = {
             field_name: metric(name, description, family.COUNTER)
@@ -392,6 +406,8 @@ class TritonMetrics:
                 self._advance("prefix_hits", self._prefix_hits, hits)
                 self._advance("preemptions", self._preemptions, snapshot.num_preemptions_total)
                 self._advance("prompt_computed", self._prompt_computed, snapshot.prompt_tokens_computed)
+                for field_name, counter in self._spec_counters.items():
+                    self._advance(field_name, counter, getattr(snapshot, field_name))
                 if snapshot.sessions is not None:
                     self._sessions_open.set(snapshot.sessions.num_open)
                     for field_name, counter in self._session_counters.items():

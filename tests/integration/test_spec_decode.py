@@ -1,0 +1,126 @@
+"""Speculative decoding on the tiny model (CPU, float32): greedy outputs equal decoding one token at a
+time, for several k, under chunked prefill and under preemption, with stops and length limits inside
+accepted runs; sampled outputs are reproducible per seed; the per-request switch; the KV of rejected
+proposals never reaches the prefix cache; the counters count what was proposed and accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_llm.config import SpeculativeConfig
+from paged_llm.sampling_params import SamplingParams
+from tests.integration.conftest import run_to_completion
+
+
+def spec(k: int, **overrides) -> SpeculativeConfig:
+    return SpeculativeConfig(num_speculative_tokens=k, **overrides)
+
+
+@pytest.fixture(scope="module")
+def spec_prompts(prompts) -> list[list[int]]:
+    """The shared prompts plus copy-heavy ones (a passage repeated), where lookup finds matches."""
+    passage = prompts[4][:24]
+    return [*prompts[:10], passage * 3, passage[:5] * 6, [7, 8, 9] * 12]
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def token_ids(results) -> list[list[int]]:
+    return [completion.token_ids for completions in results for completion in completions]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, spec_prompts) -> list[list[int]]:
+    from tests.integration.conftest import make_engine
+
+    return token_ids(run_to_completion(make_engine(tiny_model_dir), spec_prompts, GREEDY))
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_outputs_equal_one_token_at_a_time(engines, spec_prompts, reference, k):
+    engine = engines(speculative=spec(k))
+    assert token_ids(run_to_completion(engine, spec_prompts, GREEDY)) == reference
+    stats = engine.scheduler_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens <= k * stats.spec_num_drafts
+
+
+def test_greedy_outputs_equal_under_chunked_prefill_and_preemption(engines, spec_prompts, reference):
+    # 24 blocks of 16 tokens for 13 sequences of up to ~340 tokens: sequences are preempted and
+    # recomputed; 48-token steps chunk every longer prompt.
+    engine = engines(speculative=spec(4), num_blocks=24, max_num_batched_tokens=48)
+    assert token_ids(run_to_completion(engine, spec_prompts, GREEDY)) == reference
+    stats = engine.scheduler_stats()
+    assert stats.num_preemptions_total > 0 and stats.spec_num_accepted_tokens > 0
+
+
+def test_stops_and_length_limits_inside_an_accepted_run(engines, spec_prompts, reference):
+    """Each request stops on a token it emits in the middle of its output (or runs to an odd
+    max_tokens): the outputs end exactly where one-at-a-time decoding ends them."""
+    params = []
+    for index, expected in enumerate(reference):
+        if index % 2:
+            params.append(SamplingParams(max_tokens=7 + index, temperature=0.0, ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(expected[9],)))
+    expected_outputs = token_ids(run_to_completion(engines(), spec_prompts, params))
+    engine = engines(speculative=spec(5))
+    assert token_ids(run_to_completion(engine, spec_prompts, params)) == expected_outputs
+    assert engine.scheduler_stats().spec_num_accepted_tokens > 0
+
+
+def test_rejected_proposals_leave_no_kv_in_the_prefix_cache(engines, spec_prompts, reference):
+    """After speculative runs filled the prefix cache, the same requests served from that cache
+    (speculation off) give the same tokens: every cached block holds the KV of its real tokens."""
+    engine = engines(speculative=spec(4, prompt_lookup_min=1))
+    run_to_completion(engine, spec_prompts, GREEDY)
+    continued = [prompt + expected[:30] for prompt, expected in zip(spec_prompts, reference)]
+    fresh = token_ids(run_to_completion(engines(), continued, GREEDY))
+    off = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative_decoding=False)
+    hits_before = engine.scheduler_stats().prefix_cache_hit_tokens
+    assert token_ids(run_to_completion(engine, continued, off)) == fresh
+    assert engine.scheduler_stats().prefix_cache_hit_tokens - hits_before > 30 * len(continued)
+
+
+def test_sampled_outputs_are_reproducible_per_seed(engines, spec_prompts):
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.5, top_k=3, top_p=0.95, seed=index, ignore_eos=True)
+        for index in range(len(spec_prompts))
+    ]
+    first = engines(speculative=spec(3))
+    runs = [token_ids(run_to_completion(first, spec_prompts, params))]
+    # Again, in another batch order and with other requests alongside: the same tokens.
+    second = engines(speculative=spec(3), max_num_batched_tokens=64)
+    reordered = list(reversed(range(len(spec_prompts))))
+    results = token_ids(
+        run_to_completion(second, [spec_prompts[i] for i in reordered], [params[i] for i in reordered])
+    )
+    runs.append([results[reordered.index(i)] for i in range(len(spec_prompts))])
+    assert runs[0] == runs[1]
+    assert first.scheduler_stats().spec_num_accepted_tokens > 0
+    # The per-request switch: off, the request samples exactly as a server without speculation.
+    off = [SamplingParams(**{**_fields(p), "speculative_decoding": False}) for p in params]
+    spec_engine = engines(speculative=spec(3))
+    assert token_ids(run_to_completion(spec_engine, spec_prompts, off)) == token_ids(
+        run_to_completion(engines(), spec_prompts, params)
+    )
+    assert spec_engine.scheduler_stats().spec_num_drafts == 0
+
+
+def _fields(params: SamplingParams) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(params, f.name) for f in fields(params) if f.name != "extra"}
+
+
+def test_requests_that_need_one_token_at_a_time_do_not_speculate(engines, spec_prompts, reference):
+    """logprobs and penalties: served without proposals, next to requests that speculate."""
+    logprob_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine = engines(speculative=spec(4))
+    results = token_ids(run_to_completion(engine, spec_prompts[-3:], logprob_params))
+    assert results == reference[-3:]
+    assert engine.scheduler_stats().spec_num_drafts == 0
+    mixed = [logprob_params, GREEDY, GREEDY]
+    assert token_ids(run_to_completion(engine, spec_prompts[-3:], mixed)) == reference[-3:]
+    assert engine.scheduler_stats().spec_num_drafts > 0
