@@ -53,6 +53,7 @@ class SpecResult:
     batch_size: int
     k: int  # proposals per step (0: speculation off)
     corruption: float  # probability that a proposed token is replaced by a wrong one
+    pause_below: float  # speculative_pause_below (0: proposals every step, the raw mechanism)
     seconds: float
     tokens_per_s: float
     speedup: float  # against speculation off, same batch size
@@ -116,10 +117,12 @@ def generate(
     return time.perf_counter() - start, outputs
 
 
-def set_speculation(engine: LLMEngine, proposer: object | None, launch_ahead: bool) -> None:
+def set_speculation(engine: LLMEngine, proposer: object | None, pause_below: float = 0.0) -> None:
+    """Speculation on (a proposer) or off (None), as the engine would run with that config.
+    `pause_below` 0: never pause proposing (the mechanism's own cost when nothing is accepted)."""
     core = engine.core
     core.proposer = proposer
-    core.launch_ahead = launch_ahead
+    core.spec_pause_below = pause_below
 
 
 def counters(engine: LLMEngine) -> tuple[int, int, int]:
@@ -135,11 +138,12 @@ def run_point(
     k: int,
     corruption: float,
     tag: str,
+    pause_below: float = 0.0,
 ) -> tuple[float, float, float, bool]:
     """(seconds, acceptance rate, mean accepted per step, outputs equal) of one speculative run."""
     continuations = {f"{tag}-{i}": reference[f"ref-{i}"] for i in range(len(prompts))}
     vocab = engine.info.vocab_size
-    set_speculation(engine, ReplayProposer(continuations, k, corruption, vocab), launch_ahead=False)
+    set_speculation(engine, ReplayProposer(continuations, k, corruption, vocab), pause_below)
     before = counters(engine)
     seconds, outputs = generate(engine, prompts, new_tokens, tag, replay=continuations)
     drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
@@ -168,7 +172,7 @@ def self_consistent_reference(
     for round_index in range(1, max_rounds + 1):
         continuations = {f"{tag}{round_index}-{i}": reference[f"ref-{i}"] for i in range(len(prompts))}
         proposer = ReplayProposer(continuations, k, 0.0, engine.info.vocab_size)
-        set_speculation(engine, proposer, launch_ahead=False)
+        set_speculation(engine, proposer)
         _, outputs = generate(engine, prompts, new_tokens, f"{tag}{round_index}", replay=continuations)
         emitted = {f"ref-{i}": outputs[f"{tag}{round_index}-{i}"] for i in range(len(prompts))}
         if emitted == reference:
@@ -182,12 +186,12 @@ def ngram_copy(engine: LLMEngine, prompt_len: int, passage_len: int, k: int, see
     passage's first 8 tokens; greedy continuation for `passage_len` tokens."""
     vocab = min(engine.info.vocab_size, len(engine.tokenizer))
     prompt = make_prompts(1, prompt_len, vocab, seed + 99)[0]
-    set_speculation(engine, None, launch_ahead=engine.core.device.is_accelerator)
+    set_speculation(engine, None)
     _, passage = generate(engine, [prompt], passage_len, "copy-src")
     copy_prompt = prompt + passage["copy-src-0"] + prompt + passage["copy-src-0"][:8]
     _, plain = generate(engine, [copy_prompt], passage_len, "copy-plain")
     plain_seconds, _ = generate(engine, [copy_prompt], passage_len, "copy-plain2")
-    set_speculation(engine, NgramProposer(4, 1), launch_ahead=False)
+    set_speculation(engine, NgramProposer(4, 1), pause_below=0.5)
     before = counters(engine)
     seconds, spec = generate(engine, [copy_prompt], passage_len, "copy-spec")
     drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
@@ -216,7 +220,9 @@ def plot(results: list[SpecResult], path: Path, title: str) -> None:
     for axis, batch_size in zip(axes[0], batch_sizes):
         for k in sorted({r.k for r in results if r.k > 0}):
             points = sorted(
-                (r.acceptance_rate, r.speedup) for r in results if r.batch_size == batch_size and r.k == k
+                (r.acceptance_rate, r.speedup)
+                for r in results
+                if r.batch_size == batch_size and r.k == k and r.pause_below == 0.0
             )
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"k = {k}")
         axis.axhline(1.0, color="grey", linewidth=0.8)
@@ -244,6 +250,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--ngram-copy", action="store_true")
     parser.add_argument(
+        "--paused-corruption",
+        default="1",
+        help="corruption levels also run with proposing paused while it does not pay (--pause-below)",
+    )
+    parser.add_argument("--pause-below", type=float, default=0.5)
+    parser.add_argument(
         "--max-rounds", type=int, default=6, help="replay rounds to find the self-consistent reference"
     )
     parser.add_argument("--json", type=Path, default=None)
@@ -263,16 +275,18 @@ def main() -> None:
         speculative=SpeculativeConfig(num_speculative_tokens=max(ks)),
     )
     engine = LLMEngine(config, show_progress=False)
-    plain_launch_ahead = engine.core.device.is_accelerator  # what a server without speculation does
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     vocab = min(engine.info.vocab_size, len(engine.tokenizer))
     results: list[SpecResult] = []
     rounds: dict[tuple[int, int], int] = {}  # (batch, k) -> rounds to the self-consistent reference
-    points = [(k, c) for k in ks for c in corruptions]
+    paused = [float(c) for c in args.paused_corruption.split(",") if c]
+    points = [(k, c, 0.0) for k in ks for c in corruptions] + [
+        (k, c, args.pause_below) for k in ks for c in paused
+    ]
     progress = tqdm(total=len(batch_sizes) * (len(points) + 2), desc="runs")
     for batch_size in batch_sizes:
         prompts = make_prompts(batch_size, args.prompt_len, vocab, args.seed + batch_size)
-        set_speculation(engine, None, plain_launch_ahead)
+        set_speculation(engine, None)
         generate(engine, prompts, 8, "warm")  # warm-up
         _, reference = generate(engine, prompts, args.new_tokens, "ref")
         plain_seconds, plain = generate(engine, prompts, args.new_tokens, "plain")
@@ -280,19 +294,28 @@ def main() -> None:
         assert all(plain[f"plain-{i}"] == reference[f"ref-{i}"] for i in range(batch_size))
         num_tokens = batch_size * args.new_tokens
         results.append(
-            SpecResult(batch_size, 0, 0.0, plain_seconds, num_tokens / plain_seconds, 1.0, 0.0, 1.0, True)
+            SpecResult(
+                batch_size, 0, 0.0, 0.0, plain_seconds, num_tokens / plain_seconds, 1.0, 0.0, 1.0, True
+            )
         )
         # A speculative warm-up (Triton kernels and the verification's first calls compile here).
         run_point(engine, prompts, reference, 8, max(ks), 0.0, f"w{batch_size}")
         replayed: dict[int, tuple[dict[str, list[int]], int]] = {}
-        for run, (k, corruption) in enumerate(points):
+        for run, (k, corruption, pause_below) in enumerate(points):
             if k not in replayed:
                 replayed[k] = self_consistent_reference(
                     engine, prompts, reference, args.new_tokens, k, args.max_rounds, f"fp{batch_size}-{k}-"
                 )
                 rounds[(batch_size, k)] = replayed[k][1]
             seconds, rate, mean_accepted, equal = run_point(
-                engine, prompts, replayed[k][0], args.new_tokens, k, corruption, f"s{batch_size}-{run}"
+                engine,
+                prompts,
+                replayed[k][0],
+                args.new_tokens,
+                k,
+                corruption,
+                f"s{batch_size}-{run}",
+                pause_below,
             )
             equal = equal and replayed[k][0] == reference
             results.append(
@@ -300,6 +323,7 @@ def main() -> None:
                     batch_size,
                     k,
                     corruption,
+                    pause_below,
                     seconds,
                     num_tokens / seconds,
                     plain_seconds / seconds,
@@ -316,11 +340,11 @@ def main() -> None:
 
     print(f"\ncard: {card}; model {model_dir.name} ({engine.info.dtype}); prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, greedy")  # fmt: skip
-    print(f"{'batch':>6}{'k':>4}{'corrupt':>9}{'tok/s':>10}{'speed-up':>10}{'accept':>9}{'per step':>10}"
-          f"{'equal':>7}")  # fmt: skip
+    print(f"{'batch':>6}{'k':>4}{'corrupt':>9}{'pause':>7}{'tok/s':>10}{'speed-up':>10}{'accept':>9}"
+          f"{'per step':>10}{'equal':>7}")  # fmt: skip
     for r in results:
         print(
-            f"{r.batch_size:>6}{r.k:>4}{r.corruption:>9.2f}{r.tokens_per_s:>10.0f}{r.speedup:>10.2f}"
+            f"{r.batch_size:>6}{r.k:>4}{r.corruption:>9.2f}{r.pause_below:>7.2f}{r.tokens_per_s:>10.0f}{r.speedup:>10.2f}"
             f"{r.acceptance_rate:>9.1%}{r.mean_accepted_per_step:>10.2f}{r.outputs_equal!s:>7}"
         )
     print("rounds to the self-consistent reference (batch, k): " + ", ".join(

@@ -116,6 +116,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0  # k, proposed tokens per step and sequence (0: off)
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up (ngram)
     prompt_lookup_min: int = 1  # shortest
+    # When a step's verifying sequences accepted fewer proposals than this on average, proposing
+    # pauses (1 step, then 2, 4, ... up to 64 while it keeps not paying; steps are launched ahead
+    # again meanwhile); 0: never pause.
+    speculative_pause_below: float = 0.5
 
     def __post_init__(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:
@@ -127,6 +131,11 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens}"
+            )
+        if not 0.0 <= self.speculative_pause_below <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"speculative_pause_below must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.speculative_pause_below}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(

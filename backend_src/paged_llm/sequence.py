@@ -78,6 +78,7 @@ class Sequence:
     # takes them into that step), and the proposer's own state for this sequence.
     spec_token_ids: list[int] = field(default_factory=list)
     proposer_state: object | None = None
+    spec_pause: object | None = None  # spec_decode.proposer.SpeculationPause
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -124,3 +124,31 @@ def test_requests_that_need_one_token_at_a_time_do_not_speculate(engines, spec_p
     mixed = [logprob_params, GREEDY, GREEDY]
     assert token_ids(run_to_completion(engine, spec_prompts[-3:], mixed)) == reference[-3:]
     assert engine.scheduler_stats().spec_num_drafts > 0
+
+
+class _WrongProposer:
+    """Proposes tokens the model (almost) never emits: nothing pays."""
+
+    def propose(self, seqs, num_speculative_tokens: int) -> None:
+        for seq in seqs:
+            seq.spec_token_ids = [3] * num_speculative_tokens
+
+
+@pytest.mark.parametrize("core_mode", ["inprocess", "inprocess+async"])
+def test_proposing_pauses_while_nothing_is_accepted(engines, spec_prompts, reference, core_mode):
+    """Never accepted: with speculative_pause_below each sequence verifies at its output steps 1, 3,
+    6, 11, 20, 37 (pauses of 1, 2, 4, 8, 16 steps), not at every step; with launching ahead on (the
+    GPU's default, forced here) the paused steps are launched ahead. Outputs stay exact."""
+    prompts = spec_prompts[-4:]
+    expected = reference[-4:]
+    counts = {}
+    for pause_below in (0.0, 0.5):
+        engine = engines(core_mode, speculative=spec(4, speculative_pause_below=pause_below))
+        engine.core.proposer = _WrongProposer()
+        assert token_ids(run_to_completion(engine, prompts, GREEDY)) == expected
+        counts[pause_below] = engine.scheduler_stats().spec_num_drafts
+        if core_mode.endswith("async") and pause_below > 0:
+            assert engine.core.num_steps_launched_ahead > 0
+    # Every decoding step verified, but the last (its one token reaches max_tokens: nothing to verify).
+    assert counts[0.0] == len(prompts) * (GREEDY.max_tokens - 2)
+    assert counts[0.5] <= len(prompts) * 6

@@ -165,3 +165,25 @@ def _chi_square_support(samples: torch.Tensor, probs: torch.Tensor) -> float:
     counts = torch.bincount(samples, minlength=probs.numel()).double()[support]
     expected = probs[support].double() * samples.numel()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_a_pause_doubles_while_speculation_does_not_pay_and_ends_when_it_does():
+    from paged_llm.spec_decode.proposer import SpeculationPause
+
+    pause = SpeculationPause(pause_below=0.5)
+    pattern = []
+    for _ in range(40):
+        proposes = pause.proposes_now()
+        pattern.append(proposes)
+        if proposes:
+            pause.on_verified(num_accepted=0)
+    steps = [index for index, proposes in enumerate(pattern) if proposes]
+    assert steps == [0, 2, 5, 10, 19, 36]  # pauses of 1, 2, 4, 8, 16 steps
+    pause.steps_left = 0
+    pause.on_verified(num_accepted=1)  # paid: no pause, and the next failure pauses 1 step again
+    assert pause.proposes_now() and (pause.length, pause.steps_left) == (0, 0)
+    pause.on_verified(num_accepted=0)
+    assert pause.steps_left == 1
+    never = SpeculationPause(pause_below=0.0)
+    never.on_verified(num_accepted=0)
+    assert never.proposes_now()

@@ -46,7 +46,12 @@ from paged_llm.runner.device import Device
 from paged_llm.runner.kv_sizing import plan_kv_cache
 from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
-from paged_llm.spec_decode.proposer import can_speculate, make_proposer
+from paged_llm.spec_decode.proposer import (
+    SpeculationPause,
+    can_speculate,
+    make_proposer,
+    wants_speculation,
+)
 
 logger = logging.getLogger(__name__)
 _UINT64_MASK = (1 << 64) - 1
@@ -162,12 +167,11 @@ class EngineCore:
         mode = config.scheduler.async_scheduling
         # Launch a step before the previous one's tokens are on the host (step_pipelined).
         self.launch_ahead = mode == "on" or (mode == "auto" and self.device.is_accelerator)
-        # Speculative decoding: proposals need the previous step's tokens on the host, so steps are
-        # not launched ahead while it is on.
+        # Speculative decoding: proposals need the previous step's tokens on the host, so a step
+        # that proposes is not launched ahead; while proposing pauses (it did not pay) it is.
         self.proposer = make_proposer(config.speculative)
         self.num_speculative_tokens = config.speculative.num_speculative_tokens
-        if self.proposer is not None:
-            self.launch_ahead = False
+        self.spec_pause_below = config.speculative.speculative_pause_below
         # Drive the core with step_pipelined(): on an accelerator publishing overlaps the device work.
         self.pipelined = self.launch_ahead or self.device.is_accelerator
         self._in_flight: InFlightStep | None = None  # step_pipelined's launched, unfinished step
@@ -386,9 +390,32 @@ class EngineCore:
     def _can_launch_ahead(self, previous: InFlightStep) -> bool:
         if not self.launch_ahead:
             return False
+        launched = previous.launched
+        if self.proposer is not None and (launched.verify_seqs or self._proposes_next_step(launched.seqs)):
+            return False  # the next step proposes from previous' tokens: they must be on the host
         return not any(
             seq.sampling_params.needs_output_history and not seq.is_finished for seq in previous.launched.seqs
         )
+
+    def _propose(self) -> None:
+        """Proposals for the decoding sequences that may speculate and are not pausing."""
+        proposing = []
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not wants_speculation(seq):
+                continue
+            if SpeculationPause.of(seq, self.spec_pause_below).proposes_now() and can_speculate(seq):
+                proposing.append(seq)
+        self.proposer.propose(proposing, self.num_speculative_tokens)
+
+    def _proposes_next_step(self, seqs: list[Sequence]) -> bool:
+        """Whether a sequence of `seqs` will propose at its next step (it needs its token then)."""
+        for seq in seqs:
+            if seq.is_finished or not wants_speculation(seq):
+                continue
+            pause = seq.spec_pause
+            if not isinstance(pause, SpeculationPause) or pause.steps_left == 0:
+                return True
+        return False
 
     def launch_step(self, previous: InFlightStep | None = None) -> InFlightStep | None:
         """The first half of step(): schedule and enqueue the device work (returns at once on an
@@ -402,9 +429,7 @@ class EngineCore:
         if self.config.scheduler.queue_max_wait_s > 0.0:
             self._expire_queue_waits()
         if self.proposer is not None:
-            self.proposer.propose(
-                [seq for seq in self.scheduler.running if can_speculate(seq)], self.num_speculative_tokens
-            )
+            self._propose()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return None
@@ -430,6 +455,10 @@ class EngineCore:
                 updates = self.scheduler.update_from_output(
                     in_flight.scheduler_output, runner_output.sampled_token_ids, runner_output.spec_token_ids
                 )
+                for seq_id, emitted in runner_output.spec_token_ids.items():
+                    seq = self.scheduler.sequences.get(seq_id)
+                    if seq is not None and isinstance(seq.spec_pause, SpeculationPause):
+                        seq.spec_pause.on_verified(len(emitted) - 1)
                 self._publish_updates(updates, runner_output)
         return self.take_outputs()
 
