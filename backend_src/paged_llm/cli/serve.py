@@ -58,7 +58,14 @@ class _Children:
 def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
     """The llm model's config.pbtxt parameters for these flags (strings, as Triton keeps them)."""
     parameters = {"model": args.model_path, "device": args.device, "dtype": args.dtype}
-    for flag in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "max_num_batched_tokens"):
+    flags = (
+        "max_model_len",
+        "max_num_seqs",
+        "gpu_memory_utilization",
+        "max_num_batched_tokens",
+        "num_speculative_tokens",
+    )
+    for flag in flags:
         value = getattr(args, flag)
         if value is not None:
             parameters[flag] = str(value)
@@ -282,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-seqs", type=int)
     add("--max-num-batched-tokens", type=int)
     add("--gpu-memory-utilization", type=float)
+    add("--num-speculative-tokens", type=int, help="speculative decoding with n-gram proposals (0: off)")
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(
         "--model-repository-dir",
