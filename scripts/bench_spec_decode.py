@@ -16,6 +16,11 @@ whether the outputs equal the run without speculation.
 (from a short prompt), then the prompt and the passage's first tokens again, so that a model that
 continues the passage repeats what it wrote; it reports the acceptance rate that reaches.
 
+`--draft-model DIR`: instead of replayed proposals, a draft checkpoint (same vocabulary) proposes
+k tokens per step: tokens/s with and without the pause, against no speculation, and its acceptance
+(random weights: the draft and the target agree only by chance; this measures what a draft step
+costs).
+
 Corruption `1` is the overhead case: every proposal is wrong, each step computes k + 1 tokens and
 emits one.
 """
@@ -50,6 +55,7 @@ from paged_llm.spec_decode.proposer import NgramProposer
 
 @dataclass
 class SpecResult:
+    proposer: str  # none | replay | draft_model
     batch_size: int
     k: int  # proposals per step (0: speculation off)
     corruption: float  # probability that a proposed token is replaced by a wrong one
@@ -181,6 +187,59 @@ def self_consistent_reference(
     return reference, max_rounds + 1
 
 
+def draft_model_runs(
+    engine: LLMEngine, batch_sizes: list[int], k: int, args: argparse.Namespace, vocab: int
+) -> list[SpecResult]:
+    """The engine's own draft-model proposer against no speculation, per batch size."""
+    proposer = engine.core.proposer
+    results = []
+    for batch_size in tqdm(batch_sizes, desc="draft model"):
+        prompts = make_prompts(batch_size, args.prompt_len, vocab, args.seed + batch_size)
+        set_speculation(engine, None)
+        generate(engine, prompts, 8, "dwarm")
+        _, reference = generate(engine, prompts, args.new_tokens, "dref")
+        plain_seconds, _ = generate(engine, prompts, args.new_tokens, "dplain")
+        num_tokens = batch_size * args.new_tokens
+        results.append(
+            SpecResult(
+                "none",
+                batch_size,
+                0,
+                0.0,
+                0.0,
+                plain_seconds,
+                num_tokens / plain_seconds,
+                1.0,
+                0.0,
+                1.0,
+                True,
+            )
+        )
+        for pause_below in (0.0, args.pause_below):
+            set_speculation(engine, proposer, pause_below)
+            generate(engine, prompts, 8, f"dw{pause_below}")
+            before = counters(engine)
+            seconds, outputs = generate(engine, prompts, args.new_tokens, f"d{pause_below}")
+            drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
+            equal = all(outputs[f"d{pause_below}-{i}"] == reference[f"dref-{i}"] for i in range(batch_size))
+            results.append(
+                SpecResult(
+                    "draft_model",
+                    batch_size,
+                    k,
+                    float("nan"),
+                    pause_below,
+                    seconds,
+                    num_tokens / seconds,
+                    plain_seconds / seconds,
+                    accepted / draft_tokens if draft_tokens else 0.0,
+                    1 + accepted / drafts if drafts else 1.0,
+                    equal,
+                )
+            )
+    return results
+
+
 def ngram_copy(engine: LLMEngine, prompt_len: int, passage_len: int, k: int, seed: int) -> dict:
     """The n-gram proposer where copying pays: prompt + the model's own passage + prompt + the
     passage's first 8 tokens; greedy continuation for `passage_len` tokens."""
@@ -222,7 +281,7 @@ def plot(results: list[SpecResult], path: Path, title: str) -> None:
             points = sorted(
                 (r.acceptance_rate, r.speedup)
                 for r in results
-                if r.batch_size == batch_size and r.k == k and r.pause_below == 0.0
+                if r.batch_size == batch_size and r.k == k and r.pause_below == 0.0 and r.proposer == "replay"
             )
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"k = {k}")
         axis.axhline(1.0, color="grey", linewidth=0.8)
@@ -255,6 +314,7 @@ def main() -> None:
         help="corruption levels also run with proposing paused while it does not pay (--pause-below)",
     )
     parser.add_argument("--pause-below", type=float, default=0.5)
+    parser.add_argument("--draft-model", default=None, help="a draft checkpoint: time its proposals")
     parser.add_argument(
         "--max-rounds", type=int, default=6, help="replay rounds to find the self-consistent reference"
     )
@@ -267,16 +327,38 @@ def main() -> None:
     corruptions = [float(c) for c in args.corruption.split(",")]
 
     model_dir = resolve_model_dir(args.model)
+    speculative = SpeculativeConfig(num_speculative_tokens=max(ks))
+    if args.draft_model:
+        speculative = SpeculativeConfig(
+            num_speculative_tokens=max(ks),
+            speculative_method="draft_model",
+            speculative_model=args.draft_model,
+        )
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=8192),
         device=DeviceConfig(device=args.device),
-        speculative=SpeculativeConfig(num_speculative_tokens=max(ks)),
+        speculative=speculative,
     )
     engine = LLMEngine(config, show_progress=False)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     vocab = min(engine.info.vocab_size, len(engine.tokenizer))
+    if args.draft_model:
+        results = draft_model_runs(engine, batch_sizes, max(ks), args, vocab)
+        print(f"\ncard: {card}; model {model_dir.name}, draft {Path(args.draft_model).name} "
+              f"({engine.info.dtype}); k = {max(ks)}")  # fmt: skip
+        for r in results:
+            print(
+                f"batch {r.batch_size:>3} {r.proposer:>12} pause {r.pause_below:.2f}: "
+                f"{r.tokens_per_s:>8.0f} tok/s {r.speedup:.2f}x, accepted {r.acceptance_rate:.1%}, "
+                f"equal {r.outputs_equal}"
+            )
+        if args.json:
+            payload = {"card": card, "model": model_dir.name, "draft_model": args.draft_model}
+            payload["results"] = [asdict(r) for r in results]
+            args.json.write_text(json.dumps(payload, indent=2, default=str))
+        return
     results: list[SpecResult] = []
     rounds: dict[tuple[int, int], int] = {}  # (batch, k) -> rounds to the self-consistent reference
     paused = [float(c) for c in args.paused_corruption.split(",") if c]
@@ -295,7 +377,17 @@ def main() -> None:
         num_tokens = batch_size * args.new_tokens
         results.append(
             SpecResult(
-                batch_size, 0, 0.0, 0.0, plain_seconds, num_tokens / plain_seconds, 1.0, 0.0, 1.0, True
+                "none",
+                batch_size,
+                0,
+                0.0,
+                0.0,
+                plain_seconds,
+                num_tokens / plain_seconds,
+                1.0,
+                0.0,
+                1.0,
+                True,
             )
         )
         # A speculative warm-up (Triton kernels and the verification's first calls compile here).
@@ -320,6 +412,7 @@ def main() -> None:
             equal = equal and replayed[k][0] == reference
             results.append(
                 SpecResult(
+                    "replay",
                     batch_size,
                     k,
                     corruption,

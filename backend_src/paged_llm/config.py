@@ -112,7 +112,10 @@ class SpeculativeConfig:
     """Speculative decoding (spec_decode/): a proposer guesses up to `num_speculative_tokens` next
     tokens of a decoding sequence and one target step scores them all (vLLM's speculative_config)."""
 
-    speculative_method: str = "ngram"  # ngram: prompt lookup in the sequence's own tokens
+    # ngram: prompt lookup in the sequence's own tokens; draft_model: a smaller checkpoint with the
+    # same vocabulary (`speculative_model`) proposes greedily
+    speculative_method: str = "ngram"
+    speculative_model: str = ""  # the draft checkpoint directory (or a built-in model's name)
     num_speculative_tokens: int = 0  # k, proposed tokens per step and sequence (0: off)
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up (ngram)
     prompt_lookup_min: int = 1  # shortest
@@ -127,6 +130,8 @@ class SpeculativeConfig:
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {self.speculative_method!r}"
             )
+        if self.speculative_method == "draft_model" and not self.speculative_model:
+            raise ConfigError("speculative_method draft_model needs speculative_model (a checkpoint)")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
@@ -148,7 +153,7 @@ class SpeculativeConfig:
         return self.num_speculative_tokens > 0
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 

@@ -1,7 +1,8 @@
-"""Speculative decoding on the tiny model (CPU, float32): greedy outputs equal decoding one token at a
-time, for several k, under chunked prefill and under preemption, with stops and length limits inside
-accepted runs; sampled outputs are reproducible per seed; the per-request switch; the KV of rejected
-proposals never reaches the prefix cache; the counters count what was proposed and accepted."""
+"""Speculative decoding on the tiny model (CPU, float32), n-gram and draft-model proposers: greedy
+outputs equal decoding one token at a time, for several k, under chunked prefill and under
+preemption, with stops and length limits inside accepted runs; sampled outputs equal those without
+speculation and do not depend on the batch; the per-request switch; the pause while nothing is
+accepted; the KV of rejected proposals never reaches the prefix cache; the counters."""
 
 from __future__ import annotations
 
@@ -99,6 +100,8 @@ def test_sampled_outputs_are_reproducible_per_seed(engines, spec_prompts):
     runs.append([results[reordered.index(i)] for i in range(len(spec_prompts))])
     assert runs[0] == runs[1]
     assert first.scheduler_stats().spec_num_accepted_tokens > 0
+    # The same tokens as without speculation: each position takes the sampler's own draw there.
+    assert runs[0] == token_ids(run_to_completion(engines(), spec_prompts, params))
     # The per-request switch: off, the request samples exactly as a server without speculation.
     off = [SamplingParams(**{**_fields(p), "speculative_decoding": False}) for p in params]
     spec_engine = engines(speculative=spec(3))
@@ -152,3 +155,78 @@ def test_proposing_pauses_while_nothing_is_accepted(engines, spec_prompts, refer
     # Every decoding step verified, but the last (its one token reaches max_tokens: nothing to verify).
     assert counts[0.0] == len(prompts) * (GREEDY.max_tokens - 2)
     assert counts[0.5] <= len(prompts) * 6
+
+
+# ------------------------------------------------------------------------------------ draft model
+def draft(model, k: int = 4, **overrides) -> SpeculativeConfig:
+    return SpeculativeConfig(
+        num_speculative_tokens=k, speculative_method="draft_model", speculative_model=str(model), **overrides
+    )
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A random tiny Llama with the tiny Qwen3's vocabulary: a draft that is mostly wrong."""
+    from paged_llm.models.random_model import write_random_model
+
+    return write_random_model(
+        tmp_path_factory.mktemp("draft") / "tiny-llama", "tiny-llama", "float32", seed=5
+    )
+
+
+def test_the_model_as_its_own_draft_is_accepted_and_exact(engines, tiny_model_dir, spec_prompts, reference):
+    engine = engines(speculative=draft(tiny_model_dir, k=4))
+    assert token_ids(run_to_completion(engine, spec_prompts, GREEDY)) == reference
+    stats = engine.scheduler_stats()
+    assert stats.spec_num_draft_tokens > 100
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
+
+
+def test_a_draft_model_under_chunked_prefill_and_preemption(engines, tiny_model_dir, spec_prompts, reference):
+    """The draft's KV lives in the target's blocks: preempted sequences start their draft over,
+    chunked prompts are caught up across steps; the tokens stay exact."""
+    engine = engines(speculative=draft(tiny_model_dir, k=3), num_blocks=24, max_num_batched_tokens=48)
+    assert token_ids(run_to_completion(engine, spec_prompts, GREEDY)) == reference
+    stats = engine.scheduler_stats()
+    assert stats.num_preemptions_total > 0 and stats.spec_num_accepted_tokens > 0
+
+
+def test_a_wrong_draft_model_changes_no_token(engines, other_draft, spec_prompts, reference):
+    engine = engines(speculative=draft(other_draft, k=3, speculative_pause_below=0.0))
+    assert token_ids(run_to_completion(engine, spec_prompts, GREEDY)) == reference
+    stats = engine.scheduler_stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens < 0.5 * stats.spec_num_draft_tokens
+
+
+def test_draft_model_sampling_is_reproducible_per_seed(engines, tiny_model_dir, spec_prompts):
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=index, ignore_eos=True)
+        for index in range(len(spec_prompts))
+    ]
+    first = token_ids(run_to_completion(engines(speculative=draft(tiny_model_dir)), spec_prompts, params))
+    order = list(reversed(range(len(spec_prompts))))
+    second = engines(speculative=draft(tiny_model_dir), max_num_batched_tokens=64)
+    results = token_ids(
+        run_to_completion(second, [spec_prompts[i] for i in order], [params[i] for i in order])
+    )
+    assert first == [results[order.index(i)] for i in range(len(spec_prompts))]
+    assert second.scheduler_stats().spec_num_accepted_tokens > 0
+    # Each position takes the token the sampler draws there without speculation.
+    assert first == token_ids(run_to_completion(engines(), spec_prompts, params))
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    import json
+    import shutil
+
+    from paged_llm.config import ConfigError
+    from tests.integration.conftest import make_engine
+
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 64
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        make_engine(tiny_model_dir, speculative=draft(other))

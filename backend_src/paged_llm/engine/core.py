@@ -46,6 +46,7 @@ from paged_llm.runner.device import Device
 from paged_llm.runner.kv_sizing import plan_kv_cache
 from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
+from paged_llm.spec_decode.draft_model import DraftModelProposer, load_draft_runner
 from paged_llm.spec_decode.proposer import (
     SpeculationPause,
     can_speculate,
@@ -120,8 +121,13 @@ class EngineCore:
             num_speculative_tokens=config.speculative.num_speculative_tokens,
         )
         self.runner.load(show_progress=show_progress)
-        plan = plan_kv_cache(config, self.runner, self.device)
+        draft_runner = None
+        if config.speculative.enabled and config.speculative.speculative_method == "draft_model":
+            draft_runner = load_draft_runner(config, spec, self.device, dtype, requested_len, show_progress)
+        plan = plan_kv_cache(config, self.runner, self.device, draft_runner)
         self.runner.allocate_kv_cache(plan.num_blocks)
+        if draft_runner is not None:
+            draft_runner.allocate_kv_cache(plan.num_blocks)
         max_model_len = min(requested_len, plan.num_blocks * block_size)
         if max_model_len < requested_len:
             logger.warning(
@@ -170,6 +176,8 @@ class EngineCore:
         # Speculative decoding: proposals need the previous step's tokens on the host, so a step
         # that proposes is not launched ahead; while proposing pauses (it did not pay) it is.
         self.proposer = make_proposer(config.speculative)
+        if draft_runner is not None:
+            self.proposer = DraftModelProposer(draft_runner, self.kv_cache, max_model_len)
         self.num_speculative_tokens = config.speculative.num_speculative_tokens
         self.spec_pause_below = config.speculative.speculative_pause_below
         # Drive the core with step_pipelined(): on an accelerator publishing overlaps the device work.

@@ -56,6 +56,26 @@ SHAPES: dict[str, dict[str, object]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    # Llama-3.2-1B: a draft model for the Llama-3-8B shape (same vocabulary).
+    "llama3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
     # Small Llama for GPU parity tests (same vocabulary as the tiny Qwen3 model).
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"],

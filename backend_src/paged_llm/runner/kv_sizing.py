@@ -18,9 +18,13 @@ class KVCachePlan:
     source: str  # which setting decided the size, for the log line
 
 
-def plan_kv_cache(config: EngineConfig, runner: ModelRunner, device: Device) -> KVCachePlan:
+def plan_kv_cache(
+    config: EngineConfig, runner: ModelRunner, device: Device, draft: ModelRunner | None = None
+) -> KVCachePlan:
+    """`draft`: a draft model (speculative decoding) whose KV cache has as many blocks as the
+    target's; each block then costs both, and its CUDA graphs' memory is set aside too."""
     cache = config.cache
-    bytes_per_block = runner.kv_bytes_per_block
+    bytes_per_block = runner.kv_bytes_per_block + (draft.kv_bytes_per_block if draft is not None else 0)
     if cache.num_blocks is not None:
         return KVCachePlan(cache.num_blocks, "num_kv_blocks")
     if cache.memory_bytes is not None:
@@ -29,6 +33,10 @@ def plan_kv_cache(config: EngineConfig, runner: ModelRunner, device: Device) -> 
         budget, source = cache.cpu_memory_bytes, "cpu default"
     else:
         budget, source = runner.profile_free_kv_bytes(cache.gpu_memory_utilization), "gpu_memory_utilization"
+        if draft is not None and draft.use_cuda_graphs:
+            from paged_llm.runner.memory_profile import graph_pool_bytes
+
+            budget -= graph_pool_bytes(draft, 0)
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(

@@ -122,6 +122,7 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         enable_triton_gemv: bool = True,
         num_speculative_tokens: int = 0,
+        greedy_only: bool = False,
     ) -> None:
         self.spec = spec
         self.model_dir = Path(model_dir)
@@ -135,6 +136,7 @@ class ModelRunner:
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
         self.num_speculative_tokens = num_speculative_tokens  # proposals a sequence verifies per step
+        self.greedy_only = greedy_only  # every row takes its argmax (a draft model's proposals)
         self.sampler = Sampler()
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -284,7 +286,7 @@ class ModelRunner:
         )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        if all(
+        if self.greedy_only or all(
             r.sampling_params.is_plain_greedy and r.num_output_tokens >= r.sampling_params.min_tokens
             for r in seqs
         ):

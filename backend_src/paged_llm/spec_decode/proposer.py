@@ -103,4 +103,4 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
         return None
     if config.speculative_method == "ngram":
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    raise AssertionError(f"unhandled speculative_method {config.speculative_method!r}")
+    return None  # draft_model: the engine core builds it (spec_decode/draft_model.py), it owns a runner

@@ -10,9 +10,11 @@ step's largest d:
     num_emitted    [2, 2]
 
 Greedy rows compare the proposals with the target argmax (exact: the tokens are those of decoding
-one at a time). Random rows use rejection sampling (spec_decode/rejection.py) on the distribution
-the sampler would draw from (temperature, min-p, top-k, top-p) with counter-based noise keyed by
-(seed, output position), so a request's tokens depend on its seed, not on its batch.
+one at a time). Random rows compare them with the token the sampler draws at each position (the
+same draw as without speculation: counter-based noise keyed by seed and output position): for
+proposals fixed before the step this is rejection sampling with a one-hot q (see _verify_sampled),
+and a request's tokens do not depend on speculation or on its batch. spec_decode/rejection.py has
+the general rule for proposals drawn from a draft distribution q.
 """
 
 from __future__ import annotations
@@ -21,14 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_llm.sampling.noise import exponential_noise, row_noise_key_int32, uniform_noise
-from paged_llm.sampling.sampler import SamplingMetadata, SamplingRow, filtered_scaled_logits
+from paged_llm.sampling.sampler import Sampler, SamplingMetadata, SamplingRow
 from paged_llm.sampling.transfer import host_to_device
 from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS
 from paged_llm.sequence import Sequence
-from paged_llm.spec_decode.rejection import REJECTED, rejection_sample
-
-_ACCEPT_SEED_SALT = 0x5EC0DEC0FFEE  # the accept tests' uniforms come from another stream than the draws
+from paged_llm.spec_decode.rejection import REJECTED
 
 
 @dataclass
@@ -64,15 +63,21 @@ def verify(logits: torch.Tensor, rows: VerifyRows, vocab_size: int) -> VerifyOut
 def _verify_greedy(
     logits: torch.Tensor, index: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
 ) -> VerifyOutput:
-    batch, width = index.shape
+    return _accept_matching(logits.argmax(dim=-1)[index], drafts, num_drafts)
+
+
+def _accept_matching(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> VerifyOutput:
+    """`target` [B, k + 1]: the token each position takes. Proposals are accepted while they equal
+    it; then the target's token at the first mismatch (or after the last proposal) is emitted."""
+    batch, width = target.shape
     k = width - 1
-    target = logits.argmax(dim=-1)[index]  # [B, k + 1]
-    positions = torch.arange(k, device=logits.device).unsqueeze(0)
+    device = target.device
+    positions = torch.arange(k, device=device).unsqueeze(0)
     accepted = (drafts == target[:, :k]) & (positions < num_drafts.unsqueeze(-1))
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
-    rows = torch.arange(batch, device=logits.device)
+    rows = torch.arange(batch, device=device)
     out = torch.where(
-        torch.arange(k + 1, device=logits.device).unsqueeze(0) < num_accepted.unsqueeze(-1),
+        torch.arange(k + 1, device=device).unsqueeze(0) < num_accepted.unsqueeze(-1),
         torch.cat([drafts, drafts[:, :1]], dim=1),
         REJECTED,
     )
@@ -88,9 +93,14 @@ def _verify_sampled(
     num_drafts: torch.Tensor,
     vocab_size: int,
 ) -> VerifyOutput:
+    """Each position's token is the one the sampler draws there without speculation (its seed and
+    output position key the noise: the exponential race argmax(p / E)); a proposal is accepted iff
+    it is that token. For a proposal fixed before the step (n-gram, a greedy draft) this is the
+    standard rule with a one-hot q: it is accepted with probability p(d), and on a rejection the
+    emitted token follows the residual p without d (the race's winner, given it is not d). So the
+    distribution is the target's, and a request's tokens are the same with speculation on or off
+    and in any batch."""
     batch, width = index.shape
-    flat = index.reshape(-1)
-    # One sampling row per (sequence, position): the position decides the noise.
     sampling_rows = [
         SamplingRow(
             params=seq.sampling_params,
@@ -103,27 +113,5 @@ def _verify_sampled(
         for j in range(width)
     ]
     metadata = SamplingMetadata.build(sampling_rows, vocab_size, logits.device)
-    work = logits.index_select(0, flat).to(torch.float32)
-    if metadata.temperatures is not None:
-        work = filtered_scaled_logits(work, metadata)
-    target_probs = work.softmax(dim=-1).view(batch, width, vocab_size)
-    if metadata.noise_keys is not None:
-        exponentials = exponential_noise(metadata.noise_keys, vocab_size).view(batch, width, vocab_size)
-    else:
-        exponentials = torch.ones_like(target_probs)
-    accept_keys = [
-        row_noise_key_int32(seq.seed ^ _ACCEPT_SEED_SALT, seq.num_output_tokens - seq.num_pending_tokens + j)
-        for seq in rows.seqs
-        for j in range(width - 1)
-    ]
-    if width > 1:
-        keys = host_to_device(torch.tensor(accept_keys, dtype=torch.int32), logits.device)
-        uniforms = uniform_noise(keys, 1).view(batch, width - 1)
-    else:
-        uniforms = torch.ones(batch, 0, device=logits.device)
-    greedy_flags = [seq.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for seq in rows.seqs]
-    is_greedy = host_to_device(torch.tensor(greedy_flags, dtype=torch.bool), logits.device)
-    out, num_emitted = rejection_sample(
-        target_probs, drafts, None, uniforms, exponentials, is_greedy, num_draft_tokens=num_drafts
-    )
-    return VerifyOutput(out, num_emitted)
+    sampled = Sampler()(logits.index_select(0, index.reshape(-1)), metadata).sampled_token_ids
+    return _accept_matching(sampled.view(batch, width), drafts, num_drafts)
