@@ -50,6 +50,9 @@ def test_streams_the_tokens_of_the_default_server_and_counts_its_proposals(serve
         "paged_llm_spec_decode_num_accepted_tokens_total"
     )
     assert delta("paged_llm_spec_decode_num_drafts_total") > 0
+    text = spec_server.metrics()
+    assert 0 < value(text, "paged_llm_spec_decode_acceptance_rate") <= 1
+    assert value(text, "paged_llm_spec_decode_mean_accepted_length") > 1
     wait_idle(spec_server)
 
 

@@ -209,3 +209,31 @@ def test_draft_model_speculation_matches_hf_on_gpu(model_dir, prompts):
     # Not all: the draft's one-token steps and the target's multi-token verification round some
     # logits differently, and a near-tie then goes the other way (on the H100: 72-100% accepted).
     assert stats.spec_num_accepted_tokens >= 0.7 * stats.spec_num_draft_tokens > 0, stats
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_preemption_and_chunked_prefill_on_gpu(model_dir, prompts, method):
+    """Both proposers with a pool too small for every sequence and 48-token steps: the greedy tokens
+    equal the engine's without speculation on the same card (float32)."""
+    from paged_llm.config import SpeculativeConfig
+
+    passage = prompts[4][:16]
+    spec_prompts = [*prompts[:8], passage * 3, [11, 12, 13] * 10]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [r[0].token_ids for r in run_to_completion(cuda_engine(model_dir), spec_prompts, params)]
+    draft = str(model_dir) if method == "draft_model" else ""
+    speculative = SpeculativeConfig(
+        num_speculative_tokens=3, speculative_method=method, speculative_model=draft
+    )
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        cache=CacheConfig(num_blocks=24, block_size_tokens=16),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=48),
+        device=DeviceConfig(device="cuda"),
+        speculative=speculative,
+    )
+    engine = LLMEngine(config, show_progress=False)
+    results = run_to_completion(engine, spec_prompts, params)
+    assert [r[0].token_ids for r in results] == expected
+    stats = engine.scheduler_stats()
+    assert stats.num_preemptions_total > 0 and stats.spec_num_accepted_tokens > 0, stats

@@ -27,6 +27,8 @@ machine: 25-45 us each, on the same channel as the responses):
 | paged_llm_spec_decode_num_drafts_total | counter | sequence-steps that verified proposals (spec. decoding) |
 | paged_llm_spec_decode_num_draft_tokens_total | counter | proposed tokens verified |
 | paged_llm_spec_decode_num_accepted_tokens_total | counter | of those, accepted |
+| paged_llm_spec_decode_acceptance_rate | gauge | accepted / proposed tokens since start |
+| paged_llm_spec_decode_mean_accepted_length | gauge | tokens per verifying step: 1 + accepted / drafts |
 | paged_llm_sessions_open | gauge | open sessions (core/sessions.py) |
 | paged_llm_session_reused_tokens_total | counter | tokens whose KV a turn took from its session |
 | paged_llm_session_kv_evictions_total | counter | idle sessions whose KV was reclaimed for other work |
@@ -286,6 +288,13 @@ class TritonMetrics:
                  "Speculative decoding: proposed tokens accepted"),
             )
         }  # fmt: skip
+        self._spec_acceptance = gauge(
+            "paged_llm_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens"
+        )
+        self._spec_mean_length = gauge(
+            "paged_llm_spec_decode_mean_accepted_length",
+            "Speculative decoding: tokens per verifying sequence-step (1 + accepted / drafts)",
+        )
         self._sessions_open = gauge("paged_llm_sessions_open", "Open sessions")
         self._session_counters = {
             field_name: metric(name, description, family.COUNTER)
@@ -408,6 +417,10 @@ class TritonMetrics:
                 self._advance("prompt_computed", self._prompt_computed, snapshot.prompt_tokens_computed)
                 for field_name, counter in self._spec_counters.items():
                     self._advance(field_name, counter, getattr(snapshot, field_name))
+                if snapshot.spec_num_drafts:
+                    accepted = snapshot.spec_num_accepted_tokens
+                    self._spec_acceptance.set(accepted / max(snapshot.spec_num_draft_tokens, 1))
+                    self._spec_mean_length.set(1.0 + accepted / snapshot.spec_num_drafts)
                 if snapshot.sessions is not None:
                     self._sessions_open.set(snapshot.sessions.num_open)
                     for field_name, counter in self._session_counters.items():
