@@ -230,3 +230,29 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, tiny_model_d
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="vocabulary"):
         make_engine(tiny_model_dir, speculative=draft(other))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_session_with_speculation_gives_the_tokens_of_stateless_requests(engines, tiny_model_dir, method):
+    """A session's turns hold their KV between turns; blocks a turn reserved for proposals go with
+    it. Each turn equals a stateless request on the whole history, computing only the new tokens."""
+    from paged_llm.core.sessions import SessionTurn
+    from tests.integration.test_sessions import run_one, user_turns
+
+    speculative = spec(4) if method == "ngram" else draft(tiny_model_dir, k=3)
+    session_engine = engines(speculative=speculative)
+    stateless = engines(enable_prefix_caching=False)
+    history: list[int] = []
+    turns = user_turns(session_engine.info.vocab_size)
+    for index, new in enumerate(turns):
+        params = SamplingParams(temperature=0.0, max_tokens=12 + index, ignore_eos=True)
+        expected, _ = run_one(stateless, f"full{index}", history + new, params)
+        computed_before = session_engine.scheduler_stats().prompt_tokens_computed
+        turn = SessionTurn("chat", start=index == 0, end=index == len(turns) - 1)
+        got, _ = run_one(session_engine, f"turn{index}", new, params, turn)
+        assert got == expected, f"turn {index}"
+        computed = session_engine.scheduler_stats().prompt_tokens_computed - computed_before
+        assert computed == len(new) + (1 if index else 0), f"turn {index}"
+        history += new + got
+    assert session_engine.scheduler_stats().spec_num_accepted_tokens > 0
+    assert session_engine.scheduler_stats().kv_usage == 0.0
