@@ -45,3 +45,25 @@ def test_parameters_from_config_pbtxt():
 def test_bad_parameters_fail_loading_with_a_clear_message(parameters, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_parameters(parameters)
+
+
+def test_speculative_parameters_from_config_pbtxt_and_serve_flags():
+    from paged_llm.cli.serve import build_parser, engine_parameters
+
+    config = EngineConfig.from_parameters(
+        {"num_speculative_tokens": "4", "prompt_lookup_max": "3", "speculative_pause_below": "0"}
+    )
+    assert config.speculative.enabled and config.speculative.num_speculative_tokens == 4
+    assert (config.speculative.prompt_lookup_max, config.speculative.speculative_pause_below) == (3, 0.0)
+    assert not EngineConfig.from_parameters({}).speculative.enabled
+    for bad, field_name in (
+        ({"speculative_method": "medusa"}, "speculative_method"),
+        ({"num_speculative_tokens": "99"}, "num_speculative_tokens"),
+        ({"speculative_method": "draft_model", "num_speculative_tokens": "2"}, "speculative_model"),
+        ({"prompt_lookup_min": "5", "prompt_lookup_max": "2"}, "prompt_lookup_min"),
+    ):
+        with pytest.raises(ConfigError, match=field_name):
+            EngineConfig.from_parameters(bad)
+    args = build_parser().parse_args(["serve", "--num-speculative-tokens", "3"])
+    args.model_path = "tiny-qwen3"
+    assert engine_parameters(args)["num_speculative_tokens"] == "3"

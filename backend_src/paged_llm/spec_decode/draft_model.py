@@ -148,6 +148,11 @@ class DraftModelProposer:
                 state = seq.proposer_state = _DraftState()
             start = min(state.num_valid(seq), num_tokens - 1)
             # Slots up to the last token + k: the draft writes up to + k - 1, the verification + k.
+            # Not from the last free blocks: sequences that decode need those more than proposals.
+            held = len(self.kv_cache.block_ids_view(seq.seq_id))
+            new_blocks = self.kv_cache.num_blocks_for_tokens(num_tokens + k) - held
+            if new_blocks > 0 and self.kv_cache.num_free_blocks - new_blocks < len(seqs):
+                continue
             if self.kv_cache.allocate_slots(seq, k + 1) is None:
                 continue
             num_new = min(num_tokens - start, budget)
