@@ -51,6 +51,7 @@ from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sequence import Sequence
 from paged_llm.spec_decode.proposer import NgramProposer
+from paged_llm.spec_decode.speculator import Speculator
 
 
 @dataclass
@@ -127,8 +128,8 @@ def set_speculation(engine: LLMEngine, proposer: object | None, pause_below: flo
     """Speculation on (a proposer) or off (None), as the engine would run with that config.
     `pause_below` 0: never pause proposing (the mechanism's own cost when nothing is accepted)."""
     core = engine.core
-    core.proposer = proposer
-    core.spec_pause_below = pause_below
+    k = engine.config.speculative.num_speculative_tokens
+    core.speculator = None if proposer is None else Speculator(proposer, k, pause_below)
 
 
 def counters(engine: LLMEngine) -> tuple[int, int, int]:
@@ -191,7 +192,7 @@ def draft_model_runs(
     engine: LLMEngine, batch_sizes: list[int], k: int, args: argparse.Namespace, vocab: int
 ) -> list[SpecResult]:
     """The engine's own draft-model proposer against no speculation, per batch size."""
-    proposer = engine.core.proposer
+    proposer = engine.core.speculator.proposer
     results = []
     for batch_size in tqdm(batch_sizes, desc="draft model"):
         prompts = make_prompts(batch_size, args.prompt_len, vocab, args.seed + batch_size)

@@ -201,7 +201,7 @@ def test_draft_model_speculation_matches_hf_on_gpu(model_dir, prompts):
         ),
     )
     engine = LLMEngine(config, show_progress=False)
-    draft_graphs = engine.core.proposer.runner.graphs
+    draft_graphs = engine.core.speculator.proposer.runner.graphs
     assert draft_graphs is not None
     results = run_to_completion(engine, prompts[:8], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [r[0].token_ids for r in results] == expected

@@ -147,7 +147,7 @@ def test_proposing_pauses_while_nothing_is_accepted(engines, spec_prompts, refer
     counts = {}
     for pause_below in (0.0, 0.5):
         engine = engines(core_mode, speculative=spec(4, speculative_pause_below=pause_below))
-        engine.core.proposer = _WrongProposer()
+        engine.core.speculator.proposer = _WrongProposer()
         assert token_ids(run_to_completion(engine, prompts, GREEDY)) == expected
         counts[pause_below] = engine.scheduler_stats().spec_num_drafts
         if core_mode.endswith("async") and pause_below > 0:
@@ -256,3 +256,23 @@ def test_a_session_with_speculation_gives_the_tokens_of_stateless_requests(engin
         history += new + got
     assert session_engine.scheduler_stats().spec_num_accepted_tokens > 0
     assert session_engine.scheduler_stats().kv_usage == 0.0
+
+
+class _BrokenProposer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, seqs, num_speculative_tokens: int) -> None:
+        self.calls += 1
+        for seq in seqs:
+            seq.spec_token_ids = [3] * num_speculative_tokens
+        raise RuntimeError("the draft model fell over")
+
+
+def test_a_failing_proposer_costs_its_proposals_only(engines, spec_prompts, reference):
+    engine = engines(speculative=spec(4))
+    broken = _BrokenProposer()
+    engine.core.speculator.proposer = broken
+    assert token_ids(run_to_completion(engine, spec_prompts, GREEDY)) == reference
+    assert broken.calls > 0 and engine.core.speculator.num_proposer_faults == broken.calls
+    assert engine.scheduler_stats().spec_num_drafts == 0

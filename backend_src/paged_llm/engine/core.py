@@ -47,12 +47,8 @@ from paged_llm.runner.kv_sizing import plan_kv_cache
 from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
 from paged_llm.spec_decode.draft_model import DraftModelProposer, load_draft_runner
-from paged_llm.spec_decode.proposer import (
-    SpeculationPause,
-    can_speculate,
-    make_proposer,
-    wants_speculation,
-)
+from paged_llm.spec_decode.proposer import make_proposer
+from paged_llm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 _UINT64_MASK = (1 << 64) - 1
@@ -175,11 +171,15 @@ class EngineCore:
         self.launch_ahead = mode == "on" or (mode == "auto" and self.device.is_accelerator)
         # Speculative decoding: proposals need the previous step's tokens on the host, so a step
         # that proposes is not launched ahead; while proposing pauses (it did not pay) it is.
-        self.proposer = make_proposer(config.speculative)
+        proposer = make_proposer(config.speculative)
         if draft_runner is not None:
-            self.proposer = DraftModelProposer(draft_runner, self.kv_cache, max_model_len)
-        self.num_speculative_tokens = config.speculative.num_speculative_tokens
-        self.spec_pause_below = config.speculative.speculative_pause_below
+            proposer = DraftModelProposer(draft_runner, self.kv_cache, max_model_len)
+        spec_config = config.speculative
+        self.speculator = (
+            Speculator(proposer, spec_config.num_speculative_tokens, spec_config.speculative_pause_below)
+            if proposer is not None
+            else None
+        )
         # Drive the core with step_pipelined(): on an accelerator publishing overlaps the device work.
         self.pipelined = self.launch_ahead or self.device.is_accelerator
         self._in_flight: InFlightStep | None = None  # step_pipelined's launched, unfinished step
@@ -398,32 +398,11 @@ class EngineCore:
     def _can_launch_ahead(self, previous: InFlightStep) -> bool:
         if not self.launch_ahead:
             return False
-        launched = previous.launched
-        if self.proposer is not None and (launched.verify_seqs or self._proposes_next_step(launched.seqs)):
+        if self.speculator is not None and self.speculator.needs_tokens_of(previous.launched):
             return False  # the next step proposes from previous' tokens: they must be on the host
         return not any(
             seq.sampling_params.needs_output_history and not seq.is_finished for seq in previous.launched.seqs
         )
-
-    def _propose(self) -> None:
-        """Proposals for the decoding sequences that may speculate and are not pausing."""
-        proposing = []
-        for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or not wants_speculation(seq):
-                continue
-            if SpeculationPause.of(seq, self.spec_pause_below).proposes_now() and can_speculate(seq):
-                proposing.append(seq)
-        self.proposer.propose(proposing, self.num_speculative_tokens)
-
-    def _proposes_next_step(self, seqs: list[Sequence]) -> bool:
-        """Whether a sequence of `seqs` will propose at its next step (it needs its token then)."""
-        for seq in seqs:
-            if seq.is_finished or not wants_speculation(seq):
-                continue
-            pause = seq.spec_pause
-            if not isinstance(pause, SpeculationPause) or pause.steps_left == 0:
-                return True
-        return False
 
     def launch_step(self, previous: InFlightStep | None = None) -> InFlightStep | None:
         """The first half of step(): schedule and enqueue the device work (returns at once on an
@@ -436,8 +415,8 @@ class EngineCore:
         self.sessions.expire_idle()
         if self.config.scheduler.queue_max_wait_s > 0.0:
             self._expire_queue_waits()
-        if self.proposer is not None:
-            self._propose()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return None
@@ -463,10 +442,8 @@ class EngineCore:
                 updates = self.scheduler.update_from_output(
                     in_flight.scheduler_output, runner_output.sampled_token_ids, runner_output.spec_token_ids
                 )
-                for seq_id, emitted in runner_output.spec_token_ids.items():
-                    seq = self.scheduler.sequences.get(seq_id)
-                    if seq is not None and isinstance(seq.spec_pause, SpeculationPause):
-                        seq.spec_pause.on_verified(len(emitted) - 1)
+                if runner_output.spec_token_ids:
+                    Speculator.on_verified(runner_output.spec_token_ids, self.scheduler.sequences)
                 self._publish_updates(updates, runner_output)
         return self.take_outputs()
 
