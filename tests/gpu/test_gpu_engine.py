@@ -213,8 +213,9 @@ def test_draft_model_speculation_matches_hf_on_gpu(model_dir, prompts):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_under_preemption_and_chunked_prefill_on_gpu(model_dir, prompts, method):
-    """Both proposers with a pool too small for every sequence and 48-token steps: the greedy tokens
-    equal the engine's without speculation on the same card (float32)."""
+    """Both proposers with a pool too small for every sequence (12 blocks of 16 tokens for 10
+    sequences) and 48-token steps: the greedy tokens equal the engine's without speculation on the
+    same card (float32)."""
     from paged_llm.config import SpeculativeConfig
 
     passage = prompts[4][:16]
@@ -227,7 +228,7 @@ def test_speculation_under_preemption_and_chunked_prefill_on_gpu(model_dir, prom
     )
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32"),
-        cache=CacheConfig(num_blocks=24, block_size_tokens=16),
+        cache=CacheConfig(num_blocks=12, block_size_tokens=16),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=48),
         device=DeviceConfig(device="cuda"),
         speculative=speculative,
