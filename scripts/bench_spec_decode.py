@@ -137,6 +137,39 @@ def counters(engine: LLMEngine) -> tuple[int, int, int]:
     return stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
 
 
+def generate_counted(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    tag: str,
+    replay: dict[str, list[int]] | None = None,
+) -> tuple[float, dict[str, list[int]], float, float]:
+    """`generate`, plus the run's acceptance rate (accepted / proposed tokens) and mean tokens per
+    verifying sequence-step (1 + accepted / drafts), from the scheduler's counters."""
+    before = counters(engine)
+    seconds, outputs = generate(engine, prompts, new_tokens, tag, replay)
+    drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
+    rate = accepted / draft_tokens if draft_tokens else 0.0
+    mean_accepted = 1 + accepted / drafts if drafts else 1.0
+    return seconds, outputs, rate, mean_accepted
+
+
+def plain_baseline(
+    engine: LLMEngine, prompts: list[list[int]], new_tokens: int, tag: str
+) -> tuple[dict[str, list[int]], SpecResult]:
+    """No speculation: a warm-up, the reference run (request ids `{tag}ref-i`), then the timed run,
+    which must give the same tokens."""
+    set_speculation(engine, None)
+    generate(engine, prompts, 8, f"{tag}warm")
+    _, reference = generate(engine, prompts, new_tokens, f"{tag}ref")
+    seconds, plain = generate(engine, prompts, new_tokens, f"{tag}plain")
+    assert all(plain[f"{tag}plain-{i}"] == reference[f"{tag}ref-{i}"] for i in range(len(prompts)))
+    tokens_per_s = len(prompts) * new_tokens / seconds
+    return reference, SpecResult(
+        "none", len(prompts), 0, 0.0, 0.0, seconds, tokens_per_s, 1.0, 0.0, 1.0, True
+    )
+
+
 def run_point(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -151,12 +184,8 @@ def run_point(
     continuations = {f"{tag}-{i}": reference[f"ref-{i}"] for i in range(len(prompts))}
     vocab = engine.info.vocab_size
     set_speculation(engine, ReplayProposer(continuations, k, corruption, vocab), pause_below)
-    before = counters(engine)
-    seconds, outputs = generate(engine, prompts, new_tokens, tag, replay=continuations)
-    drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
+    seconds, outputs, rate, mean_accepted = generate_counted(engine, prompts, new_tokens, tag, continuations)
     equal = all(outputs[f"{tag}-{i}"] == reference[f"ref-{i}"] for i in range(len(prompts)))
-    rate = accepted / draft_tokens if draft_tokens else 0.0
-    mean_accepted = 1 + accepted / drafts if drafts else 1.0
     return seconds, rate, mean_accepted, equal
 
 
@@ -196,32 +225,14 @@ def draft_model_runs(
     results = []
     for batch_size in tqdm(batch_sizes, desc="draft model"):
         prompts = make_prompts(batch_size, args.prompt_len, vocab, args.seed + batch_size)
-        set_speculation(engine, None)
-        generate(engine, prompts, 8, "dwarm")
-        _, reference = generate(engine, prompts, args.new_tokens, "dref")
-        plain_seconds, _ = generate(engine, prompts, args.new_tokens, "dplain")
-        num_tokens = batch_size * args.new_tokens
-        results.append(
-            SpecResult(
-                "none",
-                batch_size,
-                0,
-                0.0,
-                0.0,
-                plain_seconds,
-                num_tokens / plain_seconds,
-                1.0,
-                0.0,
-                1.0,
-                True,
-            )
-        )
+        reference, plain = plain_baseline(engine, prompts, args.new_tokens, "d")
+        results.append(plain)
         for pause_below in (0.0, args.pause_below):
             set_speculation(engine, proposer, pause_below)
             generate(engine, prompts, 8, f"dw{pause_below}")
-            before = counters(engine)
-            seconds, outputs = generate(engine, prompts, args.new_tokens, f"d{pause_below}")
-            drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
+            seconds, outputs, rate, mean_accepted = generate_counted(
+                engine, prompts, args.new_tokens, f"d{pause_below}"
+            )
             equal = all(outputs[f"d{pause_below}-{i}"] == reference[f"dref-{i}"] for i in range(batch_size))
             results.append(
                 SpecResult(
@@ -231,10 +242,10 @@ def draft_model_runs(
                     float("nan"),
                     pause_below,
                     seconds,
-                    num_tokens / seconds,
-                    plain_seconds / seconds,
-                    accepted / draft_tokens if draft_tokens else 0.0,
-                    1 + accepted / drafts if drafts else 1.0,
+                    len(prompts) * args.new_tokens / seconds,
+                    plain.seconds / seconds,
+                    rate,
+                    mean_accepted,
                     equal,
                 )
             )
@@ -252,16 +263,14 @@ def ngram_copy(engine: LLMEngine, prompt_len: int, passage_len: int, k: int, see
     _, plain = generate(engine, [copy_prompt], passage_len, "copy-plain")
     plain_seconds, _ = generate(engine, [copy_prompt], passage_len, "copy-plain2")
     set_speculation(engine, NgramProposer(4, 1), pause_below=0.5)
-    before = counters(engine)
-    seconds, spec = generate(engine, [copy_prompt], passage_len, "copy-spec")
-    drafts, draft_tokens, accepted = (after - b for after, b in zip(counters(engine), before))
+    seconds, spec, rate, mean_accepted = generate_counted(engine, [copy_prompt], passage_len, "copy-spec")
     copied = sum(a == b for a, b in zip(plain["copy-plain-0"], passage["copy-src-0"][8:]))
     return {
         "k": k,
         "passage_tokens": passage_len,
         "continuation_equal_to_passage_tokens": copied,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "mean_accepted_per_step": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": rate,
+        "mean_accepted_per_step": mean_accepted,
         "seconds_plain": plain_seconds,
         "seconds_ngram": seconds,
         "speedup": plain_seconds / seconds,
@@ -369,28 +378,9 @@ def main() -> None:
     progress = tqdm(total=len(batch_sizes) * (len(points) + 2), desc="runs")
     for batch_size in batch_sizes:
         prompts = make_prompts(batch_size, args.prompt_len, vocab, args.seed + batch_size)
-        set_speculation(engine, None)
-        generate(engine, prompts, 8, "warm")  # warm-up
-        _, reference = generate(engine, prompts, args.new_tokens, "ref")
-        plain_seconds, plain = generate(engine, prompts, args.new_tokens, "plain")
+        reference, plain = plain_baseline(engine, prompts, args.new_tokens, "")
         progress.update(2)
-        assert all(plain[f"plain-{i}"] == reference[f"ref-{i}"] for i in range(batch_size))
-        num_tokens = batch_size * args.new_tokens
-        results.append(
-            SpecResult(
-                "none",
-                batch_size,
-                0,
-                0.0,
-                0.0,
-                plain_seconds,
-                num_tokens / plain_seconds,
-                1.0,
-                0.0,
-                1.0,
-                True,
-            )
-        )
+        results.append(plain)
         # A speculative warm-up (Triton kernels and the verification's first calls compile here).
         run_point(engine, prompts, reference, 8, max(ks), 0.0, f"w{batch_size}")
         replayed: dict[int, tuple[dict[str, list[int]], int]] = {}
@@ -419,8 +409,8 @@ def main() -> None:
                     corruption,
                     pause_below,
                     seconds,
-                    num_tokens / seconds,
-                    plain_seconds / seconds,
+                    batch_size * args.new_tokens / seconds,
+                    plain.seconds / seconds,
                     rate,
                     mean_accepted,
                     equal,
