@@ -125,16 +125,7 @@ class InputBuffers:
             block_ids = item.block_ids
             tables_np[row, : len(block_ids)] = block_ids
             drafts = item.draft_token_ids
-            if drafts:  # the last known token, then the proposals it verifies
-                token_id = item.seq.all_token_ids[start]
-                assert token_id != PENDING_TOKEN, f"{item.seq_id}: verifying after a pending token"
-                ids_np[cursor] = token_id
-                ids_np[cursor + 1 : end] = drafts
-                table = np.asarray(block_ids, dtype=np.int64)
-                pos = np.arange(start, start + num_new, dtype=np.int64)
-                pos_np[cursor:end] = pos
-                slot_np[cursor:end] = table[pos // block_size] * block_size + pos % block_size
-            elif num_new == 1:  # decode: plain Python beats numpy for one element
+            if num_new == 1 and not drafts:  # decode: plain Python beats numpy for one element
                 token_id = item.seq.all_token_ids[start]
                 if token_id == PENDING_TOKEN:
                     assert pending is not None, f"{item.seq_id}: pending input token without its step"
@@ -145,10 +136,16 @@ class InputBuffers:
                 pos_np[cursor] = start
                 slot_np[cursor] = block_ids[start // block_size] * block_size + start % block_size
             else:
-                assert start + num_new <= item.seq.num_known_tokens, (
-                    f"{item.seq_id}: a chunk with a pending token"
-                )
-                ids_np[cursor:end] = item.seq.all_token_ids[start : start + num_new]
+                if drafts:  # the last known token, then the proposals it verifies
+                    token_id = item.seq.all_token_ids[start]
+                    assert token_id != PENDING_TOKEN, f"{item.seq_id}: verifying after a pending token"
+                    ids_np[cursor] = token_id
+                    ids_np[cursor + 1 : end] = drafts
+                else:
+                    assert start + num_new <= item.seq.num_known_tokens, (
+                        f"{item.seq_id}: a chunk with a pending token"
+                    )
+                    ids_np[cursor:end] = item.seq.all_token_ids[start : start + num_new]
                 table = np.asarray(block_ids, dtype=np.int64)
                 pos = np.arange(start, start + num_new, dtype=np.int64)
                 pos_np[cursor:end] = pos

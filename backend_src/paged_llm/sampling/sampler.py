@@ -206,22 +206,14 @@ class Sampler:
         return _with_logprobs(logits, sampled_ids, metadata.max_num_logprobs)
 
 
-def filtered_scaled_logits(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature, then min-p, top-k and top-p (filtered tokens at -inf): the logits whose softmax
-    is the distribution a random row samples from. Consumes `work` (float32)."""
-    assert metadata.temperatures is not None
+def _sample_random(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min-p, top-k, top-p, then one Gumbel-max draw per row. Consumes `work`."""
+    assert metadata.temperatures is not None and metadata.noise_keys is not None
     work /= metadata.temperatures
     if metadata.min_p_log_ratios is not None:
         apply_min_p_(work, metadata.min_p_log_ratios)
     if metadata.top_k is not None or metadata.top_p is not None:
         work = apply_top_k_top_p(work, metadata.top_k, metadata.max_top_k, metadata.top_p)
-    return work
-
-
-def _sample_random(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature, min-p, top-k, top-p, then one Gumbel-max draw per row. Consumes `work`."""
-    assert metadata.noise_keys is not None
-    work = filtered_scaled_logits(work, metadata)
     # argmax(log p - log E) = argmax(p / E): the exponential race, an exact categorical draw. -inf stays
     # -inf, so filtered tokens can never win.
     work -= exponential_noise(metadata.noise_keys, metadata.vocab_size).log_()

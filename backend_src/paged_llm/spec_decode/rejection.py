@@ -36,16 +36,12 @@ def rejection_sample(
     uniforms: torch.Tensor,  # [B, k] in (0, 1)
     exponentials: torch.Tensor,  # [B, k + 1, V] Exp(1) noise
     is_greedy: torch.Tensor,  # [B] bool
-    num_draft_tokens: torch.Tensor | None = None,  # [B] drafts per row (<= k); None: k each
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output_token_ids [B, k + 1], num_emitted [B]): each row's accepted draft tokens followed by
-    one token (the correction, or the bonus when all were accepted); REJECTED after that.
-
-    A row with fewer drafts than k (`num_draft_tokens`) has its bonus at the position after its last
-    draft; its later columns (drafts, probabilities, noise) are ignored."""
+    one token (the correction, or the bonus when all were accepted); REJECTED after that."""
     batch, k = draft_token_ids.shape
     device = target_probs.device
-    draft = draft_token_ids.long().clamp_min(0)  # padding may be negative; it is never accepted
+    draft = draft_token_ids.long()
     p_draft = target_probs[:, :k].gather(2, draft.unsqueeze(-1)).squeeze(-1)  # [B, k]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
@@ -55,9 +51,6 @@ def rejection_sample(
     accept_sampled = uniforms * q_draft <= p_draft  # u < p/q without dividing by a zero q
     accept_greedy = draft == greedy_tokens[:, :k]
     accepted = torch.where(is_greedy.unsqueeze(-1), accept_greedy, accept_sampled)
-    if num_draft_tokens is None:
-        num_draft_tokens = torch.full((batch,), k, dtype=torch.int64, device=device)
-    accepted &= torch.arange(k, device=device).unsqueeze(0) < num_draft_tokens.unsqueeze(-1)
     # Number of leading accepted drafts: the first rejection ends the run.
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)  # [B]
 
@@ -69,11 +62,9 @@ def rejection_sample(
         residual = (target_probs[:, :k] - draft_probs).clamp_min(0.0)
     # A residual of zero mass (p == q there) cannot be rejected from; guard the division anyway.
     residual = residual / residual.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    next_dists = torch.cat([residual, target_probs[:, k:]], dim=1)  # [B, k + 1, V]
     rows = torch.arange(batch, device=device)
-    # After a rejection: the residual there; after the row's last draft: the target itself (bonus).
-    is_bonus = (num_accepted >= num_draft_tokens).unsqueeze(-1)
-    residual_at = residual[rows, num_accepted.clamp_max(max(k - 1, 0))] if k else target_probs[:, 0]
-    dist = torch.where(is_bonus, target_probs[rows, num_accepted], residual_at)  # [B, V]
+    dist = next_dists[rows, num_accepted]  # [B, V]
     sampled_next = sample_with_exponentials(dist, exponentials[rows, num_accepted])
     next_token = torch.where(is_greedy, greedy_tokens[rows, num_accepted], sampled_next)
 
