@@ -83,9 +83,9 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
-    return engine.core.runner.spec.kv_bytes_per_token_per_element * (
-        torch.finfo(engine.core.runner.dtype).bits // 8
-    )
+    """KV bytes per token on this device (under tensor parallelism: rank 0's KV heads)."""
+    runner = engine.core.runner
+    return runner.kv_bytes_per_block // runner.block_size_tokens
 
 
 def run_batch(
@@ -201,6 +201,18 @@ def main() -> None:
     parser.add_argument(
         "--no-triton-gemv", action="store_true", help="cuBLAS for one-row linear layers too (A/B of the GEMV)"
     )
+    parser.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=["safetensors", "dummy"],
+        help="dummy: random weights drawn on the GPUs (a shape too large to write as a checkpoint)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs the model is split over; bytes and bandwidth are then rank 0's share, per GPU",
+    )
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -211,10 +223,19 @@ def main() -> None:
             model_dir, args.prompt_len, min(args.new_tokens, 64), config_dtype(args.dtype), args.device
         )
     config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len),
+        model=ModelConfig(
+            model=str(model_dir),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            load_format=args.load_format,
+        ),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=16384),
-        device=DeviceConfig(device=args.device, enable_triton_gemv=not args.no_triton_gemv),
+        device=DeviceConfig(
+            device=args.device,
+            enable_triton_gemv=not args.no_triton_gemv,
+            tensor_parallel_size=args.tensor_parallel_size,
+        ),
     )
     engine = LLMEngine(config, show_progress=False)
     card = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
@@ -232,7 +253,7 @@ def main() -> None:
         results.append(result)
     print(
         f"\ncard: {card}; copy bandwidth {copy_gb_per_s:.0f} GB/s; "
-        f"model {model_dir.name} ({engine.info.dtype})"
+        f"model {model_dir.name} ({engine.info.dtype}); tensor parallel size {args.tensor_parallel_size}"
     )
     weights_gb = weight_bytes(engine) / 1e9
     print(f"weights read per step: {weights_gb:.3f} GB; KV per token {kv_bytes_per_token(engine)} B")
@@ -251,9 +272,15 @@ def main() -> None:
     if args.plot:
         plot(results, copy_gb_per_s, args.plot, f"{model_dir.name} on {card}, context {args.prompt_len}")
     if args.json:
-        payload = {"card": card, "copy_gb_per_s": copy_gb_per_s, "hf_ms_per_token": hf_ms}
+        payload = {
+            "card": card,
+            "copy_gb_per_s": copy_gb_per_s,
+            "hf_ms_per_token": hf_ms,
+            "tensor_parallel_size": args.tensor_parallel_size,
+        }
         payload["results"] = [asdict(r) for r in results]
         args.json.write_text(json.dumps(payload, indent=2))
+    engine.shutdown()  # stops tensor-parallel workers
 
 
 def cpu_name() -> str:

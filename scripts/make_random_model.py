@@ -21,8 +21,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is faster)")
+    parser.add_argument(
+        "--config-only", action="store_true", help="no weights: for an engine with load_format dummy"
+    )
     args = parser.parse_args()
-    print(write_random_model(args.out, args.shape, args.dtype, args.seed, args.device))
+    print(
+        write_random_model(
+            args.out, args.shape, args.dtype, args.seed, args.device, with_weights=not args.config_only
+        )
+    )
 
 
 if __name__ == "__main__":

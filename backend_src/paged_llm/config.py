@@ -21,10 +21,15 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: checkpoint dtype on GPU, fp32 on CPU)
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0  # seeds the per-request seeds drawn for requests that give none
+    # safetensors: the checkpoint's weights | dummy: random weights drawn on the device, for
+    # benchmarking a shape whose checkpoint is too large to write (only config.json is read).
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ConfigError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -163,11 +168,16 @@ class DeviceConfig:
     enable_cuda_graphs: bool = True
     # A Triton GEMV for the linear layers of one-row batches (batch-1 decode), 16-bit dtypes, CUDA.
     enable_triton_gemv: bool = True
+    # Devices one engine spreads the model over (Megatron-style sharding, NCCL on CUDA, gloo on
+    # CPU): `device` and the next tensor_parallel_size - 1 devices, one worker process per extra one.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         kind = self.device.split(":", 1)[0]
         if kind not in ("auto", "cpu", "cuda", "npu"):
             raise ConfigError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass(frozen=True)

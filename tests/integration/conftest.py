@@ -10,6 +10,7 @@ import torch
 
 from paged_llm.config import (
     CacheConfig,
+    DeviceConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -30,8 +31,10 @@ class Completion:
 def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> LLMEngine:
     """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections. With
     core_mode="process" the caller shuts it down (the `engines` fixture does); `sessions` is the
-    SessionConfig, `speculative` the SpeculativeConfig."""
+    SessionConfig, `speculative` the SpeculativeConfig, `tensor_parallel_size` the ranks."""
     sessions = overrides.pop("sessions", SessionConfig())
+    tensor_parallel_size = overrides.pop("tensor_parallel_size", 1)
+    load_format = overrides.pop("load_format", "safetensors")
     speculative = overrides.pop("speculative", SpeculativeConfig())
     cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
     cache = {k: v for k, v in overrides.items() if k in cache_fields}
@@ -39,12 +42,16 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     cache.setdefault("num_blocks", 2048)
     config = EngineConfig(
         model=ModelConfig(
-            model=str(model_dir), dtype="float32", max_model_len=overrides.get("max_model_len")
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=overrides.get("max_model_len"),
+            load_format=load_format,
         ),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**scheduler),
         sessions=sessions,
         speculative=speculative,
+        device=DeviceConfig(tensor_parallel_size=tensor_parallel_size),
     )
     return LLMEngine(config, show_progress=False, core_mode=core_mode)
 

@@ -67,3 +67,22 @@ def test_speculative_parameters_from_config_pbtxt_and_serve_flags():
     args = build_parser().parse_args(["serve", "--num-speculative-tokens", "3"])
     args.model_path = "tiny-qwen3"
     assert engine_parameters(args)["num_speculative_tokens"] == "3"
+
+
+def test_tensor_parallel_and_load_format_from_config_pbtxt_and_serve_flags():
+    from paged_llm.cli.serve import build_parser, engine_parameters
+
+    config = EngineConfig.from_parameters({"tensor_parallel_size": "4", "load_format": "dummy"})
+    assert (config.device.tensor_parallel_size, config.model.load_format) == (4, "dummy")
+    assert EngineConfig.from_parameters({}).device.tensor_parallel_size == 1
+    for bad, field_name in (
+        ({"tensor_parallel_size": "0"}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": "two"}, "tensor_parallel_size"),
+        ({"load_format": "pt"}, "load_format"),
+    ):
+        with pytest.raises(ConfigError, match=field_name):
+            EngineConfig.from_parameters(bad)
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--load-format", "dummy"])
+    args.model_path = "tiny-qwen3"
+    assert engine_parameters(args)["tensor_parallel_size"] == "2"
+    assert engine_parameters(args)["load_format"] == "dummy"

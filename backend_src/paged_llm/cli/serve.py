@@ -64,6 +64,8 @@ def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
         "gpu_memory_utilization",
         "max_num_batched_tokens",
         "num_speculative_tokens",
+        "tensor_parallel_size",
+        "load_format",
     )
     for flag in flags:
         value = getattr(args, flag)
@@ -290,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", type=int)
     add("--gpu-memory-utilization", type=float)
     add("--num-speculative-tokens", type=int, help="speculative decoding with n-gram proposals (0: off)")
+    add("--tensor-parallel-size", type=int, help="GPUs one engine splits the model over (from --device)")
+    add("--load-format", choices=["safetensors", "dummy"], help="dummy: random weights (benchmarks)")
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(
         "--model-repository-dir",

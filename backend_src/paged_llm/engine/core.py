@@ -45,6 +45,7 @@ from paged_llm.models.hf_config import load_model_spec
 from paged_llm.runner.device import Device
 from paged_llm.runner.kv_sizing import plan_kv_cache
 from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
+from paged_llm.runner.tensor_parallel import check_tensor_parallel
 from paged_llm.sequence import Sequence, SequenceStatus
 from paged_llm.spec_decode.draft_model import DraftModelProposer, load_draft_runner
 from paged_llm.spec_decode.proposer import make_proposer
@@ -103,6 +104,7 @@ class EngineCore:
         dtype = self.device.model_dtype(config.model.dtype, spec.checkpoint_dtype)
         requested_len = config.model.max_model_len or spec.max_position_embeddings
         block_size = config.cache.block_size_tokens
+        check_tensor_parallel(config, spec, self.device)
         self.runner = ModelRunner(
             spec,
             model_dir,
@@ -115,15 +117,23 @@ class EngineCore:
             enable_cuda_graphs=config.device.enable_cuda_graphs,
             enable_triton_gemv=config.device.enable_triton_gemv,
             num_speculative_tokens=config.speculative.num_speculative_tokens,
+            tensor_parallel_size=config.device.tensor_parallel_size,
+            load_format=config.model.load_format,
         )
-        self.runner.load(show_progress=show_progress)
-        draft_runner = None
-        if config.speculative.enabled and config.speculative.speculative_method == "draft_model":
-            draft_runner = load_draft_runner(config, spec, self.device, dtype, requested_len, show_progress)
-        plan = plan_kv_cache(config, self.runner, self.device, draft_runner)
-        self.runner.allocate_kv_cache(plan.num_blocks)
-        if draft_runner is not None:
-            draft_runner.allocate_kv_cache(plan.num_blocks)
+        try:
+            self.runner.load(show_progress=show_progress)
+            draft_runner = None
+            if config.speculative.enabled and config.speculative.speculative_method == "draft_model":
+                draft_runner = load_draft_runner(
+                    config, spec, self.device, dtype, requested_len, show_progress
+                )
+            plan = plan_kv_cache(config, self.runner, self.device, draft_runner)
+            self.runner.allocate_kv_cache(plan.num_blocks)
+            if draft_runner is not None:
+                draft_runner.allocate_kv_cache(plan.num_blocks)
+        except BaseException:
+            self.runner.close()  # no tensor-parallel worker outlives a failed start
+            raise
         max_model_len = min(requested_len, plan.num_blocks * block_size)
         if max_model_len < requested_len:
             logger.warning(
@@ -298,6 +308,10 @@ class EngineCore:
         )
         self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
         self._close(record, CoreError("aborted", reason))
+
+    def close(self) -> None:
+        """Releases what outlives a garbage collection: the tensor-parallel worker processes."""
+        self.runner.close()
 
     def abort_all(self, reason: str, request_id_prefix: str = "") -> None:
         """Ends every request (whose id starts with `request_id_prefix`)."""

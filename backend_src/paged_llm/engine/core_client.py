@@ -131,6 +131,7 @@ class InProcessCoreClient:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self.core.abort_all("the engine is shutting down")
+        self.core.close()
 
 
 class _QueueLink:
@@ -168,6 +169,8 @@ class ThreadedCoreClient:
             self.death_reason = f"the engine core thread crashed: {type(error).__name__}: {error}"
         else:
             self.death_reason = "the engine core was shut down"
+        finally:
+            core.close()
         self._link.outbox.put(EngineDeadError(self.death_reason))
 
     def _put(self, item: CoreInput) -> None:

@@ -116,6 +116,8 @@ def serve(link: FramedSocket, listener: socket.socket | None = None) -> int:
     except BaseException as error:
         logger.error("engine core crashed:\n%s", "".join(traceback.format_exception(error)))
         return 1
+    finally:
+        core.close()
     front_ends.close(timeout_s=EXIT_GRACE_S)
     logger.info("engine core stopped: %s", reason)
     return 0

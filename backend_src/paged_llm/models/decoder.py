@@ -21,6 +21,7 @@ from torch import nn
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.fused_ops import FusedOps
+from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models.hf_config import ModelSpec, RopeSpec
 
 
@@ -83,15 +84,26 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: FusedOps) -> None:
+    """This rank's query and KV heads (all of them without tensor parallelism)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        ops: FusedOps,
+        shard: ShardPlan | None = None,
+        parallel: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
+        shard = shard or ShardPlan.of(spec)
         self.ops = ops
+        self.parallel = parallel or TensorParallelGroup()
         self.eps = spec.rms_norm_eps
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = shard.num_heads * spec.head_dim
+        self.kv_size = shard.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
@@ -134,15 +146,24 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
             out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight), residual
+        out = self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
+        return self.parallel.all_reduce(out), residual
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: FusedOps) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ops: FusedOps,
+        shard: ShardPlan | None = None,
+        parallel: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
+        shard = shard or ShardPlan.of(spec)
         self.ops = ops
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.parallel = parallel or TensorParallelGroup()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -151,16 +172,23 @@ class MLP(nn.Module):
         gate_up, residual = self.ops.norm_linear(
             hidden, residual, norm.weight, norm.eps, self.gate_up_proj.weight
         )
-        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight), residual
+        return self.parallel.all_reduce(self.ops.silu_mul_linear(gate_up, self.down_proj.weight)), residual
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: FusedOps) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        ops: FusedOps,
+        shard: ShardPlan | None = None,
+        parallel: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend, ops)
+        self.self_attn = Attention(spec, backend, ops, shard, parallel)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, ops)
+        self.mlp = MLP(spec, ops, shard, parallel)
 
     def forward(
         self,
@@ -180,17 +208,29 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """The whole model, or one tensor-parallel rank's share of it (`parallel`, layers/parallel.py)."""
+
     def __init__(
-        self, spec: ModelSpec, backend: AttentionBackend, max_positions: int, ops: FusedOps | None = None
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        max_positions: int,
+        ops: FusedOps | None = None,
+        parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.ops = ops or FusedOps(use_triton=False)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend, self.ops) for _ in range(spec.num_layers))
+        self.parallel = parallel or TensorParallelGroup()
+        self.shard = ShardPlan.of(spec, self.parallel.rank, self.parallel.world_size)
+        vocab_rows = self.shard.vocab_rows if self.parallel.is_parallel else spec.vocab_size
+        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, backend, self.ops, self.shard, self.parallel) for _ in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = (
-            None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         )
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope, max_positions)
 
@@ -201,7 +241,7 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.parallel.embed(input_ids, self.embed_tokens.weight, self.shard.vocab_start)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
@@ -209,4 +249,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.parallel.gather_vocab(F.linear(hidden, weight), self.spec.vocab_size)

@@ -1,4 +1,8 @@
-"""Loads HF safetensors checkpoints (single file or sharded with an index) into a CausalLM."""
+"""Loads HF safetensors checkpoints (single file or sharded with an index) into a CausalLM.
+
+Under tensor parallelism each rank reads only its own slice of every split tensor (safetensors'
+`get_slice` reads those bytes alone), straight into its device: no rank holds a full copy of the
+model in host memory."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from tqdm import tqdm
 
 from paged_llm.config import ConfigError
 from paged_llm.layers.fused_ops import FusedOps
+from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 
@@ -37,22 +42,59 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+# Which dimension of an HF tensor splits under tensor parallelism, and by what (ShardPlan.rows_of).
+# Column-parallel tensors split their rows (dim 0, biases too), row-parallel ones their columns.
+_SPLIT_ROWS = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "kv",
+    "self_attn.v_proj": "kv",
+    "mlp.gate_proj": "intermediate",
+    "mlp.up_proj": "intermediate",
+}
+_SPLIT_COLUMNS = {"self_attn.o_proj": "q", "mlp.down_proj": "intermediate"}
+
+
+def _split_of(hf_name: str) -> tuple[int, str] | None:
+    """(dimension, ShardPlan part) of a tensor that splits over ranks; None: replicated."""
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, "vocab"
+    match = _LAYER_RE.match(hf_name)
+    if match is None:
+        return None
+    module = match.group(2).rpartition(".")[0]
+    if module in _SPLIT_ROWS:
+        return 0, _SPLIT_ROWS[module]
+    if module in _SPLIT_COLUMNS:
+        return 1, _SPLIT_COLUMNS[module]
+    return None
+
+
+def _iter_tensors(
+    files: list[Path], show_progress: bool, spec: ModelSpec, shard: ShardPlan
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor, or this rank's slice of it."""
     from safetensors import safe_open
 
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
     names = [(handle, name) for handle in handles for name in handle.keys()]
     for handle, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
-        yield name, handle.get_tensor(name)
+        split = _split_of(name) if shard.world_size > 1 else None
+        if split is None:
+            yield name, handle.get_tensor(name)
+            continue
+        dim, part = split
+        start, end = shard.rows_of(part, spec)
+        view = handle.get_slice(name)
+        yield name, view[start:end] if dim == 0 else view[:, start:end]
 
 
-def _fused_slice(spec: ModelSpec, fused_name: str, part: int) -> tuple[int, int]:
+def _fused_slice(shard: ShardPlan, spec: ModelSpec, fused_name: str, part: int) -> tuple[int, int]:
     if fused_name == "self_attn.qkv_proj":
-        q_size = spec.num_heads * spec.head_dim
-        kv_size = spec.num_kv_heads * spec.head_dim
+        q_size = shard.num_heads * spec.head_dim
+        kv_size = shard.num_kv_heads * spec.head_dim
         bounds = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
     else:
-        bounds = [0, spec.intermediate_size, 2 * spec.intermediate_size]
+        bounds = [0, shard.intermediate_size, 2 * shard.intermediate_size]
     return bounds[part], bounds[part + 1]
 
 
@@ -65,16 +107,28 @@ def load_model(
     dtype: torch.dtype,
     show_progress: bool = True,
     ops: FusedOps | None = None,
+    parallel: TensorParallelGroup | None = None,
+    load_format: str = "safetensors",
 ) -> CausalLM:
-    """Builds the model on `device` without initialising weights, then copies every tensor in."""
+    """Builds the model (this rank's share of it) on `device` without initialising weights, then
+    copies every tensor in (load_format "dummy": draws random ones on the device instead)."""
     with torch.device("meta"):
-        model = CausalLM(spec, backend, max_positions, ops)
+        model = CausalLM(spec, backend, max_positions, ops, parallel)
     model = model.to(dtype).to_empty(device=device)  # dtype first: no fp32 copy on the device
+    shard = model.shard
+    if load_format == "dummy":
+        _fill_random(model, seed=shard.rank)
+        model.rotary.build(device, dtype)
+        return model.eval()
+    if shard.world_size > 1:  # the last rank's vocabulary rows past vocab_size stay zero
+        model.embed_tokens.weight.data.zero_()
+        if model.lm_head is not None:
+            model.lm_head.weight.data.zero_()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
-        for hf_name, tensor in _iter_tensors(checkpoint_files(Path(model_dir)), show_progress):
-            target_name, rows = _map_name(spec, hf_name)
+        for hf_name, tensor in _iter_tensors(checkpoint_files(Path(model_dir)), show_progress, spec, shard):
+            target_name, rows = _map_name(spec, shard, hf_name)
             if target_name is None:
                 continue
             if target_name not in params:
@@ -82,6 +136,8 @@ def load_model(
             target = params[target_name]
             if rows is not None:
                 target = target[rows[0] : rows[1]]
+            elif hf_name in ("model.embed_tokens.weight", "lm_head.weight") and shard.world_size > 1:
+                target = target[: tensor.shape[0]]  # the last rank may hold fewer real rows
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ConfigError(
                     f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
@@ -89,12 +145,24 @@ def load_model(
                 )
             target.copy_(tensor.to(dtype))
             loaded.add(f"{target_name}[{rows}]" if rows is not None else target_name)
-    _check_complete(spec, params, loaded)
+    _check_complete(spec, shard, params, loaded)
     model.rotary.build(device, dtype)
     return model.eval()
 
 
-def _map_name(spec: ModelSpec, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
+@torch.no_grad()
+def _fill_random(model: CausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights in place: norms near 1 (as trained models have), matrices N(0, std)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.normal_(1.0, 0.1, generator=generator)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
+def _map_name(spec: ModelSpec, shard: ShardPlan, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None, None
     if hf_name == "lm_head.weight":
@@ -108,11 +176,13 @@ def _map_name(spec: ModelSpec, hf_name: str) -> tuple[str | None, tuple[int, int
     module, _, leaf = rest.rpartition(".")
     if module in _FUSED:
         fused, part = _FUSED[module]
-        return f"layers.{layer}.{fused}.{leaf}", _fused_slice(spec, fused, part)
+        return f"layers.{layer}.{fused}.{leaf}", _fused_slice(shard, spec, fused, part)
     return f"layers.{layer}.{rest}", None
 
 
-def _check_complete(spec: ModelSpec, params: dict[str, torch.nn.Parameter], loaded: set[str]) -> None:
+def _check_complete(
+    spec: ModelSpec, shard: ShardPlan, params: dict[str, torch.nn.Parameter], loaded: set[str]
+) -> None:
     missing = []
     for name in params:
         fused = next(
@@ -125,7 +195,7 @@ def _check_complete(spec: ModelSpec, params: dict[str, torch.nn.Parameter], load
             continue
         parts = 3 if fused == "self_attn.qkv_proj" else 2
         for part in range(parts):
-            if f"{name}[{_fused_slice(spec, fused, part)}]" not in loaded:
+            if f"{name}[{_fused_slice(shard, spec, fused, part)}]" not in loaded:
                 missing.append(f"{name} (part {part})")
     if missing:
         raise ConfigError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

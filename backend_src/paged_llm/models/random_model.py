@@ -56,6 +56,26 @@ SHAPES: dict[str, dict[str, object]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    # Llama-3-70B: tensor-parallel benchmarks, with load_format=dummy (141 GB in bfloat16).
+    "llama3-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
     # Llama-3.2-1B: a draft model for the Llama-3-8B shape (same vocabulary).
     "llama3.2-1b": {
         "architectures": ["LlamaForCausalLM"],
@@ -128,14 +148,23 @@ def _weight_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
 
 
 def write_random_model(
-    out_dir: Path, shape: str, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu", std: float = 0.02
+    out_dir: Path,
+    shape: str,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    device: str = "cpu",
+    std: float = 0.02,
+    config_overrides: dict[str, object] | None = None,
+    with_weights: bool = True,
 ) -> Path:
-    """Writes config.json, generation_config.json, tokenizer files and random safetensors weights."""
+    """Writes config.json, generation_config.json, tokenizer files and random safetensors weights.
+    `config_overrides`: values that replace the shape's (e.g. an odd vocab_size in tests).
+    `with_weights` False: no weights, for an engine with load_format "dummy"."""
     out_dir = Path(out_dir)
     if (out_dir / ".complete").is_file():
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = dict(SHAPES[shape]) | {"torch_dtype": dtype}
+    config = dict(SHAPES[shape]) | (config_overrides or {}) | {"torch_dtype": dtype}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     eos = config["eos_token_id"]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
@@ -143,6 +172,9 @@ def write_random_model(
     tiny = ensure_tiny_model()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(tiny / name, out_dir / name)
+    if not with_weights:
+        (out_dir / ".complete").write_text("config only\n")
+        return out_dir
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}

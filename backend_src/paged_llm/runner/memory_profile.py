@@ -51,7 +51,7 @@ def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) ->
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
     blocks_per_seq = -(-seq_len // runner.block_size_tokens)
     num_blocks = len(lens) * blocks_per_seq
-    shape = (num_blocks, runner.block_size_tokens, spec.num_kv_heads, spec.head_dim)
+    shape = (num_blocks, runner.block_size_tokens, runner.shard.num_kv_heads, spec.head_dim)
     scratch = torch.zeros(
         shape, dtype=runner.dtype, device=torch_device
     )  # one throwaway cache for all layers

@@ -8,6 +8,7 @@ scheduling) does not delay it. Such a step reads this one's tokens on the device
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,6 +21,7 @@ from paged_llm.engine.core_types import TokenLogprobs
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.portable import PortableAttention
 from paged_llm.layers.fused_ops import FusedOps
+from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
@@ -27,6 +29,7 @@ from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_st
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
+from paged_llm.runner.tensor_parallel import CMD_ALLOCATE, CMD_PROFILE, TensorParallelWorkers, all_ranks_min
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sequence import Sequence
@@ -123,7 +126,32 @@ class ModelRunner:
         enable_triton_gemv: bool = True,
         num_speculative_tokens: int = 0,
         greedy_only: bool = False,
+        tensor_parallel_size: int = 1,
+        parallel: TensorParallelGroup | None = None,
+        load_format: str = "safetensors",
     ) -> None:
+        """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks' workers
+        (runner/tensor_parallel.py) in load(). `parallel`: set by a worker, its rank in the group."""
+        # What a worker needs to build its own runner (rank_device() moves it to its device).
+        self._worker_kwargs = dict(
+            spec=spec,
+            model_dir=model_dir,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size_tokens=block_size_tokens,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_cuda_graphs=enable_cuda_graphs,
+            enable_triton_gemv=enable_triton_gemv,
+            num_speculative_tokens=num_speculative_tokens,
+            greedy_only=greedy_only,
+            load_format=load_format,
+        )
+        self.load_format = load_format
+        self.parallel = parallel or TensorParallelGroup(0, tensor_parallel_size)
+        self.shard = ShardPlan.of(spec, self.parallel.rank, self.parallel.world_size)
+        self.workers: TensorParallelWorkers | None = None
         self.spec = spec
         self.model_dir = Path(model_dir)
         self.device = device
@@ -156,6 +184,8 @@ class ModelRunner:
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
+        if self.parallel.is_parallel and self.parallel.rank == 0:
+            self.workers = TensorParallelWorkers(self._worker_kwargs, self.device, self.parallel.world_size)
         self.model = load_model(
             self.model_dir,
             self.spec,
@@ -165,19 +195,47 @@ class ModelRunner:
             self.dtype,
             show_progress=show_progress,
             ops=FusedOps(use_triton=self.device.supports_triton, use_gemv=self.enable_triton_gemv),
+            parallel=self.parallel,
+            load_format=self.load_format,
         )
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do without them)."""
+        if self.workers is not None:
+            self.release_graphs()
+            self.workers.close()
+            self.workers = None
+
+    def release_graphs(self) -> None:
+        """Drops the CUDA graphs. Under tensor parallelism they hold the NCCL communicator's
+        resources, and leaving the group before they are gone hung (2 H100s, NCCL 2.28)."""
+        self.graphs = None
+        self.mixed_graphs = None
+        self.device.synchronize()
+        gc.collect()
+        self.device.empty_cache()
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block on this rank (its KV heads; every rank holds as many blocks)."""
         element_bytes = torch.finfo(self.dtype).bits // 8
-        return self.spec.kv_bytes_per_token_per_element * element_bytes * self.block_size_tokens
+        elements_per_token = 2 * self.spec.num_layers * self.shard.num_kv_heads * self.spec.head_dim
+        return elements_per_token * element_bytes * self.block_size_tokens
 
     def profile_free_kv_bytes(self, gpu_memory_utilization: float) -> int:
-        return profile_free_kv_bytes(self, gpu_memory_utilization)
+        """This device's KV budget; under tensor parallelism the smallest of all ranks' budgets."""
+        if self.workers is not None:
+            self.workers.send_command(CMD_PROFILE, round(gpu_memory_utilization * 1e6))
+        budget = profile_free_kv_bytes(self, gpu_memory_utilization)
+        if self.parallel.is_parallel:
+            budget = all_ranks_min(budget, self.device.torch_device)
+        return budget
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocates the per-layer KV tensors, then captures the decode graphs that address them."""
-        shape = (num_blocks, self.block_size_tokens, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.workers is not None:
+            self.workers.send_command(CMD_ALLOCATE, num_blocks)
+        shape = (num_blocks, self.block_size_tokens, self.shard.num_kv_heads, self.spec.head_dim)
         device = self.device.torch_device
         self.kv_caches = [
             (
@@ -252,25 +310,11 @@ class ModelRunner:
         assert self.model is not None, "load() first"
         pending = previous.pending_tokens() if previous is not None else None
         inputs = self.buffers.prepare(scheduler_output, pending)
-        metadata = inputs.metadata
-        if not inputs.sampled_seqs and inputs.verify_rows is None:  # only prefill chunks short of their end
-            self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+        if self.workers is not None:
+            self.workers.send_step(inputs)
+        logits = self.forward_step(inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
+        if logits is None:
             return LaunchedStep([], None)
-        if self.graphs is not None and inputs.is_decode_only and self.graphs.bucket(metadata.num_seqs):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
-            if len(inputs.sampled_seqs) != metadata.num_seqs:  # a 1-token prefill chunk among decodes
-                logits = logits.index_select(0, inputs.sample_indices)
-        elif (
-            self.mixed_graphs is not None
-            and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs, len(inputs.sample_indices))
-            is not None
-        ):  # a small step with prefill chunks: the first token of new requests at low load
-            logits = self.mixed_graphs.run(
-                inputs.input_ids, inputs.positions, metadata, inputs.sample_indices
-            )
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
         verify_rows = inputs.verify_rows
         if verify_rows is None:
             return LaunchedStep(inputs.sampled_seqs, self._sample(logits, inputs.sampled_seqs))
@@ -284,6 +328,34 @@ class ModelRunner:
             verify_seqs=verify_rows.seqs,
             verified=verify(logits, verify_rows, self.spec.vocab_size),
         )
+
+    def forward_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        sample_indices: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The model over the step's tokens; the logits of rows `sample_indices` (None when there
+        are none: only prefill chunks short of their end). The path (decode graph, mixed-step graph,
+        eager) depends only on these inputs, so every tensor-parallel rank takes the same one."""
+        assert self.model is not None
+        num_sampled = sample_indices.shape[0]
+        if num_sampled == 0:
+            self.model(input_ids, positions, self.kv_caches, metadata)
+            return None
+        if self.graphs is not None and metadata.is_decode_only and self.graphs.bucket(metadata.num_seqs):
+            logits = self.graphs.run(input_ids, positions, metadata)
+            if num_sampled != metadata.num_seqs:  # a 1-token prefill chunk among decodes
+                logits = logits.index_select(0, sample_indices)
+            return logits
+        if (
+            self.mixed_graphs is not None
+            and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs, num_sampled) is not None
+        ):  # a small step with prefill chunks: the first token of new requests at low load
+            return self.mixed_graphs.run(input_ids, positions, metadata, sample_indices)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden.index_select(0, sample_indices))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if self.greedy_only or all(

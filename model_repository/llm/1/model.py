@@ -32,6 +32,7 @@ from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.serving.auth import ApiKeyCheck
+from paged_llm.serving.instance_device import instance_device
 from paged_llm.serving.metrics import TritonMetrics
 from paged_llm.serving.response_accumulator import ResponseAccumulator
 from paged_llm.serving.response_streams import ResponseStreams
@@ -109,7 +110,11 @@ class TritonPythonModel:
                 "the llm model must set model_transaction_policy { decoupled: true }"
             )
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        config = EngineConfig.from_parameters(parameters)
+        config = instance_device(
+            EngineConfig.from_parameters(parameters),
+            args.get("model_instance_kind", ""),
+            args.get("model_instance_device_id", "0"),
+        )
         model_dir = resolve_model_dir(config.model.model, Path(args["model_repository"]))
         self.config = replace(config, model=replace(config.model, model=str(model_dir)))
         self._api_keys = ApiKeyCheck(self.config.serving.api_key_sha256)

@@ -1,0 +1,380 @@
+"""Tensor-parallel worker processes: one per extra device, each running its rank's share of the model.
+
+Rank 0 is the engine core's own ModelRunner: it keeps the scheduler, the KV cache manager and the
+sampler. Each step it broadcasts what the model needs (the same for every rank), then all ranks run
+the forward together, meeting in the collectives (layers/parallel.py):
+
+    rank 0 (engine core)                              ranks 1..N-1 (TensorParallelWorker)
+    buffers.prepare(scheduler output)
+    broadcast header [command, T, B, W, S, ...]  -->  header (the worker's one wait on the device)
+    broadcast payload (ids, positions, slots,    -->  payload, unpacked into views
+      query starts, context lengths, tables, rows)
+    forward (CUDA graph or eager) <== all-reduce / all-gather ==> the same forward
+    sample, verify                                    (logits dropped)
+
+Both broadcasts are enqueued on rank 0's stream like any kernel, so rank 0 never waits for the
+workers on the host, and asynchronous scheduling (a step launched before the previous result) keeps
+working. Every rank chooses the same path (decode graph bucket, mixed-step graph or eager) from the
+same numbers, so their collectives pair up. The header also carries the start-up commands (profile
+memory, allocate the KV cache and capture graphs) and shutdown.
+
+Workers are fresh interpreters (`python -m paged_llm.runner.tensor_parallel`, never forked: CUDA),
+given their runner's arguments on stdin; they exit when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from paged_llm.layers.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from paged_llm.config import EngineConfig
+    from paged_llm.models.hf_config import ModelSpec
+    from paged_llm.runner.device import Device
+    from paged_llm.runner.input_buffers import StepInputs
+    from paged_llm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN = 1, 2, 3, 4
+HEADER_SIZE = 8  # [command, T, B, W, S, max_query_len, max_seq_len, argument]
+WORKER_START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint can take minutes
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def check_tensor_parallel(config: EngineConfig, spec: ModelSpec, device: Device) -> None:
+    """Startup fails here, before any process starts, when tensor parallelism cannot run."""
+    from paged_llm.config import ConfigError
+    from paged_llm.layers.parallel import check_divisible
+
+    world_size = config.device.tensor_parallel_size
+    if world_size == 1:
+        return
+    check_divisible(spec, world_size)
+    if device.kind not in ("cuda", "cpu"):
+        raise ConfigError(f"tensor_parallel_size > 1 is supported on cuda and cpu, not {device.kind}")
+    if device.kind == "cuda":
+        first = device.index or 0
+        available = torch.cuda.device_count()
+        if first + world_size > available:
+            raise ConfigError(
+                f"tensor_parallel_size {world_size} from cuda:{first} needs {first + world_size} GPUs, "
+                f"{available} visible"
+            )
+    if config.speculative.enabled and config.speculative.speculative_method == "draft_model":
+        raise ConfigError("speculative_method draft_model does not run with tensor_parallel_size > 1")
+
+
+def distributed_backend(device: Device) -> str:
+    if device.kind == "cuda":
+        return "nccl"
+    if device.kind == "cpu":
+        return "gloo"
+    raise ValueError(f"tensor parallelism is not supported on {device.kind}")
+
+
+def rank_device(device: Device, rank: int) -> Device:
+    """Rank r runs on the r-th device after the engine's own (cuda:2 with 2 ranks: cuda:2, cuda:3)."""
+    from paged_llm.runner.device import Device
+
+    if device.is_cpu:
+        return device
+    return Device(device.kind, (device.index or 0) + rank)
+
+
+def init_process_group(device: Device, rank: int, world_size: int, init_file: str) -> None:
+    if torch.distributed.is_initialized():
+        raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
+    kwargs: dict[str, Any] = {}
+    if device.kind == "cuda":
+        kwargs["device_id"] = torch.device("cuda", device.index or 0)
+    torch.distributed.init_process_group(
+        distributed_backend(device),
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        **kwargs,
+    )
+
+
+@dataclass
+class _Header:
+    command: int
+    num_tokens: int = 0
+    num_seqs: int = 0
+    table_width: int = 0
+    num_sample_rows: int = 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    argument: int = 0
+
+
+class _Channel:
+    """The header and payload broadcasts, the same object on every rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device)
+
+    def send(self, header: _Header, payload: torch.Tensor | None = None) -> None:
+        values = [
+            header.command,
+            header.num_tokens,
+            header.num_seqs,
+            header.table_width,
+            header.num_sample_rows,
+            header.max_query_len,
+            header.max_seq_len,
+            header.argument,
+        ]
+        self.header = torch.tensor(values, dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(self.header, src=0)
+        if payload is not None:
+            torch.distributed.broadcast(payload, src=0)
+
+    def receive_header(self) -> _Header:
+        torch.distributed.broadcast(self.header, src=0)
+        return _Header(*self.header.tolist())
+
+    def receive_payload(self, num_elements: int) -> torch.Tensor:
+        payload = torch.empty(num_elements, dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(payload, src=0)
+        return payload
+
+
+def _payload_size(header: _Header) -> int:
+    t, b, w, s = header.num_tokens, header.num_seqs, header.table_width, header.num_sample_rows
+    return 3 * t + (b + 1) + b + b * w + s
+
+
+def pack_step(inputs: StepInputs) -> tuple[_Header, torch.Tensor]:
+    """The step's model inputs as one int64 tensor (on rank 0's device, after any pending-token copy)."""
+    metadata = inputs.metadata
+    tables = metadata.block_tables
+    header = _Header(
+        CMD_STEP,
+        num_tokens=metadata.num_tokens,
+        num_seqs=metadata.num_seqs,
+        table_width=tables.shape[1],
+        num_sample_rows=inputs.sample_indices.shape[0],
+        max_query_len=metadata.max_query_len,
+        max_seq_len=metadata.max_seq_len,
+    )
+    parts = [
+        inputs.input_ids,
+        inputs.positions,
+        metadata.slot_mapping,
+        metadata.query_start_loc.to(torch.int64),
+        metadata.seq_lens.to(torch.int64),
+        tables.reshape(-1).to(torch.int64),
+        inputs.sample_indices,
+    ]
+    return header, torch.cat(parts)
+
+
+def unpack_step(
+    header: _Header, payload: torch.Tensor, with_host_lists: bool
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """(input_ids, positions, metadata, sample_indices) as rank 0 had them. `with_host_lists`: fill
+    the metadata's host copies of the lengths (the portable attention path groups by them)."""
+    t, b, w, s = header.num_tokens, header.num_seqs, header.table_width, header.num_sample_rows
+    sizes = [t, t, t, b + 1, b, b * w, s]
+    ids, positions, slots, query_start, seq_lens, tables, sample_indices = payload.split(sizes)
+    query_start = query_start.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    query_lens_host: list[int] = []
+    seq_lens_host: list[int] = []
+    if with_host_lists:
+        starts = query_start.tolist()
+        query_lens_host = [end - start for start, end in itertools.pairwise(starts)]
+        seq_lens_host = seq_lens.tolist()
+    metadata = AttentionMetadata(
+        num_tokens=t,
+        num_seqs=b,
+        slot_mapping=slots,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        block_tables=tables.to(torch.int32).view(b, w),
+        max_query_len=header.max_query_len,
+        max_seq_len=header.max_seq_len,
+        query_lens_host=query_lens_host,
+        seq_lens_host=seq_lens_host,
+    )
+    return ids, positions, metadata, sample_indices
+
+
+def all_ranks_min(value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on ranks 1..N-1: starts them, sends them each step and command, stops them."""
+
+    def __init__(self, runner_kwargs: dict[str, Any], device: Device, world_size: int) -> None:
+        self.world_size = world_size
+        self.device = device
+        self._closed = False
+        handle, self._init_file = tempfile.mkstemp(prefix="paged_llm_tp_")
+        os.close(handle)
+        os.unlink(self._init_file)  # the file store creates it; a stale one would confuse it
+        arguments = pickle.dumps(runner_kwargs)
+        self.processes: list[subprocess.Popen] = []
+        for rank in range(1, world_size):
+            command = [sys.executable, "-m", "paged_llm.runner.tensor_parallel", str(rank), str(world_size)]
+            command += [self._init_file, str(os.getpid())]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE)
+            assert process.stdin is not None
+            process.stdin.write(arguments)
+            process.stdin.close()
+            self.processes.append(process)
+        try:
+            init_process_group(device, 0, world_size, self._init_file)
+        except BaseException:
+            self.close()
+            raise
+        self.channel = _Channel(device.torch_device)
+        logger.info(
+            "tensor parallelism: %d ranks (%s), worker pids %s",
+            world_size,
+            distributed_backend(device),
+            [process.pid for process in self.processes],
+        )
+
+    def send_step(self, inputs: StepInputs) -> None:
+        header, payload = pack_step(inputs)
+        self.channel.send(header, payload)
+
+    def send_command(self, command: int, argument: int = 0) -> None:
+        self.channel.send(_Header(command, argument=argument))
+
+    def dead_workers(self) -> list[str]:
+        return [
+            f"rank {rank} (exit code {process.returncode})"
+            for rank, process in enumerate(self.processes, start=1)
+            if process.poll() is not None
+        ]
+
+    def close(self) -> None:
+        """Tells the workers to stop and leaves the group together with them (NCCL's teardown
+        pairs up across ranks: a rank that waited for its peers to exit before leaving would wait
+        for ever), then waits for them and kills what is left."""
+        if self._closed:
+            return
+        self._closed = True
+        if torch.distributed.is_initialized() and hasattr(self, "channel"):
+            try:
+                if not self.dead_workers():
+                    self.send_command(CMD_SHUTDOWN)
+                    self.device.synchronize()
+            except Exception:  # a broken group: the workers are killed below
+                logger.exception("could not send the shutdown command to the tensor-parallel workers")
+            leave_group(SHUTDOWN_TIMEOUT_S)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for rank, process in enumerate(self.processes, start=1):
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor-parallel worker of rank %d did not stop: killing it", rank)
+                process.kill()
+                process.wait(timeout=5.0)
+        try:
+            os.unlink(self._init_file)
+        except OSError:
+            pass
+
+
+def leave_group(timeout_s: float) -> None:
+    """destroy_process_group, given up after `timeout_s` (a peer that died can leave it hanging)."""
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:
+            logger.exception("leaving the tensor-parallel group failed")
+        done.set()
+
+    threading.Thread(target=destroy, name="paged_llm-tp-leave", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.warning("leaving the tensor-parallel group took over %.0f s: given up", timeout_s)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive rank 0 (it would wait in a broadcast for ever)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="paged_llm-tp-watchdog", daemon=True).start()
+
+
+def run_worker(
+    rank: int, world_size: int, init_file: str, runner_kwargs: dict[str, Any], parent_pid: int
+) -> None:
+    """Entry point of a worker process: load this rank's shard, then follow rank 0's commands."""
+    from paged_llm.layers.parallel import TensorParallelGroup
+    from paged_llm.runner.model_runner import ModelRunner
+
+    _exit_with_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"paged_llm tp rank {rank} %(levelname)s: %(message)s")
+    device = rank_device(runner_kwargs["device"], rank)
+    device.activate()
+    init_process_group(device, rank, world_size, init_file)
+    runner = ModelRunner(
+        **{**runner_kwargs, "device": device}, parallel=TensorParallelGroup(rank, world_size)
+    )
+    runner.load(show_progress=False)
+    channel = _Channel(device.torch_device)
+    with_host_lists = not device.supports_triton
+    with torch.inference_mode():
+        _follow(runner, channel, with_host_lists)
+    runner.release_graphs()
+    leave_group(SHUTDOWN_TIMEOUT_S)
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown: CUDA graphs and NCCL state go with the process
+
+
+def _follow(runner: ModelRunner, channel: _Channel, with_host_lists: bool) -> None:
+    """Runs rank 0's commands until it says shutdown."""
+    while True:
+        header = channel.receive_header()
+        if header.command == CMD_STEP:
+            payload = channel.receive_payload(_payload_size(header))
+            ids, positions, metadata, sample_indices = unpack_step(header, payload, with_host_lists)
+            runner.forward_step(ids, positions, metadata, sample_indices)
+        elif header.command == CMD_PROFILE:
+            runner.profile_free_kv_bytes(header.argument / 1e6)
+        elif header.command == CMD_ALLOCATE:
+            runner.allocate_kv_cache(header.argument)
+        elif header.command == CMD_SHUTDOWN:
+            return
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {header.command}")
+
+
+def main() -> None:
+    rank, world_size, init_file, parent_pid = sys.argv[1:5]
+    runner_kwargs = pickle.loads(sys.stdin.buffer.read())
+    run_worker(int(rank), int(world_size), init_file, runner_kwargs, int(parent_pid))
+
+
+if __name__ == "__main__":
+    main()
