@@ -48,6 +48,11 @@ class EngineDeadError(RuntimeError):
     UNAVAILABLE)."""
 
 
+class WorkerDiedError(EngineDeadError):
+    """A tensor-parallel worker process exited: its rank's share of the model is gone, so the engine
+    runs no further step (the core stops; its requests end with the engine-dead error)."""
+
+
 class RequestAbortedError(RuntimeError):
     """The request was ended before it finished: client cancellation, timeout or shutdown
     (becomes CANCELLED). The message says which."""

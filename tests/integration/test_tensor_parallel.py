@@ -7,9 +7,15 @@ bits, never a greedy token of these prompts (fixed weights: the comparison is de
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
 from paged_llm.config import ConfigError, DeviceConfig, EngineConfig, ModelConfig
+from paged_llm.errors import EngineDeadError, WorkerDiedError
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import write_random_model
 from paged_llm.parent_death import process_is_alive
@@ -142,3 +148,61 @@ def test_dummy_weights_need_only_the_config(tmp_path):
         assert len(tokens[0]) == MAX_TOKENS
     with pytest.raises(ConfigError, match=r"no \*\.safetensors weights"):
         make_engine(model_dir)
+
+
+def test_a_dead_worker_stops_the_engine_with_a_clear_error(tiny_model_dir, prompts):
+    """In-process core: the next step raises WorkerDiedError naming the rank; shutdown leaves nothing."""
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    try:
+        (worker,) = engine.core.runner.workers.processes
+        run_to_completion(engine, prompts[:2], GREEDY)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        engine.add_request("after", prompts[0], GREEDY)
+        with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(exit code -9\) exited"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_worker_ends_the_core_process(engines, prompts):
+    """Core in its own process (as served): it exits, and the engine reports it dead."""
+    before = set(_worker_pids())
+    engine = engines("process", tensor_parallel_size=2)
+    (worker,) = set(_worker_pids()) - before
+    run_to_completion(engine, prompts[:2], GREEDY)
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with pytest.raises(EngineDeadError):
+        while time.monotonic() < deadline:
+            engine.add_request(f"r{time.monotonic()}", prompts[0], GREEDY)
+            while engine.has_unfinished_requests():
+                engine.step()
+            time.sleep(0.1)
+    assert not set(_worker_pids()) - before
+
+
+def _worker_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"paged_llm.runner.tensor_parallel" in cmdline and process_is_alive(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_workers_exit_when_the_core_process_is_killed(engines, prompts):
+    before = set(_worker_pids())
+    engine = engines("process", tensor_parallel_size=2)
+    workers = set(_worker_pids()) - before
+    assert len(workers) == 1
+    run_to_completion(engine, prompts[:1], GREEDY)
+    os.kill(engine.client.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and [pid for pid in workers if process_is_alive(pid)]:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if process_is_alive(pid)], "a worker outlived its core"

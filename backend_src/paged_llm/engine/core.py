@@ -38,7 +38,7 @@ from paged_llm.engine.core_types import (
     FinishedSequence,
 )
 from paged_llm.engine.validation import validate_params, validate_prompt
-from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
+from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, WorkerDiedError
 from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import load_model_spec
@@ -441,6 +441,8 @@ class EngineCore:
             launched = self.runner.launch(scheduler_output, previous.launched if previous else None)
             self.scheduler.on_launched(scheduler_output)
             return InFlightStep(scheduler_output, launched, self.num_steps)
+        except WorkerDiedError:
+            raise  # no step can run any more: the core stops
         except Exception as error:  # a model fault must not take the server down
             self._fail_step(scheduler_output.scheduled, error, self.num_steps)
             return None
@@ -543,7 +545,9 @@ class EngineCore:
         self, scheduled: list[ScheduledSequence], error: Exception, step_number: int, is_fault: bool = True
     ) -> None:
         """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving.
-        `is_fault=False`: the step failed because of another step's fault (not counted again)."""
+        `is_fault=False`: the step failed because of another step's fault (not counted again).
+        A collective that failed because a tensor-parallel worker died raises WorkerDiedError."""
+        self.runner.check_workers()
         logger.error(
             "model step %d failed; failing %d sequences:\n%s",
             step_number,

@@ -75,6 +75,12 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
     threading.Thread(target=watch, name="paged_llm-core-watchdog", daemon=True).start()
 
 
+def _exit_on_worker_death(message: str) -> None:
+    logger.error("%s: the engine core exits", message)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _hard_exit_later(delay_s: float, code: int) -> None:
     timer = threading.Timer(delay_s, lambda: os._exit(code))
     timer.daemon = True
@@ -103,6 +109,9 @@ def serve(link: FramedSocket, listener: socket.socket | None = None) -> int:
         link.send(CoreStartupFailed(message, isinstance(error, ConfigError)))
         return 1
     link.send(core.info)
+    # A dead tensor-parallel worker can leave the loop blocked in a device wait for ever: the
+    # process ends instead, and the front end reports the core dead to every request.
+    core.runner.watch_workers(_exit_on_worker_death)
     # The model, its CUDA graphs and buffers live as long as the process: keep them out of every
     # later garbage collection, which then scans only what the steps create (shorter loop pauses).
     gc.freeze()

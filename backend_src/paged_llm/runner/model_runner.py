@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,16 @@ class ModelRunner:
             self.workers.close()
             self.workers = None
 
+    def watch_workers(self, on_death: Callable[[str], None]) -> None:
+        """`on_death(message)` runs on a thread if a tensor-parallel worker exits (no workers: never)."""
+        if self.workers is not None:
+            self.workers.watch(on_death)
+
+    def check_workers(self) -> None:
+        """Raises WorkerDiedError when a tensor-parallel worker has exited."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
     def release_graphs(self) -> None:
         """Drops the CUDA graphs. Under tensor parallelism they hold the NCCL communicator's
         resources, and leaving the group before they are gone hung (2 H100s, NCCL 2.28)."""
@@ -311,6 +322,7 @@ class ModelRunner:
         pending = previous.pending_tokens() if previous is not None else None
         inputs = self.buffers.prepare(scheduler_output, pending)
         if self.workers is not None:
+            self.workers.check_alive()
             self.workers.send_step(inputs)
         logits = self.forward_step(inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
         if logits is None:

@@ -33,11 +33,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paged_llm.errors import WorkerDiedError
 from paged_llm.layers.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -261,6 +263,26 @@ class TensorParallelWorkers:
 
     def send_command(self, command: int, argument: int = 0) -> None:
         self.channel.send(_Header(command, argument=argument))
+
+    def check_alive(self) -> None:
+        """Raises WorkerDiedError once a worker has exited (before rank 0 waits for it for ever)."""
+        dead = self.dead_workers()
+        if dead and not self._closed:
+            raise WorkerDiedError(f"tensor-parallel worker {', '.join(dead)} exited: the engine stops")
+
+    def watch(self, on_death: Callable[[str], None], interval_s: float = 0.5) -> None:
+        """Calls `on_death(message)` from a thread when a worker exits before close(): rank 0 may be
+        blocked in a device wait that the dead rank's collective never completes (NCCL)."""
+
+        def poll() -> None:
+            while not self._closed:
+                time.sleep(interval_s)
+                dead = self.dead_workers()
+                if dead and not self._closed:
+                    on_death(f"tensor-parallel worker {', '.join(dead)} exited")
+                    return
+
+        threading.Thread(target=poll, name="paged_llm-tp-watch", daemon=True).start()
 
     def dead_workers(self) -> list[str]:
         return [
