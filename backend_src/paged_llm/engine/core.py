@@ -12,7 +12,6 @@ The same class runs in the engine core process (engine/core_process.py), in a th
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
@@ -31,23 +30,18 @@ from paged_llm.core.scheduler import (
 from paged_llm.core.sessions import SessionManager, SessionTurn
 from paged_llm.engine.core_types import (
     CoreError,
-    EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishedRequest,
     FinishedSequence,
 )
+from paged_llm.engine.model_setup import load_engine_model
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, WorkerDiedError
 from paged_llm.gc_pauses import process_gc_pauses
-from paged_llm.models.builtin import resolve_model_dir
-from paged_llm.models.hf_config import load_model_spec
-from paged_llm.runner.device import Device
-from paged_llm.runner.kv_sizing import plan_kv_cache
-from paged_llm.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
-from paged_llm.runner.tensor_parallel import check_tensor_parallel
+from paged_llm.runner.model_runner import LaunchedStep, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
-from paged_llm.spec_decode.draft_model import DraftModelProposer, load_draft_runner
+from paged_llm.spec_decode.draft_model import DraftModelProposer
 from paged_llm.spec_decode.proposer import make_proposer
 from paged_llm.spec_decode.speculator import Speculator
 
@@ -98,76 +92,13 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        model_dir = resolve_model_dir(config.model.model)
-        spec = load_model_spec(model_dir)
-        self.device = Device.resolve(config.device.device)
-        dtype = self.device.model_dtype(config.model.dtype, spec.checkpoint_dtype)
-        requested_len = config.model.max_model_len or spec.max_position_embeddings
-        block_size = config.cache.block_size_tokens
-        check_tensor_parallel(config, spec, self.device)
-        self.runner = ModelRunner(
-            spec,
-            model_dir,
-            self.device,
-            dtype,
-            requested_len,
-            block_size,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            enable_cuda_graphs=config.device.enable_cuda_graphs,
-            enable_triton_gemv=config.device.enable_triton_gemv,
-            num_speculative_tokens=config.speculative.num_speculative_tokens,
-            tensor_parallel_size=config.device.tensor_parallel_size,
-            load_format=config.model.load_format,
-        )
-        try:
-            self.runner.load(show_progress=show_progress)
-            draft_runner = None
-            if config.speculative.enabled and config.speculative.speculative_method == "draft_model":
-                draft_runner = load_draft_runner(
-                    config, spec, self.device, dtype, requested_len, show_progress
-                )
-            plan = plan_kv_cache(config, self.runner, self.device, draft_runner)
-            self.runner.allocate_kv_cache(plan.num_blocks)
-            if draft_runner is not None:
-                draft_runner.allocate_kv_cache(plan.num_blocks)
-        except BaseException:
-            self.runner.close()  # no tensor-parallel worker outlives a failed start
-            raise
-        max_model_len = min(requested_len, plan.num_blocks * block_size)
-        if max_model_len < requested_len:
-            logger.warning(
-                "KV pool holds %d tokens, less than max_model_len %d: max_model_len lowered to %d",
-                plan.num_blocks * block_size,
-                requested_len,
-                max_model_len,
-            )
-        self.info = EngineCoreInfo(
-            model_dir=str(model_dir),
-            architecture=spec.architecture,
-            vocab_size=spec.vocab_size,
-            max_model_len=max_model_len,
-            num_kv_blocks=plan.num_blocks,
-            block_size_tokens=block_size,
-            eos_token_ids=frozenset(spec.eos_token_ids),
-            device=self.device.describe(),
-            dtype=str(dtype).removeprefix("torch."),
-        )
-        logger.info(
-            "paged_llm engine core: %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens "
-            "(%.1f MiB); max_model_len %d",
-            model_dir,
-            spec.architecture,
-            self.info.device,
-            self.info.dtype,
-            plan.num_blocks,
-            block_size,
-            plan.num_blocks * block_size,
-            plan.num_blocks * self.runner.kv_bytes_per_block / (1 << 20),
-            max_model_len,
-        )
-        salt = hashlib.sha256((model_dir / "config.json").read_bytes() + str(dtype).encode()).digest()
-        self.kv_cache = KVCacheManager(plan.num_blocks, block_size, config.cache.enable_prefix_caching, salt)
+        loaded = load_engine_model(config, show_progress)
+        self.device, self.runner, self.info = loaded.device, loaded.runner, loaded.info
+        draft_runner = loaded.draft_runner
+        max_model_len, block_size = self.info.max_model_len, self.info.block_size_tokens
+        salt = loaded.prefix_cache_salt
+        num_blocks = self.info.num_kv_blocks
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
         self.sessions = SessionManager(config.sessions, self.kv_cache, max_model_len)
         self.scheduler.reclaim_kv = self.sessions.reclaim_idle_kv
