@@ -48,9 +48,14 @@ class EngineDeadError(RuntimeError):
     UNAVAILABLE)."""
 
 
-class WorkerDiedError(EngineDeadError):
-    """A tensor-parallel worker process exited: its rank's share of the model is gone, so the engine
-    runs no further step (the core stops; its requests end with the engine-dead error)."""
+class TensorParallelError(EngineDeadError):
+    """The tensor-parallel ranks can no longer run a step together (the core stops; its requests end
+    with the engine-dead error): rank 0 failed inside a step, so the workers wait in a collective
+    that rank 0 left."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker process exited: its rank's share of the model is gone."""
 
 
 class RequestAbortedError(RuntimeError):

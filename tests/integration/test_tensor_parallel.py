@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from paged_llm.config import ConfigError, DeviceConfig, EngineConfig, ModelConfig
-from paged_llm.errors import EngineDeadError, WorkerDiedError
+from paged_llm.errors import EngineDeadError, TensorParallelError, WorkerDiedError
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import write_random_model
 from paged_llm.parent_death import process_is_alive
@@ -206,3 +206,24 @@ def test_workers_exit_when_the_core_process_is_killed(engines, prompts):
     while time.monotonic() < deadline and [pid for pid in workers if process_is_alive(pid)]:
         time.sleep(0.2)
     assert not [pid for pid in workers if process_is_alive(pid)], "a worker outlived its core"
+
+
+def test_rank_zero_failing_inside_a_step_stops_the_engine(tiny_model_dir, prompts, monkeypatch):
+    """The workers wait in a collective rank 0 never reaches: the engine stops (TensorParallelError)
+    instead of serving on out of step, and shutdown kills the worker instead of hanging."""
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    try:
+        (worker,) = engine.core.runner.workers.processes
+        run_to_completion(engine, prompts[:1], GREEDY)
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("out of memory (simulated on rank 0)")
+
+        monkeypatch.setattr(engine.core.runner, "forward_step", fail)
+        engine.add_request("after", prompts[0], GREEDY)
+        with pytest.raises(TensorParallelError, match=r"rank 0 failed inside a step.*simulated"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.shutdown()
+    assert worker.wait(timeout=30) is not None

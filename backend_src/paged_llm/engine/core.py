@@ -37,7 +37,7 @@ from paged_llm.engine.core_types import (
 )
 from paged_llm.engine.model_setup import load_engine_model
 from paged_llm.engine.validation import validate_params, validate_prompt
-from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, WorkerDiedError
+from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.runner.model_runner import LaunchedStep, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
@@ -372,7 +372,7 @@ class EngineCore:
             launched = self.runner.launch(scheduler_output, previous.launched if previous else None)
             self.scheduler.on_launched(scheduler_output)
             return InFlightStep(scheduler_output, launched, self.num_steps)
-        except WorkerDiedError:
+        except TensorParallelError:
             raise  # no step can run any more: the core stops
         except Exception as error:  # a model fault must not take the server down
             self._fail_step(scheduler_output.scheduled, error, self.num_steps)

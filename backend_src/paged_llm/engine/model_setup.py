@@ -65,7 +65,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         if draft_runner is not None:
             draft_runner.allocate_kv_cache(plan.num_blocks)
     except BaseException:
-        runner.close()  # no tensor-parallel worker outlives a failed start
+        runner.close(abort=True)  # no tensor-parallel worker outlives a failed start
         raise
     max_model_len = min(requested_len, plan.num_blocks * block_size)
     if max_model_len < requested_len:

@@ -152,14 +152,16 @@ def load_model(
 
 @torch.no_grad()
 def _fill_random(model: CausalLM, seed: int, std: float = 0.02) -> None:
-    """Random weights in place: norms near 1 (as trained models have), matrices N(0, std)."""
+    """Random weights in place: norms near 1 (as trained models have), matrices N(0, std). The
+    norms are replicated on every rank, so they share one seed; the split matrices take `seed`."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    replicated = torch.Generator(device=device).manual_seed(0)
+    split = torch.Generator(device=device).manual_seed(seed)
     for param in model.parameters():
         if param.dim() == 1:
-            param.normal_(1.0, 0.1, generator=generator)
+            param.normal_(1.0, 0.1, generator=replicated)
         else:
-            param.normal_(0.0, std, generator=generator)
+            param.normal_(0.0, std, generator=split)
 
 
 def _map_name(spec: ModelSpec, shard: ShardPlan, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:

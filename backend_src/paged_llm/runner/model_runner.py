@@ -19,6 +19,7 @@ import torch
 
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.engine.core_types import TokenLogprobs
+from paged_llm.errors import TensorParallelError
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.portable import PortableAttention
 from paged_llm.layers.fused_ops import FusedOps
@@ -153,6 +154,7 @@ class ModelRunner:
         self.parallel = parallel or TensorParallelGroup(0, tensor_parallel_size)
         self.shard = ShardPlan.of(spec, self.parallel.rank, self.parallel.world_size)
         self.workers: TensorParallelWorkers | None = None
+        self.ranks_out_of_step = False  # rank 0 failed inside a step: the workers can only be killed
         self.spec = spec
         self.model_dir = Path(model_dir)
         self.device = device
@@ -200,11 +202,14 @@ class ModelRunner:
             load_format=self.load_format,
         )
 
-    def close(self) -> None:
-        """Stops the tensor-parallel workers (nothing to do without them)."""
+    def close(self, abort: bool = False) -> None:
+        """Stops the tensor-parallel workers (nothing to do without them). `abort`: rank 0 failed
+        partway (the ranks may be inside different collectives): kill them instead."""
         if self.workers is not None:
-            self.release_graphs()
-            self.workers.close()
+            abort = abort or self.ranks_out_of_step
+            if not abort:
+                self.release_graphs()
+            self.workers.close(abort=abort)
             self.workers = None
 
     def watch_workers(self, on_death: Callable[[str], None]) -> None:
@@ -321,10 +326,21 @@ class ModelRunner:
         assert self.model is not None, "load() first"
         pending = previous.pending_tokens() if previous is not None else None
         inputs = self.buffers.prepare(scheduler_output, pending)
-        if self.workers is not None:
+        model_inputs = (inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
+        if self.workers is None:
+            logits = self.forward_step(*model_inputs)
+        else:
             self.workers.check_alive()
             self.workers.send_step(inputs)
-        logits = self.forward_step(inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
+            try:
+                logits = self.forward_step(*model_inputs)
+            except Exception as error:  # the workers wait in a collective rank 0 never reaches
+                self.ranks_out_of_step = True
+                self.workers.check_alive()
+                raise TensorParallelError(
+                    f"rank 0 failed inside a step ({type(error).__name__}: {error}); the tensor-parallel "
+                    "ranks are out of step: the engine stops"
+                ) from error
         if logits is None:
             return LaunchedStep([], None)
         verify_rows = inputs.verify_rows

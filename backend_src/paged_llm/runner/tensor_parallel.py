@@ -24,17 +24,18 @@ given their runner's arguments on stdin; they exit when rank 0's process is gone
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import os
 import pickle
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,7 +98,19 @@ def rank_device(device: Device, rank: int) -> Device:
     return Device(device.kind, (device.index or 0) + rank)
 
 
-def init_process_group(device: Device, rank: int, world_size: int, init_file: str) -> None:
+STORE_HOST = "127.0.0.1"  # the ranks meet through rank 0's TCP store, on loopback only
+_START_TIMEOUT = datetime.timedelta(seconds=WORKER_START_TIMEOUT_S)
+
+
+def open_store(rank: int, world_size: int, port: int = 0) -> torch.distributed.TCPStore:
+    """Rank 0 serves the rendezvous store on a free port (port 0: the kernel picks; no file is left
+    behind by a process that exits without cleaning up); the workers connect to its port."""
+    return torch.distributed.TCPStore(
+        STORE_HOST, port, world_size, is_master=rank == 0, timeout=_START_TIMEOUT, wait_for_workers=False
+    )
+
+
+def init_process_group(device: Device, rank: int, world_size: int, store: torch.distributed.Store) -> None:
     if torch.distributed.is_initialized():
         raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
     kwargs: dict[str, Any] = {}
@@ -105,9 +118,12 @@ def init_process_group(device: Device, rank: int, world_size: int, init_file: st
         kwargs["device_id"] = torch.device("cuda", device.index or 0)
     torch.distributed.init_process_group(
         distributed_backend(device),
-        init_method=f"file://{init_file}",
+        store=store,
         rank=rank,
         world_size=world_size,
+        # Joining, and the first command after it, wait for every rank's start and weight loading;
+        # a rank that never comes ends the wait with an error after this long instead of never.
+        timeout=_START_TIMEOUT,
         **kwargs,
     )
 
@@ -142,7 +158,12 @@ class _Channel:
             header.max_seq_len,
             header.argument,
         ]
-        self.header = torch.tensor(values, dtype=torch.int64, device=self.device)
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cpu":
+            # A pageable copy would wait for the stream (the step launched ahead): pinned, it does
+            # not, and the caching host allocator keeps the block until the copy has run.
+            host = host.pin_memory()
+        self.header = host.to(self.device, non_blocking=True)
         torch.distributed.broadcast(self.header, src=0)
         if payload is not None:
             torch.distributed.broadcast(payload, src=0)
@@ -231,23 +252,13 @@ class TensorParallelWorkers:
         self.world_size = world_size
         self.device = device
         self._closed = False
-        handle, self._init_file = tempfile.mkstemp(prefix="paged_llm_tp_")
-        os.close(handle)
-        os.unlink(self._init_file)  # the file store creates it; a stale one would confuse it
-        arguments = pickle.dumps(runner_kwargs)
+        self._store = open_store(0, world_size)
         self.processes: list[subprocess.Popen] = []
-        for rank in range(1, world_size):
-            command = [sys.executable, "-m", "paged_llm.runner.tensor_parallel", str(rank), str(world_size)]
-            command += [self._init_file, str(os.getpid())]
-            process = subprocess.Popen(command, stdin=subprocess.PIPE)
-            assert process.stdin is not None
-            process.stdin.write(arguments)
-            process.stdin.close()
-            self.processes.append(process)
         try:
-            init_process_group(device, 0, world_size, self._init_file)
+            self._start_workers(runner_kwargs)
+            init_process_group(device, 0, world_size, self._store)
         except BaseException:
-            self.close()
+            self.close(abort=True)
             raise
         self.channel = _Channel(device.torch_device)
         logger.info(
@@ -256,6 +267,24 @@ class TensorParallelWorkers:
             distributed_backend(device),
             [process.pid for process in self.processes],
         )
+
+    def _start_workers(self, runner_kwargs: dict[str, Any]) -> None:
+        """One interpreter per rank (inside Triton's stub sys.executable is the stub binary: the
+        engine core's own way of finding python3 is used), this package first on its path."""
+        from paged_llm.engine.core_process_client import python_executable
+
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        arguments = pickle.dumps(runner_kwargs)
+        for rank in range(1, self.world_size):
+            command = [python_executable(), "-m", "paged_llm.runner.tensor_parallel", str(rank)]
+            command += [str(self.world_size), str(self._store.port), str(os.getpid())]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+            self.processes.append(process)
+            assert process.stdin is not None
+            process.stdin.write(arguments)
+            process.stdin.close()
 
     def send_step(self, inputs: StepInputs) -> None:
         header, payload = pack_step(inputs)
@@ -291,21 +320,26 @@ class TensorParallelWorkers:
             if process.poll() is not None
         ]
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         """Tells the workers to stop and leaves the group together with them (NCCL's teardown
         pairs up across ranks: a rank that waited for its peers to exit before leaving would wait
-        for ever), then waits for them and kills what is left."""
+        for ever), then waits for them and kills what is left. `abort`: the ranks may be inside
+        different collectives (rank 0 failed partway): kill the workers first."""
         if self._closed:
             return
         self._closed = True
-        if torch.distributed.is_initialized() and hasattr(self, "channel"):
+        if abort:
+            for process in self.processes:
+                process.kill()
+        elif torch.distributed.is_initialized() and hasattr(self, "channel"):
             try:
                 if not self.dead_workers():
                     self.send_command(CMD_SHUTDOWN)
-                    self.device.synchronize()
+                    _bounded(self.device.synchronize, SHUTDOWN_TIMEOUT_S, "finishing the last steps")
             except Exception:  # a broken group: the workers are killed below
                 logger.exception("could not send the shutdown command to the tensor-parallel workers")
-            leave_group(SHUTDOWN_TIMEOUT_S)
+        if torch.distributed.is_initialized() and hasattr(self, "channel"):
+            _bounded(torch.distributed.destroy_process_group, SHUTDOWN_TIMEOUT_S, "leaving the group")
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for rank, process in enumerate(self.processes, start=1):
             try:
@@ -314,26 +348,23 @@ class TensorParallelWorkers:
                 logger.warning("tensor-parallel worker of rank %d did not stop: killing it", rank)
                 process.kill()
                 process.wait(timeout=5.0)
-        try:
-            os.unlink(self._init_file)
-        except OSError:
-            pass
 
 
-def leave_group(timeout_s: float) -> None:
-    """destroy_process_group, given up after `timeout_s` (a peer that died can leave it hanging)."""
+def _bounded(call: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Runs `call` on a thread and gives up waiting after `timeout_s` (a peer that died can leave a
+    device wait or NCCL's teardown hanging)."""
     done = threading.Event()
 
-    def destroy() -> None:
+    def run() -> None:
         try:
-            torch.distributed.destroy_process_group()
+            call()
         except Exception:
-            logger.exception("leaving the tensor-parallel group failed")
+            logger.exception("tensor parallelism: %s failed", what)
         done.set()
 
-    threading.Thread(target=destroy, name="paged_llm-tp-leave", daemon=True).start()
+    threading.Thread(target=run, name="paged_llm-tp-bounded", daemon=True).start()
     if not done.wait(timeout_s):
-        logger.warning("leaving the tensor-parallel group took over %.0f s: given up", timeout_s)
+        logger.warning("tensor parallelism: %s took over %.0f s: given up", what, timeout_s)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -349,7 +380,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def run_worker(
-    rank: int, world_size: int, init_file: str, runner_kwargs: dict[str, Any], parent_pid: int
+    rank: int, world_size: int, store_port: int, runner_kwargs: dict[str, Any], parent_pid: int
 ) -> None:
     """Entry point of a worker process: load this rank's shard, then follow rank 0's commands."""
     from paged_llm.layers.parallel import TensorParallelGroup
@@ -359,7 +390,7 @@ def run_worker(
     logging.basicConfig(level=logging.WARNING, format=f"paged_llm tp rank {rank} %(levelname)s: %(message)s")
     device = rank_device(runner_kwargs["device"], rank)
     device.activate()
-    init_process_group(device, rank, world_size, init_file)
+    init_process_group(device, rank, world_size, open_store(rank, world_size, store_port))
     runner = ModelRunner(
         **{**runner_kwargs, "device": device}, parallel=TensorParallelGroup(rank, world_size)
     )
@@ -369,7 +400,7 @@ def run_worker(
     with torch.inference_mode():
         _follow(runner, channel, with_host_lists)
     runner.release_graphs()
-    leave_group(SHUTDOWN_TIMEOUT_S)
+    _bounded(torch.distributed.destroy_process_group, SHUTDOWN_TIMEOUT_S, "leaving the group")
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown: CUDA graphs and NCCL state go with the process
 
@@ -393,9 +424,9 @@ def _follow(runner: ModelRunner, channel: _Channel, with_host_lists: bool) -> No
 
 
 def main() -> None:
-    rank, world_size, init_file, parent_pid = sys.argv[1:5]
+    rank, world_size, store_port, parent_pid = (int(arg) for arg in sys.argv[1:5])
     runner_kwargs = pickle.loads(sys.stdin.buffer.read())
-    run_worker(int(rank), int(world_size), init_file, runner_kwargs, int(parent_pid))
+    run_worker(rank, world_size, store_port, runner_kwargs, parent_pid)
 
 
 if __name__ == "__main__":
