@@ -4,9 +4,9 @@ with the server."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from paged_llm.parent_death import process_is_alive
+from paged_llm.runner.tensor_parallel import WORKER_MODULE
+from paged_llm.tools.procfs import live_processes_running
 from tests.e2e.client import make_inputs, stream_many
 from tests.e2e.metrics import wait_idle
 from tests.e2e.server import make_model_repository, start_server
@@ -16,15 +16,7 @@ GREEDY = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
 
 def worker_pids() -> list[int]:
     """Live tensor-parallel worker processes on this machine."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue
-        if b"paged_llm.runner.tensor_parallel" in cmdline and process_is_alive(int(entry.name)):
-            pids.append(int(entry.name))
-    return pids
+    return live_processes_running(WORKER_MODULE.encode())
 
 
 def _output_ids(results) -> list[list[int]]:

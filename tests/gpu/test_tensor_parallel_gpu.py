@@ -7,7 +7,6 @@ capture the collectives. bfloat16: the first tokens agree and the logprobs are c
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,9 @@ from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfi
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.models.random_model import write_random_model
 from paged_llm.parent_death import process_is_alive
+from paged_llm.runner.tensor_parallel import WORKER_MODULE
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.tools.procfs import live_processes_running
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs")]
@@ -36,16 +37,8 @@ def real_width_model(tmp_path_factory):
 
 
 def worker_pids() -> list[int]:
-    """Live tensor-parallel worker processes on this host."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue
-        if b"paged_llm.runner.tensor_parallel" in cmdline:
-            pids.append(int(entry.name))
-    return [pid for pid in pids if process_is_alive(pid)]
+    """Live tensor-parallel worker processes on this machine."""
+    return live_processes_running(WORKER_MODULE.encode())
 
 
 def _run(model_dir, size: int, dtype: str, params: SamplingParams, prompts) -> tuple[list, list[int]]:

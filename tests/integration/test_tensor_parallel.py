@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,9 @@ from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import write_random_model
 from paged_llm.parent_death import process_is_alive
 from paged_llm.runner.device import Device
-from paged_llm.runner.tensor_parallel import check_tensor_parallel
+from paged_llm.runner.tensor_parallel import WORKER_MODULE, check_tensor_parallel
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.tools.procfs import live_processes_running
 from tests.integration.conftest import make_engine, run_to_completion
 
 MAX_TOKENS = 24
@@ -184,15 +184,8 @@ def test_a_dead_worker_ends_the_core_process(engines, prompts):
 
 
 def _worker_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue
-        if b"paged_llm.runner.tensor_parallel" in cmdline and process_is_alive(int(entry.name)):
-            pids.append(int(entry.name))
-    return pids
+    """Live tensor-parallel worker processes on this machine."""
+    return live_processes_running(WORKER_MODULE.encode())
 
 
 def test_workers_exit_when_the_core_process_is_killed(engines, prompts):

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+WORKER_MODULE = "paged_llm.runner.tensor_parallel"  # what a worker process runs (`python -m`)
 CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN = 1, 2, 3, 4
 HEADER_SIZE = 8  # [command, T, B, W, S, max_query_len, max_seq_len, argument]
 WORKER_START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint can take minutes
@@ -278,7 +279,7 @@ class TensorParallelWorkers:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
         arguments = pickle.dumps(runner_kwargs)
         for rank in range(1, self.world_size):
-            command = [python_executable(), "-m", "paged_llm.runner.tensor_parallel", str(rank)]
+            command = [python_executable(), "-m", WORKER_MODULE, str(rank)]
             command += [str(self.world_size), str(self._store.port), str(os.getpid())]
             process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
             self.processes.append(process)

@@ -59,3 +59,8 @@ def process_group_members(group_id: int) -> list[int]:
     """The live processes (zombies left out) of a process group, which outlives its leader while
     any member lives."""
     return [p.pid for p in processes() if p.group_id == group_id and p.is_alive]
+
+
+def live_processes_running(command_part: bytes) -> list[int]:
+    """The live processes whose command line contains `command_part` (e.g. a `-m` module name)."""
+    return [p.pid for p in processes() if p.is_alive and command_part in (read_proc(p.pid, "cmdline") or b"")]
