@@ -213,6 +213,12 @@ def main() -> None:
         default=1,
         help="GPUs the model is split over; bytes and bandwidth are then rank 0's share, per GPU",
     )
+    parser.add_argument(
+        "--all-reduce",
+        default="auto",
+        choices=["auto", "nccl"],
+        help="tensor parallelism's all-reduce (auto: one-shot over symmetric memory for small tensors)",
+    )
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -235,6 +241,7 @@ def main() -> None:
             device=args.device,
             enable_triton_gemv=not args.no_triton_gemv,
             tensor_parallel_size=args.tensor_parallel_size,
+            all_reduce=args.all_reduce,
         ),
     )
     engine = LLMEngine(config, show_progress=False)
@@ -277,6 +284,8 @@ def main() -> None:
             "copy_gb_per_s": copy_gb_per_s,
             "hf_ms_per_token": hf_ms,
             "tensor_parallel_size": args.tensor_parallel_size,
+            "all_reduce": args.all_reduce,
+            "one_shot_all_reduce": engine.core.runner.parallel.uses_one_shot,
         }
         payload["results"] = [asdict(r) for r in results]
         args.json.write_text(json.dumps(payload, indent=2))

@@ -184,6 +184,14 @@ def main() -> None:
         "--hf-num-requests", type=int, default=0, help="HF runs the first N requests (0 = all)"
     )
     parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
+    parser.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=["safetensors", "dummy"],
+        help="dummy: random weights drawn on the GPUs (no checkpoint; implies --hf none)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
@@ -194,6 +202,7 @@ def main() -> None:
             model=str(resolve_model_dir(args.model)),
             dtype=args.dtype,
             max_model_len=args.max_model_len or None,
+            load_format=args.load_format,
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks or None),
         scheduler=SchedulerConfig(
@@ -201,7 +210,9 @@ def main() -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             async_scheduling=args.async_scheduling,
         ),
-        device=DeviceConfig(device=args.device),
+        device=DeviceConfig(
+            device=args.device, tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce
+        ),
     )
     model_dir = resolve_model_dir(args.model)
     spec = load_model_spec(model_dir)
@@ -210,7 +221,8 @@ def main() -> None:
     device = Device.resolve(args.device)
     dtype = device.model_dtype(args.dtype, spec.checkpoint_dtype)
     hf_result = None
-    if args.hf != "none":  # first, while the whole device is free (the engine takes 90% of it for KV)
+    # HF first, while the whole device is free (the engine takes 90% of it for KV).
+    if args.hf != "none" and args.load_format != "dummy":
         subset = workload[: args.hf_num_requests] if args.hf_num_requests else workload
         hf_result = run_hf(model_dir, subset, device.torch_device, dtype, args.hf, args.hf_batch_size)
         if torch.cuda.is_available():
@@ -229,6 +241,9 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"\nmachine: {platform.node()} ({card}), torch {torch.__version__}, {threads} CPU threads")
     print(f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}")
+    if args.tensor_parallel_size > 1:
+        one_shot = engine.core.runner.parallel.uses_one_shot
+        print(f"tensor parallel size {args.tensor_parallel_size}, one-shot all-reduce {one_shot}")
     print(f"{'run':<24}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>12}")
     for result in results:
         print(
@@ -242,9 +257,11 @@ def main() -> None:
         payload = {
             "argv": sys.argv,
             "card": card,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
         }
         args.json.write_text(json.dumps(payload, indent=2))
+    engine.shutdown()  # stops tensor-parallel workers
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def run_size(args: argparse.Namespace, size: int, out: Path) -> dict:
     command += ["--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len)]
     command += ["--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
     command += ["--max-model-len", str(args.max_model_len), "--tensor-parallel-size", str(size)]
-    command += ["--load-format", args.load_format, "--json", str(out)]
+    command += ["--load-format", args.load_format, "--all-reduce", args.all_reduce, "--json", str(out)]
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
 
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument(
@@ -65,7 +66,7 @@ def main() -> None:
             runs[size] = run_size(args, size, Path(scratch) / f"tp{size}.json")
     base = {r["batch_size"]: r["ms_per_step"] for r in runs[sizes[0]]["results"]}
     card = runs[sizes[0]]["card"]
-    print(f"\n{args.model} on {card}; ratio against tensor parallel size {sizes[0]}")
+    print(f"\n{args.model} on {card}; all_reduce {args.all_reduce}; ratio against size {sizes[0]}")
     print(f"{'TP':>4}{'batch':>7}{'ms/step':>10}{'ratio':>8}{'target':>9}")
     rows = []
     failed = []
@@ -77,7 +78,10 @@ def main() -> None:
             if target is not None and ratio > target:
                 failed.append(f"TP {size} batch 1: {ratio:.3f}x > {target}x")
             print(f"{size:>4}{r['batch_size']:>7}{r['ms_per_step']:>10.3f}{ratio:>8.3f}{verdict:>9}")
-            rows.append({"tensor_parallel_size": size, **r, "ratio_to_base": ratio})
+            one_shot = runs[size].get("one_shot_all_reduce", False)
+            rows.append(
+                {"tensor_parallel_size": size, **r, "ratio_to_base": ratio, "one_shot_all_reduce": one_shot}
+            )
     if args.max_ms_per_token is not None:
         largest = max(sizes)
         batch_one = [r for r in runs[largest]["results"] if r["batch_size"] == 1]
@@ -86,7 +90,8 @@ def main() -> None:
                 f"TP {largest} batch 1: {batch_one[0]['ms_per_step']:.2f} ms > {args.max_ms_per_token} ms"
             )
     if args.json:
-        args.json.write_text(json.dumps({"card": card, "model": args.model, "rows": rows}, indent=2))
+        payload = {"card": card, "model": args.model, "all_reduce": args.all_reduce, "rows": rows}
+        args.json.write_text(json.dumps(payload, indent=2))
     if args.plot:
         import matplotlib
 

@@ -171,6 +171,10 @@ class DeviceConfig:
     # Devices one engine spreads the model over (Megatron-style sharding, NCCL on CUDA, gloo on
     # CPU): `device` and the next tensor_parallel_size - 1 devices, one worker process per extra one.
     tensor_parallel_size: int = 1
+    # Tensor parallelism's all-reduce: auto = a one-shot all-reduce over peer-to-peer symmetric
+    # memory for small tensors (decode steps; CUDA, bfloat16/float32), NCCL for the rest; nccl =
+    # NCCL for every one.
+    all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         kind = self.device.split(":", 1)[0]
@@ -178,6 +182,8 @@ class DeviceConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.all_reduce not in ("auto", "nccl"):
+            raise ConfigError(f"all_reduce must be auto or nccl, got {self.all_reduce!r}")
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,10 @@ def test_tensor_parallel_and_load_format_from_config_pbtxt_and_serve_flags():
     config = EngineConfig.from_parameters({"tensor_parallel_size": "4", "load_format": "dummy"})
     assert (config.device.tensor_parallel_size, config.model.load_format) == (4, "dummy")
     assert EngineConfig.from_parameters({}).device.tensor_parallel_size == 1
+    assert EngineConfig.from_parameters({}).device.all_reduce == "auto"
+    assert EngineConfig.from_parameters({"all_reduce": "nccl"}).device.all_reduce == "nccl"
     for bad, field_name in (
+        ({"all_reduce": "ring"}, "all_reduce"),
         ({"tensor_parallel_size": "0"}, "tensor_parallel_size"),
         ({"tensor_parallel_size": "two"}, "tensor_parallel_size"),
         ({"load_format": "pt"}, "load_format"),

@@ -29,3 +29,18 @@ def test_other_kinds_keep_the_parameter(kind):
 def test_a_conflicting_device_parameter_is_an_error(configured):
     with pytest.raises(ConfigError, match="KIND_GPU puts this instance on GPU 2"):
         instance_device(_config(configured), "GPU", "2")
+
+
+def test_make_repository_writes_a_gpu_instance_group(tmp_path):
+    """The benchmark's repository for one engine per GPU: KIND_GPU with the listed GPUs, which
+    tritonserver parses (the serving benchmark on the GPU host loads it)."""
+    from paged_llm.tools.server_process import make_model_repository
+
+    repository = make_model_repository(tmp_path, {"device": "cuda"}, models=("llm",), instance_count=3,
+                                       instance_gpus=[0, 1])  # fmt: skip
+    config = (repository / "llm" / "config.pbtxt").read_text()
+    groups = [line for line in config.splitlines() if line.startswith("instance_group")]
+    assert groups == ["instance_group [ { count: 3, kind: KIND_GPU, gpus: [ 0, 1 ] } ]"]
+    repository = make_model_repository(tmp_path, None, models=("llm",), instance_count=2)
+    config = (repository / "llm" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 2, kind: KIND_MODEL } ]" in config

@@ -131,9 +131,11 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         parallel: TensorParallelGroup | None = None,
         load_format: str = "safetensors",
+        all_reduce: str = "auto",
     ) -> None:
         """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks' workers
-        (runner/tensor_parallel.py) in load(). `parallel`: set by a worker, its rank in the group."""
+        (runner/tensor_parallel.py) in load(). `parallel`: set by a worker, its rank in the group.
+        `all_reduce`: auto (one-shot over symmetric memory for small tensors on CUDA) or nccl."""
         # What a worker needs to build its own runner (rank_device() moves it to its device).
         self._worker_kwargs = dict(
             spec=spec,
@@ -149,8 +151,10 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
             greedy_only=greedy_only,
             load_format=load_format,
+            all_reduce=all_reduce,
         )
         self.load_format = load_format
+        self.all_reduce = all_reduce
         self.parallel = parallel or TensorParallelGroup(0, tensor_parallel_size)
         self.shard = ShardPlan.of(spec, self.parallel.rank, self.parallel.world_size)
         self.workers: TensorParallelWorkers | None = None
@@ -201,6 +205,8 @@ class ModelRunner:
             parallel=self.parallel,
             load_format=self.load_format,
         )
+        if self.all_reduce == "auto":  # every rank, in the same order: it is a collective
+            self.parallel.enable_one_shot(self.device.torch_device, self.dtype)
 
     def close(self, abort: bool = False) -> None:
         """Stops the tensor-parallel workers (nothing to do without them). `abort`: rank 0 failed
@@ -224,9 +230,11 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Drops the CUDA graphs. Under tensor parallelism they hold the NCCL communicator's
-        resources, and leaving the group before they are gone hung (2 H100s, NCCL 2.28)."""
+        resources, and leaving the group before they are gone hung (2 H100s, NCCL 2.28). The
+        one-shot all-reduce's buffer goes with them (no step runs after this)."""
         self.graphs = None
         self.mixed_graphs = None
+        self.parallel.release()
         self.device.synchronize()
         gc.collect()
         self.device.empty_cache()

@@ -167,15 +167,24 @@ def make_model_repository(
     models: tuple[str, ...] = ("llm", "llm_trtllm"),
     source: Path | None = None,
     instance_count: int | None = None,
+    instance_gpus: list[int] | None = None,
 ) -> Path:
     """Copies the repository's models into `target`, overriding `parameters` of the llm model (and
-    its instance_group count: that many Triton instances, sharing one engine core)."""
+    its instance_group count: that many Triton instances, sharing one engine core). `instance_gpus`:
+    a KIND_GPU group instead, `instance_count` instances on each listed GPU, one engine per GPU."""
     source = source or repo_root() / "model_repository"
     for name in models:
         shutil.rmtree(target / name, ignore_errors=True)  # a fresh copy each time
         shutil.copytree(source / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
     config_path = target / "llm" / "config.pbtxt"
-    if instance_count is not None:
+    if instance_gpus:
+        gpus = ", ".join(str(gpu) for gpu in instance_gpus)
+        group = f"instance_group [ {{ count: {instance_count or 1}, kind: KIND_GPU, gpus: [ {gpus} ] }} ]"
+        config, found = re.subn(r"^instance_group \[.*\]$", group, config_path.read_text(), flags=re.M)
+        if found != 1:
+            raise ValueError(f"no instance_group in {config_path}")
+        config_path.write_text(config)
+    elif instance_count is not None:
         config, found = re.subn(
             r"instance_group \[ \{ count: \d+",
             f"instance_group [ {{ count: {instance_count}",
@@ -203,11 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("target", type=Path)
     make.add_argument("parameters", nargs="*", help="key=value engine settings for config.pbtxt")
     make.add_argument("--instance-count", type=int, help="Triton instances of llm (they share one core)")
+    make.add_argument(
+        "--instance-gpus", help="comma-separated GPU ids: a KIND_GPU instance group (one engine per GPU)"
+    )
     args, rest = parser.parse_known_args(argv)  # key=value pairs may also follow the options
     if any("=" not in item for item in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     parameters = dict(item.split("=", 1) for item in args.parameters + rest)
-    print(make_model_repository(args.target, parameters, models=("llm",), instance_count=args.instance_count))
+    gpus = [int(gpu) for gpu in args.instance_gpus.split(",")] if args.instance_gpus else None
+    target = make_model_repository(
+        args.target, parameters, models=("llm",), instance_count=args.instance_count, instance_gpus=gpus
+    )
+    print(target)
     return 0
 
 
