@@ -31,12 +31,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="kernels are rank 0's")
+    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
+    parser.add_argument("--no-cprofile", action="store_true", help="the GPU profile only")
     args = parser.parse_args()
     config = EngineConfig(
         model=ModelConfig(model=str(resolve_model_dir(args.model)), max_model_len=args.max_model_len),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=16384),
-        device=DeviceConfig(device="cuda", enable_cuda_graphs=not args.no_graphs),
+        device=DeviceConfig(
+            device="cuda",
+            enable_cuda_graphs=not args.no_graphs,
+            tensor_parallel_size=args.tensor_parallel_size,
+            all_reduce=args.all_reduce,
+        ),
     )
     engine = LLMEngine(config, show_progress=False)
     rng = random.Random(0)
@@ -53,15 +61,16 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"plain: {(time.perf_counter() - start) / args.steps * 1e3:.3f} ms/step at batch {args.batch_size}")
 
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(text.getvalue()[-6000:])
+    if not args.no_cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue()[-6000:])
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -71,6 +80,7 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    engine.shutdown()  # stops tensor-parallel workers
 
 
 if __name__ == "__main__":

@@ -220,3 +220,19 @@ def test_rank_zero_failing_inside_a_step_stops_the_engine(tiny_model_dir, prompt
     finally:
         engine.shutdown()
     assert worker.wait(timeout=30) is not None
+
+
+def test_workers_wait_out_an_idle_engine(tiny_model_dir, prompts, monkeypatch):
+    """A worker waits for the next step in the control group, which never times out: an engine
+    idle for longer than the collectives' timeout (shortened here for the workers only) keeps
+    serving. A worker that waited in a step collective died of that timeout."""
+    monkeypatch.setenv("PAGED_LLM_TP_TIMEOUT_S", "20")  # read by each worker at its start
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    try:
+        first = run_to_completion(engine, prompts[:2], GREEDY)
+        time.sleep(25)
+        engine.core.runner.check_workers()  # raises WorkerDiedError if it died waiting
+        again = run_to_completion(engine, prompts[:2], GREEDY)
+    finally:
+        engine.shutdown()
+    assert [r[0].token_ids for r in again] == [r[0].token_ids for r in first]

@@ -6,17 +6,25 @@ the forward together, meeting in the collectives (layers/parallel.py):
 
     rank 0 (engine core)                              ranks 1..N-1 (TensorParallelWorker)
     buffers.prepare(scheduler output)
-    broadcast header [command, T, B, W, S, ...]  -->  header (the worker's one wait on the device)
+    header [command, T, B, W, S, ...], host to   -->  header, on the host (its only wait)
+      host (gloo, the control group)
     broadcast payload (ids, positions, slots,    -->  payload, unpacked into views
       query starts, context lengths, tables, rows)
     forward (CUDA graph or eager) <== all-reduce / all-gather ==> the same forward
     sample, verify                                    (logits dropped)
 
-Both broadcasts are enqueued on rank 0's stream like any kernel, so rank 0 never waits for the
-workers on the host, and asynchronous scheduling (a step launched before the previous result) keeps
-working. Every rank chooses the same path (decode graph bucket, mixed-step graph or eager) from the
-same numbers, so their collectives pair up. The header also carries the start-up commands (profile
+The header goes host to host, so a worker learns the next step as soon as rank 0 schedules it and
+enqueues that step behind the one its device still runs: with asynchronous scheduling no rank's
+device waits for its host between steps. (Sent through the device, the header reached a worker's
+host only after its previous step had finished, and every step began with rank 0 waiting in the
+first collective for that worker to launch.) The payload is a device broadcast enqueued on rank 0's
+stream like any kernel, so it may hold the tokens sampled by the step before, still on the device.
+Every rank chooses the same path (decode graph bucket, mixed-step graph or eager) from the same
+numbers, so their collectives pair up. The header also carries the start-up commands (profile
 memory, allocate the KV cache and capture graphs) and shutdown.
+
+The control group never times out: a worker waits in it for as long as the engine is idle. The
+collectives of a step (and joining) time out after WORKER_START_TIMEOUT_S.
 
 Workers are fresh interpreters (`python -m paged_llm.runner.tensor_parallel`, never forked: CUDA),
 given their runner's arguments on stdin; they exit when rank 0's process is gone.
@@ -55,7 +63,10 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "paged_llm.runner.tensor_parallel"  # what a worker process runs (`python -m`)
 CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN = 1, 2, 3, 4
 HEADER_SIZE = 8  # [command, T, B, W, S, max_query_len, max_seq_len, argument]
-WORKER_START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint can take minutes
+# Loading a shard of a large checkpoint can take minutes; PAGED_LLM_TP_TIMEOUT_S overrides it.
+WORKER_START_TIMEOUT_S = float(os.environ.get("PAGED_LLM_TP_TIMEOUT_S", "600"))
+# The control group's: a worker waits there between steps, for as long as nothing is asked.
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
@@ -111,7 +122,11 @@ def open_store(rank: int, world_size: int, port: int = 0) -> torch.distributed.T
     )
 
 
-def init_process_group(device: Device, rank: int, world_size: int, store: torch.distributed.Store) -> None:
+def init_process_group(
+    device: Device, rank: int, world_size: int, store: torch.distributed.Store
+) -> torch.distributed.ProcessGroup:
+    """Joins the ranks' group (NCCL on CUDA, gloo on CPU) and returns the control group (gloo,
+    host memory) that carries the step headers. Every rank calls it, in the same order."""
     if torch.distributed.is_initialized():
         raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
     kwargs: dict[str, Any] = {}
@@ -127,6 +142,10 @@ def init_process_group(device: Device, rank: int, world_size: int, store: torch.
         timeout=_START_TIMEOUT,
         **kwargs,
     )
+    # Gloo finds its interface from the host name by default, which a container may not resolve:
+    # every rank is on this host, so loopback.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return torch.distributed.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
 @dataclass
@@ -142,11 +161,13 @@ class _Header:
 
 
 class _Channel:
-    """The header and payload broadcasts, the same object on every rank."""
+    """The header (host to host, the control group) and payload (device) broadcasts, the same
+    object on every rank."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, control: torch.distributed.ProcessGroup) -> None:
         self.device = device
-        self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device)
+        self.control = control
+        self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
 
     def send(self, header: _Header, payload: torch.Tensor | None = None) -> None:
         values = [
@@ -159,18 +180,13 @@ class _Channel:
             header.max_seq_len,
             header.argument,
         ]
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cpu":
-            # A pageable copy would wait for the stream (the step launched ahead): pinned, it does
-            # not, and the caching host allocator keeps the block until the copy has run.
-            host = host.pin_memory()
-        self.header = host.to(self.device, non_blocking=True)
-        torch.distributed.broadcast(self.header, src=0)
+        self.header = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.broadcast(self.header, src=0, group=self.control)
         if payload is not None:
             torch.distributed.broadcast(payload, src=0)
 
     def receive_header(self) -> _Header:
-        torch.distributed.broadcast(self.header, src=0)
+        torch.distributed.broadcast(self.header, src=0, group=self.control)
         return _Header(*self.header.tolist())
 
     def receive_payload(self, num_elements: int) -> torch.Tensor:
@@ -257,11 +273,11 @@ class TensorParallelWorkers:
         self.processes: list[subprocess.Popen] = []
         try:
             self._start_workers(runner_kwargs)
-            init_process_group(device, 0, world_size, self._store)
+            control = init_process_group(device, 0, world_size, self._store)
         except BaseException:
             self.close(abort=True)
             raise
-        self.channel = _Channel(device.torch_device)
+        self.channel = _Channel(device.torch_device, control)
         logger.info(
             "tensor parallelism: %d ranks (%s), worker pids %s",
             world_size,
@@ -391,12 +407,12 @@ def run_worker(
     logging.basicConfig(level=logging.WARNING, format=f"paged_llm tp rank {rank} %(levelname)s: %(message)s")
     device = rank_device(runner_kwargs["device"], rank)
     device.activate()
-    init_process_group(device, rank, world_size, open_store(rank, world_size, store_port))
+    control = init_process_group(device, rank, world_size, open_store(rank, world_size, store_port))
     runner = ModelRunner(
         **{**runner_kwargs, "device": device}, parallel=TensorParallelGroup(rank, world_size)
     )
     runner.load(show_progress=False)
-    channel = _Channel(device.torch_device)
+    channel = _Channel(device.torch_device, control)
     with_host_lists = not device.supports_triton
     with torch.inference_mode():
         _follow(runner, channel, with_host_lists)
