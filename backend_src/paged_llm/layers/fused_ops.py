@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from paged_llm.layers.gemv_tuning import gemv_config
+
 try:
     import triton
     import triton.language as tl
@@ -265,22 +267,19 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, k: int, block_k: int) -
     )
 
 
-def _gemv_blocks(n: int, k: int) -> tuple[int, int]:
-    return (8 if n >= 4096 else 4), (256 if k <= 1024 else 512)
-
-
 def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu_and_mul(gate_up), weight): one kernel for one row (see _silu_mul_gemv_kernel),
     else the two ops."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
-    block_n, block_k = _gemv_blocks(n, k)
-    if not _gemv_applies(gate_up, weight, k, block_k) or weight.shape[1] != k:
+    config = gemv_config(n, k, weight.device)
+    if not _gemv_applies(gate_up, weight, k, config.block_k) or weight.shape[1] != k:
         return linear_triton(silu_and_mul_triton(gate_up), weight)
     out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_gemv_kernel[(triton.cdiv(n, block_n),)](
-        gate_up, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3
-    )
+    _silu_mul_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        gate_up, weight, out, n, k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     return out
 
 
@@ -295,13 +294,14 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     float32 (HF parity) stay on cuBLAS."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_n, block_k = _gemv_blocks(n, k)
-    if bias is not None or not _gemv_applies(x, weight, k, block_k):
+    config = gemv_config(n, k, weight.device)
+    if bias is not None or not _gemv_applies(x, weight, k, config.block_k):
         return F.linear(x, weight, bias)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3
-    )
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, out, n, k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     return out
 
 
@@ -333,17 +333,17 @@ def norm_linear_triton(
     a 16-bit dtype (_norm_gemv_kernel), else rms_norm_triton then linear_triton."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_n, block_k = _gemv_blocks(n, k)
-    if bias is not None or not _gemv_applies(x, weight, k, block_k) or norm_weight.dtype != x.dtype:
+    config = gemv_config(n, k, weight.device)
+    if bias is not None or not _gemv_applies(x, weight, k, config.block_k) or norm_weight.dtype != x.dtype:
         return norm_then_linear(rms_norm_triton, linear_triton, x, residual, norm_weight, eps, weight, bias)
     if residual is not None and not residual.is_contiguous():
         residual = residual.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
-    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, out, residual_out, n, k, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        K_P=triton.next_power_of_2(k), num_warps=4, num_stages=3,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        K_P=triton.next_power_of_2(k), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, residual_out
 

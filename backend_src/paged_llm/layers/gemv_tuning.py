@@ -1,0 +1,85 @@
+"""Launch settings of the one-row GEMV kernels (layers/fused_ops.py), per weight shape and GPU.
+
+A GEMV streams its weight matrix once; how fast depends on how the N x K matrix is cut into
+programs (BLOCK_N rows each, BLOCK_K columns per load) and how many loads are in flight (warps,
+pipeline stages). One rule does not suit every shape: a 1024 x 2048 o_proj has few rows to spread
+over 132 SMs, a 28672 x 4096 gate/up many. `scripts/bench_gemv.py` measures every candidate for the
+shapes of the models we serve (and their tensor-parallel shards) and writes the fastest per shape;
+the tables for the cards we measured ship in `gemv_tables/` (named after
+`torch.cuda.get_device_name()`), and PAGED_LLM_GEMV_TABLE points at another one. A shape or card not
+in a table gets the rule the kernels had before the tables (`default_gemv_config`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TABLES_DIR = Path(__file__).resolve().parent / "gemv_tables"
+TABLE_ENV = "PAGED_LLM_GEMV_TABLE"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows per program
+    block_k: int  # columns per load; must divide K (the kernels load whole blocks)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fits(self, k: int) -> bool:
+        return k % self.block_k == 0
+
+
+def default_gemv_config(n: int, k: int) -> GemvConfig:
+    return GemvConfig(8 if n >= 4096 else 4, 256 if k <= 1024 else 512)
+
+
+def table_file_name(device_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+def parse_table(payload: dict) -> dict[tuple[int, int], GemvConfig]:
+    """{"configs": {"N,K": [block_n, block_k, num_warps, num_stages], ...}} -> {(N, K): config}."""
+    table = {}
+    for key, values in payload["configs"].items():
+        n, k = (int(part) for part in key.split(","))
+        config = GemvConfig(*(int(v) for v in values))
+        if config.fits(k):
+            table[(n, k)] = config
+    return table
+
+
+@functools.cache
+def _table_for(device_name: str) -> dict[tuple[int, int], GemvConfig]:
+    override = os.environ.get(TABLE_ENV)
+    path = Path(override) if override else TABLES_DIR / table_file_name(device_name)
+    if not path.is_file():
+        if override:
+            logger.warning("%s=%s: no such file; default GEMV settings", TABLE_ENV, override)
+        return {}
+    table = parse_table(json.loads(path.read_text()))
+    logger.info("GEMV settings for %d shapes from %s", len(table), path)
+    return table
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    """The measured settings for an n x k weight on this device's card, else the default rule."""
+    if device.type == "cuda":
+        tuned = _table_for(_device_name(device.index or 0)).get((n, k))
+        if tuned is not None:
+            return tuned
+    return default_gemv_config(n, k)

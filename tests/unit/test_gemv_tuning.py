@@ -1,0 +1,42 @@
+"""The GEMV launch table: the measured settings per (N, K) for a card, the old rule elsewhere."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from paged_llm.layers import gemv_tuning
+from paged_llm.layers.gemv_tuning import GemvConfig, default_gemv_config, gemv_config, parse_table
+
+
+def test_a_table_entry_that_does_not_divide_k_is_dropped():
+    table = parse_table({"configs": {"4096,1024": [16, 256, 8, 4], "1024,3072": [4, 2048, 4, 3]}})
+    assert table == {(4096, 1024): GemvConfig(16, 256, 8, 4)}
+
+
+def test_cpu_and_unknown_shapes_get_the_default_rule():
+    assert (
+        gemv_config(4096, 1024, torch.device("cpu")) == default_gemv_config(4096, 1024) == GemvConfig(8, 256)
+    )
+    assert default_gemv_config(1024, 3072) == GemvConfig(4, 512)
+
+
+def test_the_environment_names_a_table(tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"configs": {"6144,1024": [2, 1024, 4, 2]}}))
+    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
+    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
+    gemv_tuning._table_for.cache_clear()
+    try:
+        assert gemv_config(6144, 1024, torch.device("cuda", 0)) == GemvConfig(2, 1024, 4, 2)
+        assert gemv_config(1024, 3072, torch.device("cuda", 0)) == default_gemv_config(1024, 3072)
+    finally:
+        gemv_tuning._table_for.cache_clear()
+
+
+def test_shipped_tables_parse_and_are_named_after_their_card():
+    for path in gemv_tuning.TABLES_DIR.glob("*.json"):
+        payload = json.loads(path.read_text())
+        assert path.name == gemv_tuning.table_file_name(payload["device"])
+        assert parse_table(payload)
