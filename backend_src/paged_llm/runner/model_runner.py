@@ -339,8 +339,8 @@ class ModelRunner:
             logits = self.forward_step(*model_inputs)
         else:
             self.workers.check_alive()
-            self.workers.send_step(inputs)
-            try:
+            try:  # a header some workers got and others not leaves them out of step as well
+                self.workers.send_step(inputs)
                 logits = self.forward_step(*model_inputs)
             except Exception as error:  # the workers wait in a collective rank 0 never reaches
                 self.ranks_out_of_step = True
