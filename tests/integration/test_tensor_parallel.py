@@ -223,16 +223,29 @@ def test_rank_zero_failing_inside_a_step_stops_the_engine(tiny_model_dir, prompt
 
 
 def test_workers_wait_out_an_idle_engine(tiny_model_dir, prompts, monkeypatch):
-    """A worker waits for the next step in the control group, which never times out: an engine
-    idle for longer than the collectives' timeout (shortened here for the workers only) keeps
-    serving. A worker that waited in a step collective died of that timeout."""
-    monkeypatch.setenv("PAGED_LLM_TP_TIMEOUT_S", "20")  # read by each worker at its start
+    """A worker's wait for the next step's header has no timeout: an engine idle for longer than
+    the collectives' timeout (shortened here) keeps serving. A worker that waited in a step
+    collective died of that timeout."""
+    monkeypatch.setenv("PAGED_LLM_TP_TIMEOUT_S", "40")  # room for a worker's start on a busy machine
     engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
     try:
         first = run_to_completion(engine, prompts[:2], GREEDY)
-        time.sleep(25)
+        time.sleep(45)
         engine.core.runner.check_workers()  # raises WorkerDiedError if it died waiting
         again = run_to_completion(engine, prompts[:2], GREEDY)
     finally:
         engine.shutdown()
     assert [r[0].token_ids for r in again] == [r[0].token_ids for r in first]
+
+
+def test_the_timeout_setting_is_checked(monkeypatch):
+    from paged_llm.runner.tensor_parallel import DEFAULT_TIMEOUT_S, collective_timeout_s
+
+    monkeypatch.delenv("PAGED_LLM_TP_TIMEOUT_S", raising=False)
+    assert collective_timeout_s() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("PAGED_LLM_TP_TIMEOUT_S", "90.5")
+    assert collective_timeout_s() == 90.5
+    for bad in ("10m", "0", "-3"):
+        monkeypatch.setenv("PAGED_LLM_TP_TIMEOUT_S", bad)
+        with pytest.raises(ConfigError, match="PAGED_LLM_TP_TIMEOUT_S"):
+            collective_timeout_s()

@@ -10,9 +10,28 @@ from paged_llm.layers import gemv_tuning
 from paged_llm.layers.gemv_tuning import GemvConfig, default_gemv_config, gemv_config, parse_table
 
 
-def test_a_table_entry_that_does_not_divide_k_is_dropped():
-    table = parse_table({"configs": {"4096,1024": [16, 256, 8, 4], "1024,3072": [4, 2048, 4, 3]}})
-    assert table == {(4096, 1024): GemvConfig(16, 256, 8, 4)}
+def test_entries_that_cannot_launch_are_dropped():
+    """BLOCK_K must divide K; blocks and warps must be powers of two (Triton's aranges)."""
+    configs = {
+        "4096,1024": [16, 256, 8, 4],
+        "1024,3072": [4, 2048, 4, 3],  # 2048 does not divide 3072
+        "2048,3072": [4, 768, 4, 3],  # divides, not a power of two
+        "6144,1024": [0, 1024, 4, 3],
+        "8192,1024": [2, 1024, 6, 3],
+    }
+    assert parse_table({"configs": configs}) == {(4096, 1024): GemvConfig(16, 256, 8, 4)}
+
+
+def test_an_unreadable_table_gives_the_default_rule(tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    path.write_text("{not json")
+    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
+    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
+    gemv_tuning._table_for.cache_clear()
+    try:
+        assert gemv_config(6144, 1024, torch.device("cuda", 0)) == default_gemv_config(6144, 1024)
+    finally:
+        gemv_tuning._table_for.cache_clear()
 
 
 def test_cpu_and_unknown_shapes_get_the_default_rule():

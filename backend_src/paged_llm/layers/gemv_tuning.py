@@ -7,7 +7,9 @@ over 132 SMs, a 28672 x 4096 gate/up many. `scripts/bench_gemv.py` measures ever
 shapes of the models we serve (and their tensor-parallel shards) and writes the fastest per shape;
 the tables for the cards we measured ship in `gemv_tables/` (named after
 `torch.cuda.get_device_name()`), and PAGED_LLM_GEMV_TABLE points at another one. A shape or card not
-in a table gets the rule the kernels had before the tables (`default_gemv_config`).
+in a table gets the rule the kernels had before the tables (`default_gemv_config`). The sweep times
+the plain GEMV; the fused norm / SiLU GEMVs use the same entry for the same shape (measured end to
+end in the engine, not per kernel).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class GemvConfig:
     num_stages: int = 3
 
     def fits(self, k: int) -> bool:
+        """Launchable for K: power-of-two blocks and warps (Triton's aranges), BLOCK_K dividing K."""
+        powers = (self.block_n, self.block_k, self.num_warps)
+        if any(value < 1 or value & (value - 1) for value in powers) or self.num_stages < 1:
+            return False
         return k % self.block_k == 0
 
 
@@ -55,6 +61,8 @@ def parse_table(payload: dict) -> dict[tuple[int, int], GemvConfig]:
         config = GemvConfig(*(int(v) for v in values))
         if config.fits(k):
             table[(n, k)] = config
+        else:
+            logger.warning("GEMV table entry %s %s cannot launch for K=%d: ignored", key, values, k)
     return table
 
 
@@ -66,7 +74,11 @@ def _table_for(device_name: str) -> dict[tuple[int, int], GemvConfig]:
         if override:
             logger.warning("%s=%s: no such file; default GEMV settings", TABLE_ENV, override)
         return {}
-    table = parse_table(json.loads(path.read_text()))
+    try:
+        table = parse_table(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        logger.warning("GEMV table %s unreadable (%s): default GEMV settings", path, error)
+        return {}
     logger.info("GEMV settings for %d shapes from %s", len(table), path)
     return table
 

@@ -149,19 +149,26 @@ class TensorParallelGroup:
         if self.world_size == 1 or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
             return False
         # Only peer-to-peer loads are used. Without this, torch may also set up NVLink multicast
-        # objects for the buffer, which some shared hosts must not have.
+        # objects for the buffer, which some shared hosts must not have (set for the process: the
+        # engine uses no multicast anywhere).
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        buffer = None
+        copy_in_kernel = False
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
             ops = torch.ops.symm_mem
             copy_in_kernel = hasattr(ops, "one_shot_all_reduce_copy_out")
-            if not copy_in_kernel and not hasattr(ops, "one_shot_all_reduce_out"):
-                return False
-        except (ImportError, AttributeError, RuntimeError):
+            if copy_in_kernel or hasattr(ops, "one_shot_all_reduce_out"):
+                buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        except Exception as error:  # an older torch, no peer access, out of memory
+            logger.warning("one-shot all-reduce unavailable (%s): NCCL for every all-reduce", error)
+        # Every rank must take the same path in every all-reduce: all use it, or none does.
+        agreed = torch.tensor([int(buffer is not None)], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        if not agreed.item():
             return False
         group_name = torch.distributed.group.WORLD.group_name
-        buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(buffer, group_name)
         self._one_shot_buffer, self._group_name, self._copy_in_kernel = buffer, group_name, copy_in_kernel
         logger.info("tensor parallelism: one-shot all-reduce up to %d KiB", ONE_SHOT_MAX_BYTES // 1024)

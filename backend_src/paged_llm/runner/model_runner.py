@@ -212,7 +212,8 @@ class ModelRunner:
         """Stops the tensor-parallel workers (nothing to do without them). `abort`: rank 0 failed
         partway (the ranks may be inside different collectives): kill them instead."""
         if self.workers is not None:
-            abort = abort or self.ranks_out_of_step
+            # A dead worker may have left a collective half done: the device never finishes it.
+            abort = abort or self.ranks_out_of_step or bool(self.workers.dead_workers())
             if not abort:
                 self.release_graphs()
             self.workers.close(abort=abort)

@@ -23,8 +23,11 @@ Every rank chooses the same path (decode graph bucket, mixed-step graph or eager
 numbers, so their collectives pair up. The header also carries the start-up commands (profile
 memory, allocate the KV cache and capture graphs) and shutdown.
 
-The control group never times out: a worker waits in it for as long as the engine is idle. The
-collectives of a step (and joining) time out after WORKER_START_TIMEOUT_S.
+Timeouts: a worker's wait for the next header has none (it waits for as long as the engine is
+idle). Everything else times out after collective_timeout_s() (600 s, PAGED_LLM_TP_TIMEOUT_S):
+joining, every collective of a step, and rank 0's header send, which returns only once every
+worker has taken the header (gloo), so a worker that is alive but stuck stops the engine with an
+error instead of holding it.
 
 Workers are fresh interpreters (`python -m paged_llm.runner.tensor_parallel`, never forked: CUDA),
 given their runner's arguments on stdin; they exit when rank 0's process is gone.
@@ -63,10 +66,10 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "paged_llm.runner.tensor_parallel"  # what a worker process runs (`python -m`)
 CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN = 1, 2, 3, 4
 HEADER_SIZE = 8  # [command, T, B, W, S, max_query_len, max_seq_len, argument]
-# Loading a shard of a large checkpoint can take minutes; PAGED_LLM_TP_TIMEOUT_S overrides it.
-WORKER_START_TIMEOUT_S = float(os.environ.get("PAGED_LLM_TP_TIMEOUT_S", "600"))
-# The control group's: a worker waits there between steps, for as long as nothing is asked.
-_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+TIMEOUT_ENV = "PAGED_LLM_TP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint can take minutes
+# A worker's wait for the next step's header: as long as the engine stays idle.
+_IDLE_WAIT = datetime.timedelta(days=365)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
@@ -111,14 +114,35 @@ def rank_device(device: Device, rank: int) -> Device:
 
 
 STORE_HOST = "127.0.0.1"  # the ranks meet through rank 0's TCP store, on loopback only
-_START_TIMEOUT = datetime.timedelta(seconds=WORKER_START_TIMEOUT_S)
+
+
+def collective_timeout_s() -> float:
+    """How long a rank waits for the others at start-up and in a step's collectives:
+    PAGED_LLM_TP_TIMEOUT_S (seconds, > 0), else 600 s."""
+    from paged_llm.config import ConfigError
+
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def _collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=collective_timeout_s())
 
 
 def open_store(rank: int, world_size: int, port: int = 0) -> torch.distributed.TCPStore:
     """Rank 0 serves the rendezvous store on a free port (port 0: the kernel picks; no file is left
     behind by a process that exits without cleaning up); the workers connect to its port."""
+    timeout = _collective_timeout()
     return torch.distributed.TCPStore(
-        STORE_HOST, port, world_size, is_master=rank == 0, timeout=_START_TIMEOUT, wait_for_workers=False
+        STORE_HOST, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
 
 
@@ -129,6 +153,10 @@ def init_process_group(
     host memory) that carries the step headers. Every rank calls it, in the same order."""
     if torch.distributed.is_initialized():
         raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
+    timeout = _collective_timeout()
+    # Gloo (the control group; the default group on CPU) finds its interface from the host name,
+    # which a container may not resolve: every rank is on this host, so loopback.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kwargs: dict[str, Any] = {}
     if device.kind == "cuda":
         kwargs["device_id"] = torch.device("cuda", device.index or 0)
@@ -139,13 +167,12 @@ def init_process_group(
         world_size=world_size,
         # Joining, and the first command after it, wait for every rank's start and weight loading;
         # a rank that never comes ends the wait with an error after this long instead of never.
-        timeout=_START_TIMEOUT,
+        timeout=timeout,
         **kwargs,
     )
-    # Gloo finds its interface from the host name by default, which a container may not resolve:
-    # every rank is on this host, so loopback.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return torch.distributed.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    # Created with the start-up timeout (a rank lost while joining ends it with an error); only a
+    # worker's wait for the next header is unbounded (_Channel.receive_header).
+    return torch.distributed.new_group(backend="gloo", timeout=timeout)
 
 
 @dataclass
@@ -168,6 +195,7 @@ class _Channel:
         self.device = device
         self.control = control
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        self._send_timeout = _collective_timeout()
 
     def send(self, header: _Header, payload: torch.Tensor | None = None) -> None:
         values = [
@@ -181,13 +209,21 @@ class _Channel:
             header.argument,
         ]
         self.header = torch.tensor(values, dtype=torch.int64)
-        torch.distributed.broadcast(self.header, src=0, group=self.control)
+        self._broadcast_header(self._send_timeout)
         if payload is not None:
             torch.distributed.broadcast(payload, src=0)
 
     def receive_header(self) -> _Header:
-        torch.distributed.broadcast(self.header, src=0, group=self.control)
+        self._broadcast_header(_IDLE_WAIT)
         return _Header(*self.header.tolist())
+
+    def _broadcast_header(self, timeout: datetime.timedelta) -> None:
+        """Rank 0's header to every rank, host to host; returns once all have it."""
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        options.timeout = timeout
+        self.control.broadcast([self.header], options).wait()
 
     def receive_payload(self, num_elements: int) -> torch.Tensor:
         payload = torch.empty(num_elements, dtype=torch.int64, device=self.device)
