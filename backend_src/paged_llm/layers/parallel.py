@@ -117,6 +117,13 @@ def check_divisible(spec: ModelSpec, world_size: int) -> None:
         )
 
 
+def all_ranks_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (a collective on the default group)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def _all_gather_single(output: torch.Tensor, local: torch.Tensor) -> None:
     """torch.distributed.all_gather_single, named all_gather_into_tensor before torch 2.12."""
     gather = getattr(torch.distributed, "all_gather_single", None)
@@ -164,9 +171,7 @@ class TensorParallelGroup:
         except Exception as error:  # an older torch, no peer access, out of memory
             logger.warning("one-shot all-reduce unavailable (%s): NCCL for every all-reduce", error)
         # Every rank must take the same path in every all-reduce: all use it, or none does.
-        agreed = torch.tensor([int(buffer is not None)], device=device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        if not agreed.item():
+        if not all_ranks_min(int(buffer is not None), device):
             return False
         group_name = torch.distributed.group.WORLD.group_name
         symm_mem.rendezvous(buffer, group_name)

@@ -23,7 +23,7 @@ from paged_llm.errors import TensorParallelError
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.portable import PortableAttention
 from paged_llm.layers.fused_ops import FusedOps
-from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
+from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup, all_ranks_min
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
@@ -31,7 +31,7 @@ from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_st
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
-from paged_llm.runner.tensor_parallel import CMD_ALLOCATE, CMD_PROFILE, TensorParallelWorkers, all_ranks_min
+from paged_llm.runner.tensor_parallel import CMD_ALLOCATE, CMD_PROFILE, TensorParallelWorkers
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sequence import Sequence

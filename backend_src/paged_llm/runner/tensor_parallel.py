@@ -292,12 +292,6 @@ def unpack_step(
     return ids, positions, metadata, sample_indices
 
 
-def all_ranks_min(value: int, device: torch.device) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
-    return int(tensor.item())
-
-
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1..N-1: starts them, sends them each step and command, stops them."""
 
