@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from tqdm import tqdm
 
 from paged_llm.layers.fused_ops import _gemv_kernel
 from paged_llm.layers.gemv_tuning import GemvConfig, default_gemv_config, table_file_name
+from paged_llm.layers.parallel import ShardPlan
+from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import SHAPES
 
 MIN_CALLS_PER_GRAPH = 32
@@ -33,19 +36,17 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # rotate over at least this much weight
 
 
 def model_shapes(shape: str, world_size: int) -> list[tuple[str, int, int]]:
-    """(name, N, K) of each GEMV of one rank's layer, as layers/parallel.py shards them."""
-    c = SHAPES[shape]
-    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-    kv_heads = int(c["num_key_value_heads"])
-    head_dim = int(c.get("head_dim") or hidden // heads)
-    inter = int(c["intermediate_size"])
-    kv_local = max(kv_heads // world_size, 1)
-    q_local = heads // world_size
+    """(name, N, K) of each GEMV of one rank's layer, from the engine's own ShardPlan."""
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "config.json").write_text(json.dumps(SHAPES[shape]))
+        spec = load_model_spec(Path(scratch))
+    plan = ShardPlan.of(spec, 0, world_size)
+    q_width = plan.num_heads * spec.head_dim
     return [
-        ("qkv", (q_local + 2 * kv_local) * head_dim, hidden),
-        ("o_proj", hidden, q_local * head_dim),
-        ("gate_up", 2 * inter // world_size, hidden),
-        ("down", hidden, inter // world_size),
+        ("qkv", q_width + 2 * plan.num_kv_heads * spec.head_dim, spec.hidden_size),
+        ("o_proj", spec.hidden_size, q_width),
+        ("gate_up", 2 * plan.intermediate_size, spec.hidden_size),
+        ("down", spec.hidden_size, plan.intermediate_size),
     ]
 
 
