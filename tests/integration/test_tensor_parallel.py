@@ -60,6 +60,13 @@ def _generate_counted(model_dir, prompts, params, **overrides) -> tuple[list[lis
     return [r[0].token_ids for r in results], pids, num_preemptions
 
 
+def _run_one_more(engine, prompt) -> None:
+    """Adds a request and steps the engine until it is done (or a step raises)."""
+    engine.add_request("after", prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 @pytest.mark.parametrize("tensor_parallel_size", [2, 4])
 def test_greedy_tokens_equal_one_rank(tiny_model_dir, odd_vocab_llama, prompts, tensor_parallel_size):
     chosen = prompts[:6]
@@ -158,10 +165,8 @@ def test_a_dead_worker_stops_the_engine_with_a_clear_error(tiny_model_dir, promp
         run_to_completion(engine, prompts[:2], GREEDY)
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
-        engine.add_request("after", prompts[0], GREEDY)
         with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(exit code -9\) exited"):
-            while engine.has_unfinished_requests():
-                engine.step()
+            _run_one_more(engine, prompts[0])
     finally:
         engine.shutdown()
 
@@ -213,10 +218,8 @@ def test_rank_zero_failing_inside_a_step_stops_the_engine(tiny_model_dir, prompt
             raise RuntimeError("out of memory (simulated on rank 0)")
 
         monkeypatch.setattr(engine.core.runner, "forward_step", fail)
-        engine.add_request("after", prompts[0], GREEDY)
         with pytest.raises(TensorParallelError, match=r"rank 0 failed inside a step.*simulated"):
-            while engine.has_unfinished_requests():
-                engine.step()
+            _run_one_more(engine, prompts[0])
     finally:
         engine.shutdown()
     assert worker.wait(timeout=30) is not None
