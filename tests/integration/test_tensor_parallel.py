@@ -242,7 +242,7 @@ def test_workers_wait_out_an_idle_engine(tiny_model_dir, prompts, monkeypatch):
 
 
 def test_the_timeout_setting_is_checked(monkeypatch):
-    from paged_llm.runner.tensor_parallel import DEFAULT_TIMEOUT_S, collective_timeout_s
+    from paged_llm.runner.tp_channel import DEFAULT_TIMEOUT_S, collective_timeout_s
 
     monkeypatch.delenv("PAGED_LLM_TP_TIMEOUT_S", raising=False)
     assert collective_timeout_s() == DEFAULT_TIMEOUT_S

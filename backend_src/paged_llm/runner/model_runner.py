@@ -31,7 +31,8 @@ from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_st
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
-from paged_llm.runner.tensor_parallel import CMD_ALLOCATE, CMD_PROFILE, TensorParallelWorkers
+from paged_llm.runner.tensor_parallel import TensorParallelWorkers
+from paged_llm.runner.tp_channel import CMD_ALLOCATE, CMD_PROFILE
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sequence import Sequence

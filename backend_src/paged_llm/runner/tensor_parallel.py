@@ -24,7 +24,7 @@ numbers, so their collectives pair up. The header also carries the start-up comm
 memory, allocate the KV cache and capture graphs) and shutdown.
 
 Timeouts: a worker's wait for the next header has none (it waits for as long as the engine is
-idle). Everything else times out after collective_timeout_s() (600 s, PAGED_LLM_TP_TIMEOUT_S):
+idle). Everything else times out after tp_channel.collective_timeout_s() (600 s, PAGED_LLM_TP_TIMEOUT_S):
 joining, every collective of a step, and rank 0's header send, which returns only once every
 worker has taken the header (gloo), so a worker that is alive but stuck stops the engine with an
 error instead of holding it.
@@ -35,8 +35,6 @@ given their runner's arguments on stdin; they exit when rank 0's process is gone
 
 from __future__ import annotations
 
-import datetime
-import itertools
 import logging
 import os
 import pickle
@@ -45,14 +43,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paged_llm.errors import WorkerDiedError
-from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.runner.tp_channel import (
+    CMD_ALLOCATE,
+    CMD_PROFILE,
+    CMD_SHUTDOWN,
+    CMD_STEP,
+    Channel,
+    StepHeader,
+    collective_timeout,
+    pack_step,
+    payload_size,
+    unpack_step,
+)
 
 if TYPE_CHECKING:
     from paged_llm.config import EngineConfig
@@ -64,12 +72,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "paged_llm.runner.tensor_parallel"  # what a worker process runs (`python -m`)
-CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN = 1, 2, 3, 4
-HEADER_SIZE = 8  # [command, T, B, W, S, max_query_len, max_seq_len, argument]
-TIMEOUT_ENV = "PAGED_LLM_TP_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint can take minutes
-# A worker's wait for the next step's header: as long as the engine stays idle.
-_IDLE_WAIT = datetime.timedelta(days=365)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
@@ -116,31 +118,10 @@ def rank_device(device: Device, rank: int) -> Device:
 STORE_HOST = "127.0.0.1"  # the ranks meet through rank 0's TCP store, on loopback only
 
 
-def collective_timeout_s() -> float:
-    """How long a rank waits for the others at start-up and in a step's collectives:
-    PAGED_LLM_TP_TIMEOUT_S (seconds, > 0), else 600 s."""
-    from paged_llm.config import ConfigError
-
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
-    return value
-
-
-def _collective_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=collective_timeout_s())
-
-
 def open_store(rank: int, world_size: int, port: int = 0) -> torch.distributed.TCPStore:
     """Rank 0 serves the rendezvous store on a free port (port 0: the kernel picks; no file is left
     behind by a process that exits without cleaning up); the workers connect to its port."""
-    timeout = _collective_timeout()
+    timeout = collective_timeout()
     return torch.distributed.TCPStore(
         STORE_HOST, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
@@ -153,7 +134,7 @@ def init_process_group(
     host memory) that carries the step headers. Every rank calls it, in the same order."""
     if torch.distributed.is_initialized():
         raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
-    timeout = _collective_timeout()
+    timeout = collective_timeout()
     # Gloo (the control group; the default group on CPU) finds its interface from the host name,
     # which a container may not resolve: every rank is on this host, so loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -171,125 +152,8 @@ def init_process_group(
         **kwargs,
     )
     # Created with the start-up timeout (a rank lost while joining ends it with an error); only a
-    # worker's wait for the next header is unbounded (_Channel.receive_header).
+    # worker's wait for the next header is unbounded (Channel.receive_header).
     return torch.distributed.new_group(backend="gloo", timeout=timeout)
-
-
-@dataclass
-class _Header:
-    command: int
-    num_tokens: int = 0
-    num_seqs: int = 0
-    table_width: int = 0
-    num_sample_rows: int = 0
-    max_query_len: int = 0
-    max_seq_len: int = 0
-    argument: int = 0
-
-
-class _Channel:
-    """The header (host to host, the control group) and payload (device) broadcasts, the same
-    object on every rank."""
-
-    def __init__(self, device: torch.device, control: torch.distributed.ProcessGroup) -> None:
-        self.device = device
-        self.control = control
-        self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        self._send_timeout = _collective_timeout()
-
-    def send(self, header: _Header, payload: torch.Tensor | None = None) -> None:
-        values = [
-            header.command,
-            header.num_tokens,
-            header.num_seqs,
-            header.table_width,
-            header.num_sample_rows,
-            header.max_query_len,
-            header.max_seq_len,
-            header.argument,
-        ]
-        self.header = torch.tensor(values, dtype=torch.int64)
-        self._broadcast_header(self._send_timeout)
-        if payload is not None:
-            torch.distributed.broadcast(payload, src=0)
-
-    def receive_header(self) -> _Header:
-        self._broadcast_header(_IDLE_WAIT)
-        return _Header(*self.header.tolist())
-
-    def _broadcast_header(self, timeout: datetime.timedelta) -> None:
-        """Rank 0's header to every rank, host to host; returns once all have it."""
-        options = torch.distributed.BroadcastOptions()
-        options.rootRank = 0
-        options.rootTensor = 0
-        options.timeout = timeout
-        self.control.broadcast([self.header], options).wait()
-
-    def receive_payload(self, num_elements: int) -> torch.Tensor:
-        payload = torch.empty(num_elements, dtype=torch.int64, device=self.device)
-        torch.distributed.broadcast(payload, src=0)
-        return payload
-
-
-def _payload_size(header: _Header) -> int:
-    t, b, w, s = header.num_tokens, header.num_seqs, header.table_width, header.num_sample_rows
-    return 3 * t + (b + 1) + b + b * w + s
-
-
-def pack_step(inputs: StepInputs) -> tuple[_Header, torch.Tensor]:
-    """The step's model inputs as one int64 tensor (on rank 0's device, after any pending-token copy)."""
-    metadata = inputs.metadata
-    tables = metadata.block_tables
-    header = _Header(
-        CMD_STEP,
-        num_tokens=metadata.num_tokens,
-        num_seqs=metadata.num_seqs,
-        table_width=tables.shape[1],
-        num_sample_rows=inputs.sample_indices.shape[0],
-        max_query_len=metadata.max_query_len,
-        max_seq_len=metadata.max_seq_len,
-    )
-    parts = [
-        inputs.input_ids,
-        inputs.positions,
-        metadata.slot_mapping,
-        metadata.query_start_loc.to(torch.int64),
-        metadata.seq_lens.to(torch.int64),
-        tables.reshape(-1).to(torch.int64),
-        inputs.sample_indices,
-    ]
-    return header, torch.cat(parts)
-
-
-def unpack_step(
-    header: _Header, payload: torch.Tensor, with_host_lists: bool
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """(input_ids, positions, metadata, sample_indices) as rank 0 had them. `with_host_lists`: fill
-    the metadata's host copies of the lengths (the portable attention path groups by them)."""
-    t, b, w, s = header.num_tokens, header.num_seqs, header.table_width, header.num_sample_rows
-    sizes = [t, t, t, b + 1, b, b * w, s]
-    ids, positions, slots, query_start, seq_lens, tables, sample_indices = payload.split(sizes)
-    query_start = query_start.to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32)
-    query_lens_host: list[int] = []
-    seq_lens_host: list[int] = []
-    if with_host_lists:
-        starts = query_start.tolist()
-        query_lens_host = [end - start for start, end in itertools.pairwise(starts)]
-        seq_lens_host = seq_lens.tolist()
-    metadata = AttentionMetadata(
-        num_tokens=t,
-        num_seqs=b,
-        slot_mapping=slots,
-        query_start_loc=query_start,
-        seq_lens=seq_lens,
-        block_tables=tables.to(torch.int32).view(b, w),
-        max_query_len=header.max_query_len,
-        max_seq_len=header.max_seq_len,
-        query_lens_host=query_lens_host,
-        seq_lens_host=seq_lens_host,
-    )
-    return ids, positions, metadata, sample_indices
 
 
 class TensorParallelWorkers:
@@ -307,7 +171,7 @@ class TensorParallelWorkers:
         except BaseException:
             self.close(abort=True)
             raise
-        self.channel = _Channel(device.torch_device, control)
+        self.channel = Channel(device.torch_device, control)
         logger.info(
             "tensor parallelism: %d ranks (%s), worker pids %s",
             world_size,
@@ -338,7 +202,7 @@ class TensorParallelWorkers:
         self.channel.send(header, payload)
 
     def send_command(self, command: int, argument: int = 0) -> None:
-        self.channel.send(_Header(command, argument=argument))
+        self.channel.send(StepHeader(command, argument=argument))
 
     def check_alive(self) -> None:
         """Raises WorkerDiedError once a worker has exited (before rank 0 waits for it for ever)."""
@@ -442,7 +306,7 @@ def run_worker(
         **{**runner_kwargs, "device": device}, parallel=TensorParallelGroup(rank, world_size)
     )
     runner.load(show_progress=False)
-    channel = _Channel(device.torch_device, control)
+    channel = Channel(device.torch_device, control)
     with_host_lists = not device.supports_triton
     with torch.inference_mode():
         _follow(runner, channel, with_host_lists)
@@ -452,12 +316,12 @@ def run_worker(
     os._exit(0)  # no interpreter teardown: CUDA graphs and NCCL state go with the process
 
 
-def _follow(runner: ModelRunner, channel: _Channel, with_host_lists: bool) -> None:
+def _follow(runner: ModelRunner, channel: Channel, with_host_lists: bool) -> None:
     """Runs rank 0's commands until it says shutdown."""
     while True:
         header = channel.receive_header()
         if header.command == CMD_STEP:
-            payload = channel.receive_payload(_payload_size(header))
+            payload = channel.receive_payload(payload_size(header))
             ids, positions, metadata, sample_indices = unpack_step(header, payload, with_host_lists)
             runner.forward_step(ids, positions, metadata, sample_indices)
         elif header.command == CMD_PROFILE:
