@@ -139,8 +139,8 @@ def test_stopping_tritonserver_under_load_leaves_no_process_of_ours(fresh_server
     else:
         os.kill(fresh_server.process.pid, signum)
     _assert_gone_within_bound(pids, signum.name)
-    for client in clients:
-        client.client.close()
+    for client in clients:  # cancel: a plain close waits for finals a hung tritonserver never sends
+        client.cancel()
 
 
 def _start_launcher(tmp_path, server_args: list[str] | None = None) -> tuple[subprocess.Popen, RunningServer]:
@@ -175,7 +175,7 @@ def test_make_serve_stops_everything_under_load(tmp_path, signum):
         threading.Thread(target=launcher.wait, daemon=True).start()  # reap it
         _assert_gone_within_bound(pids, signum.name)
         for client in clients:
-            client.client.close()
+            client.cancel()
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -214,7 +214,7 @@ def test_make_serve_exits_non_zero_when_a_stub_dies_but_not_on_an_unload(tmp_pat
             assert "the Python stub of instance llm_0_0 of model 'llm' (version 1)" in server.log()
         _assert_gone_within_bound(pids, "the launcher's exit")
         for client in clients:
-            client.client.close()
+            client.cancel()
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
