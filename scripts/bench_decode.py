@@ -202,6 +202,9 @@ def main() -> None:
         "--no-triton-gemv", action="store_true", help="cuBLAS for one-row linear layers too (A/B of the GEMV)"
     )
     parser.add_argument(
+        "--no-onednn-linear", action="store_true", help="CPU float32: F.linear (MKL) for every linear layer"
+    )
+    parser.add_argument(
         "--load-format",
         default="safetensors",
         choices=["safetensors", "dummy"],
@@ -240,6 +243,7 @@ def main() -> None:
         device=DeviceConfig(
             device=args.device,
             enable_triton_gemv=not args.no_triton_gemv,
+            enable_onednn_linear=not args.no_onednn_linear,
             tensor_parallel_size=args.tensor_parallel_size,
             all_reduce=args.all_reduce,
         ),

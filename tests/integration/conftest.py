@@ -31,11 +31,13 @@ class Completion:
 def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> LLMEngine:
     """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections. With
     core_mode="process" the caller shuts it down (the `engines` fixture does); `sessions` is the
-    SessionConfig, `speculative` the SpeculativeConfig, `tensor_parallel_size` the ranks."""
+    SessionConfig, `speculative` the SpeculativeConfig, `tensor_parallel_size` the ranks,
+    `enable_onednn_linear` the DeviceConfig's."""
     sessions = overrides.pop("sessions", SessionConfig())
     tensor_parallel_size = overrides.pop("tensor_parallel_size", 1)
     load_format = overrides.pop("load_format", "safetensors")
     speculative = overrides.pop("speculative", SpeculativeConfig())
+    enable_onednn_linear = overrides.pop("enable_onednn_linear", True)
     cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
     cache = {k: v for k, v in overrides.items() if k in cache_fields}
     scheduler = {k: v for k, v in overrides.items() if k not in cache_fields and k != "max_model_len"}
@@ -51,7 +53,9 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
         scheduler=SchedulerConfig(**scheduler),
         sessions=sessions,
         speculative=speculative,
-        device=DeviceConfig(tensor_parallel_size=tensor_parallel_size),
+        device=DeviceConfig(
+            tensor_parallel_size=tensor_parallel_size, enable_onednn_linear=enable_onednn_linear
+        ),
     )
     return LLMEngine(config, show_progress=False, core_mode=core_mode)
 

@@ -51,6 +51,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         enable_cuda_graphs=config.device.enable_cuda_graphs,
         enable_triton_gemv=config.device.enable_triton_gemv,
+        enable_onednn_linear=config.device.enable_onednn_linear,
         num_speculative_tokens=config.speculative.num_speculative_tokens,
         tensor_parallel_size=config.device.tensor_parallel_size,
         load_format=config.model.load_format,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from paged_llm.layers.cpu_linear import onednn_linear
 from paged_llm.layers.gemv_tuning import gemv_config
 
 try:
@@ -283,8 +284,10 @@ def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch
     return out
 
 
-def silu_mul_linear_torch(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(silu_and_mul_torch(gate_up), weight)
+def silu_mul_linear_torch(
+    gate_up: torch.Tensor, weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear
+) -> torch.Tensor:
+    return linear(silu_and_mul_torch(gate_up), weight)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -431,7 +434,8 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 class FusedOps:
     """The decoder's elementwise ops: Triton kernels when `use_triton`, else the PyTorch versions."""
 
-    def __init__(self, use_triton: bool, use_gemv: bool = True) -> None:
+    def __init__(self, use_triton: bool, use_gemv: bool = True, use_onednn: bool = False) -> None:
+        """`use_onednn`: float32 linear layers on CPU through oneDNN (layers/cpu_linear.py)."""
         self.use_triton = use_triton and triton is not None
         self.rms_norm = rms_norm_triton if self.use_triton else rms_norm_torch
         self.qk_norm_rope = qk_norm_rope_triton if self.use_triton else qk_norm_rope_torch
@@ -439,6 +443,10 @@ class FusedOps:
         self.qk_norm_rope_write_kv = qk_norm_rope_write_kv_triton if self.use_triton else None
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
         self.linear = linear_triton if self.use_triton and use_gemv else F.linear
+        # The LM head: cuBLAS on CUDA (the Triton GEMV was measured on the layers' shapes only).
+        self.lm_head_linear: Callable[..., torch.Tensor] = F.linear
+        if not self.use_triton and use_onednn:
+            self.linear = self.lm_head_linear = onednn_linear
         self.norm_linear = functools.partial(norm_then_linear, self.rms_norm, self.linear)
         if self.use_triton and use_gemv:  # one kernel each for a one-row batch
             self.norm_linear = norm_linear_triton
@@ -446,4 +454,4 @@ class FusedOps:
         elif self.use_triton:
             self.silu_mul_linear = lambda gate_up, weight: F.linear(silu_and_mul_triton(gate_up), weight)
         else:
-            self.silu_mul_linear = silu_mul_linear_torch
+            self.silu_mul_linear = functools.partial(silu_mul_linear_torch, linear=self.linear)

@@ -16,7 +16,6 @@ import math
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
@@ -249,4 +248,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.parallel.gather_vocab(F.linear(hidden, weight), self.spec.vocab_size)
+        return self.parallel.gather_vocab(self.ops.lm_head_linear(hidden, weight), self.spec.vocab_size)

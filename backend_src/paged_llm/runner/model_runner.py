@@ -127,6 +127,7 @@ class ModelRunner:
         enable_cuda_graphs: bool = True,
         attention: AttentionBackend | None = None,
         enable_triton_gemv: bool = True,
+        enable_onednn_linear: bool = True,
         num_speculative_tokens: int = 0,
         greedy_only: bool = False,
         tensor_parallel_size: int = 1,
@@ -149,6 +150,7 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_cuda_graphs=enable_cuda_graphs,
             enable_triton_gemv=enable_triton_gemv,
+            enable_onednn_linear=enable_onednn_linear,
             num_speculative_tokens=num_speculative_tokens,
             greedy_only=greedy_only,
             load_format=load_format,
@@ -171,6 +173,7 @@ class ModelRunner:
         self.attention = attention or default_attention(device)
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
+        self.enable_onednn_linear = enable_onednn_linear
         self.num_speculative_tokens = num_speculative_tokens  # proposals a sequence verifies per step
         self.greedy_only = greedy_only  # every row takes its argmax (a draft model's proposals)
         self.sampler = Sampler()
@@ -202,7 +205,11 @@ class ModelRunner:
             self.device.torch_device,
             self.dtype,
             show_progress=show_progress,
-            ops=FusedOps(use_triton=self.device.supports_triton, use_gemv=self.enable_triton_gemv),
+            ops=FusedOps(
+                use_triton=self.device.supports_triton,
+                use_gemv=self.enable_triton_gemv,
+                use_onednn=self.enable_onednn_linear,
+            ),
             parallel=self.parallel,
             load_format=self.load_format,
         )

@@ -63,6 +63,7 @@ def load_draft_runner(
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         enable_cuda_graphs=config.device.enable_cuda_graphs,
         enable_triton_gemv=config.device.enable_triton_gemv,
+        enable_onednn_linear=config.device.enable_onednn_linear,
         greedy_only=True,
     )
     runner.load(show_progress=show_progress)
