@@ -208,7 +208,7 @@ class ModelRunner:
             ops=FusedOps(
                 use_triton=self.device.supports_triton,
                 use_gemv=self.enable_triton_gemv,
-                use_onednn=self.enable_onednn_linear,
+                use_onednn=self.enable_onednn_linear and self.device.is_cpu,
             ),
             parallel=self.parallel,
             load_format=self.load_format,
