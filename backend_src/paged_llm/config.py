@@ -169,7 +169,7 @@ class DeviceConfig:
     # A Triton GEMV for the linear layers of one-row batches (batch-1 decode), 16-bit dtypes, CUDA.
     enable_triton_gemv: bool = True
     # CPU, float32: linear layers of 512+ inputs through oneDNN instead of MKL (layers/cpu_linear.py;
-    # ~2x at batch-1 decode on the 2-core VM). Logits move by ~1e-6 relative against F.linear's.
+    # 1.6-2.0x at batch-1 decode on the 2-core VM). Logits move by ~1e-6 relative against F.linear's.
     enable_onednn_linear: bool = True
     # Devices one engine spreads the model over (Megatron-style sharding, NCCL on CUDA, gloo on
     # CPU): `device` and the next tensor_parallel_size - 1 devices, one worker process per extra one.

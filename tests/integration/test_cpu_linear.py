@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_llm.layers.cpu_linear import onednn_linear, onednn_linear_available, uses_onednn
+from paged_llm.layers.cpu_linear import onednn_linear, onednn_linear_op_exists, uses_onednn
 from paged_llm.models.random_model import write_random_model
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import HFReference, make_engine, run_to_completion
@@ -15,7 +15,7 @@ from tests.integration.conftest import HFReference, make_engine, run_to_completi
 VOCAB_SIZE = 8192
 NEW_TOKENS = 16
 
-pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch has no oneDNN linear here")
+pytestmark = pytest.mark.skipif(not onednn_linear_op_exists(), reason="torch has no oneDNN linear here")
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,17 @@ from paged_llm.layers.cpu_linear import (
     MIN_WEIGHT_ELEMENTS,
     onednn_linear,
     onednn_linear_available,
+    onednn_linear_op_exists,
     uses_onednn,
 )
 
-needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch has no oneDNN linear here")
+needs_onednn = pytest.mark.skipif(not onednn_linear_op_exists(), reason="torch has no oneDNN linear here")
+
+
+@needs_onednn
+def test_the_probe_passes_where_the_op_exists():
+    """A oneDNN that gives wrong sums would only turn the path off; here it fails instead."""
+    assert onednn_linear_available()
 
 
 @needs_onednn
@@ -36,8 +43,9 @@ def test_the_rule_takes_wide_float32_matrices_only():
 def test_onednn_linear_is_f_linear_to_rounding(num_rows, with_bias):
     generator = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(2048, 512, generator=generator) * 0.05
-    bias = torch.randn(2048, generator=generator) if with_bias else None
+    bias = torch.randn(4096, generator=generator)[::2] if with_bias else None  # strided too
     x = torch.randn(num_rows, 1024, generator=generator)[:, ::2]  # a strided input too
+    assert uses_onednn(x, weight)
     with torch.inference_mode():
         out = onednn_linear(x, weight, bias)
         expected = F.linear(x, weight, bias)

@@ -26,14 +26,16 @@ MIN_IN_FEATURES = 512
 MIN_WEIGHT_ELEMENTS = 1 << 20  # 4 MiB of float32
 
 
+def onednn_linear_op_exists() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 @functools.cache
 def onednn_linear_available() -> bool:
     """oneDNN's linear is there and agrees with F.linear on a small probe (once per process)."""
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_linear_op_exists():
         return False
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    if op is None:
-        return False
+    op = torch.ops.mkldnn._linear_pointwise
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=generator)
     weight = torch.randn(16, 64, generator=generator)
@@ -62,4 +64,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, weight, bias), through oneDNN where that is faster (see the module docstring)."""
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
+    if bias is not None:
+        bias = bias.contiguous()  # oneDNN reads it densely: a strided bias gives wrong sums
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(), bias, "none", [], "")
