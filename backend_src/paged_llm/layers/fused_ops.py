@@ -284,10 +284,18 @@ def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch
     return out
 
 
-def silu_mul_linear_torch(
-    gate_up: torch.Tensor, weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear
+def silu_mul_then_linear(
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    linear: Callable[..., torch.Tensor],
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
 ) -> torch.Tensor:
-    return linear(silu_and_mul_torch(gate_up), weight)
+    """linear(silu_and_mul(gate_up), weight) as two ops: what silu_mul_linear_triton fuses for one
+    row, and what every other case runs."""
+    return linear(silu_and_mul(gate_up), weight)
+
+
+silu_mul_linear_torch = functools.partial(silu_mul_then_linear, silu_and_mul_torch, F.linear)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -451,7 +459,5 @@ class FusedOps:
         if self.use_triton and use_gemv:  # one kernel each for a one-row batch
             self.norm_linear = norm_linear_triton
             self.silu_mul_linear = silu_mul_linear_triton
-        elif self.use_triton:
-            self.silu_mul_linear = lambda gate_up, weight: F.linear(silu_and_mul_triton(gate_up), weight)
         else:
-            self.silu_mul_linear = functools.partial(silu_mul_linear_torch, linear=self.linear)
+            self.silu_mul_linear = functools.partial(silu_mul_then_linear, self.silu_and_mul, self.linear)
