@@ -1,11 +1,13 @@
-"""Sweeps the launch settings of the one-row GEMV kernel (layers/fused_ops.py) over the weight shapes
-of the models we serve and their tensor-parallel shards, and writes the fastest per shape: the table
-layers/gemv_tuning.py reads (gemv_tables/<card>.json, or PAGED_LLM_GEMV_TABLE).
+"""Sweeps the launch settings of the one-row GEMV kernels (layers/fused_ops.py) over the weight shapes
+of the models we serve and their tensor-parallel shards, each shape through the kernel the decoder
+runs it with (q/k/v and gate/up: residual-add + RMSNorm + GEMV; o_proj: the plain GEMV; down: SiLU *
+up + GEMV), and writes the fastest per kernel and shape: the table layers/gemv_tuning.py reads
+(gemv_tables/<card>.json, or PAGED_LLM_GEMV_TABLE).
 
-Each timing is a CUDA graph of back-to-back GEMVs over enough copies of the weight that none is
+Each timing is a CUDA graph of back-to-back calls over enough copies of the weight that none is
 still in L2 when it comes round again (as in a model, where every layer has its own weights);
-cuBLAS (F.linear) and the default settings are timed the same way, and every GEMV result is
-checked against cuBLAS.
+cuBLAS (F.linear, after the unfused norm or activation for the fused kernels) and the default
+settings are timed the same way, and every result is checked against the PyTorch ops.
 
     python scripts/bench_gemv.py --write backend_src/paged_llm/layers/gemv_tables/auto \\
         --json gemv_sweep.json     # auto: the file name comes from the card's name
@@ -25,14 +27,22 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
-from paged_llm.layers.fused_ops import _gemv_kernel
-from paged_llm.layers.gemv_tuning import GemvConfig, default_gemv_config, table_file_name
+from paged_llm.layers.fused_ops import (
+    _gemv_kernel,
+    _norm_gemv_kernel,
+    _silu_mul_gemv_kernel,
+    rms_norm_torch,
+    silu_and_mul_torch,
+)
+from paged_llm.layers.gemv_tuning import SECTIONS, GemvConfig, default_gemv_config, table_file_name
 from paged_llm.layers.parallel import ShardPlan
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import SHAPES
 
 MIN_CALLS_PER_GRAPH = 32
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # rotate over at least this much weight
+KERNEL_OF_LAYER = {"qkv": "norm_gemv", "gate_up": "norm_gemv", "o_proj": "gemv", "down": "silu_mul_gemv"}
+EPS = 1e-6
 
 
 def model_shapes(shape: str, world_size: int) -> list[tuple[str, int, int]]:
@@ -86,40 +96,72 @@ def time_us(run, num_copies: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def sweep_shape(n: int, k: int, device: torch.device) -> dict:
-    weight_bytes = n * k * 2
-    num_copies = max(2, -(-L2_FLUSH_BYTES // weight_bytes))
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for _ in range(num_copies)]
-    x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
-    out = torch.empty(1, n, dtype=torch.bfloat16, device=device)
-    reference = F.linear(x, weights[0]).float()
+class KernelCase:
+    """One kernel on one N x K shape: its inputs, a launcher per setting, the PyTorch reference."""
 
-    def cublas(i: int) -> None:
-        torch.mm(x, weights[i].t(), out=out)
+    def __init__(self, kernel: str, n: int, k: int, device: torch.device) -> None:
+        self.kernel, self.n, self.k = kernel, n, k
+        self.weight_bytes = n * k * 2
+        self.num_copies = max(2, -(-L2_FLUSH_BYTES // self.weight_bytes))
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.weights = [torch.randn(n, k, **bf16) * 0.02 for _ in range(self.num_copies)]
+        width = 2 * k if kernel == "silu_mul_gemv" else k
+        self.x = torch.randn(1, width, **bf16)
+        self.residual = torch.randn(1, k, **bf16)
+        self.norm_weight = 1 + 0.1 * torch.randn(k, **bf16)
+        self.out = torch.empty(1, n, **bf16)
+        self.residual_out = torch.empty(1, k, **bf16)
 
-    def gemv(config: GemvConfig):
+    def unfused_input(self) -> torch.Tensor:
+        """The GEMV's input as the PyTorch ops compute it (norm or activation first)."""
+        if self.kernel == "norm_gemv":
+            return rms_norm_torch(self.x, self.norm_weight, EPS, self.residual)[0]
+        if self.kernel == "silu_mul_gemv":
+            return silu_and_mul_torch(self.x)
+        return self.x
+
+    def cublas(self, i: int) -> None:
+        torch.mm(self.unfused_input(), self.weights[i].t(), out=self.out)
+
+    def launcher(self, config: GemvConfig):
+        grid = (triton.cdiv(self.n, config.block_n),)
+        blocks = dict(
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )  # fmt: skip
+        n, k = self.n, self.k
+
         def run(i: int) -> None:
-            _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-                x, weights[i], out, n, k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-            )  # fmt: skip
+            if self.kernel == "norm_gemv":
+                _norm_gemv_kernel[grid](
+                    self.x, self.residual, self.norm_weight, self.weights[i], self.out, self.residual_out,
+                    n, k, EPS, HAS_RESIDUAL=True, K_P=triton.next_power_of_2(k), **blocks,
+                )  # fmt: skip
+            elif self.kernel == "silu_mul_gemv":
+                _silu_mul_gemv_kernel[grid](self.x, self.weights[i], self.out, n, k, **blocks)
+            else:
+                _gemv_kernel[grid](self.x, self.weights[i], self.out, n, k, **blocks)
 
         return run
 
-    results = {"cublas_us": time_us(cublas, num_copies)}
+
+def sweep_shape(kernel: str, n: int, k: int, device: torch.device) -> dict:
+    case = KernelCase(kernel, n, k, device)
+    reference = F.linear(case.unfused_input(), case.weights[0]).float()
+    results = {"cublas_us": time_us(case.cublas, case.num_copies)}
     timings = []
     for config in candidates(k):
-        out.fill_(float("nan"))  # a launch that writes nothing must not pass on the last result
-        gemv(config)(0)
+        case.out.fill_(float("nan"))  # a launch that writes nothing must not pass on the last result
+        case.launcher(config)(0)
         torch.cuda.synchronize()
-        if not torch.allclose(out.float(), reference, atol=2e-2, rtol=2e-2):
-            raise AssertionError(f"{n}x{k} {config}: wrong result")
-        timings.append((time_us(gemv(config), num_copies), config))
+        if not torch.allclose(case.out.float(), reference, atol=2e-2, rtol=2e-2):
+            raise AssertionError(f"{kernel} {n}x{k} {config}: wrong result")
+        timings.append((time_us(case.launcher(config), case.num_copies), config))
     default = default_gemv_config(n, k)
     results["default_us"] = next(us for us, c in timings if c == default) if default.fits(k) else None
     best_us, best = min(timings, key=lambda item: item[0])
     results.update(best_us=best_us, best=[best.block_n, best.block_k, best.num_warps, best.num_stages])
-    results["best_tb_per_s"] = weight_bytes / best_us / 1e6
+    results["best_tb_per_s"] = case.weight_bytes / best_us / 1e6
     return results
 
 
@@ -136,22 +178,25 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     card = torch.cuda.get_device_name(device)
-    shapes: dict[tuple[int, int], list[str]] = {}
+    shapes: dict[tuple[str, int, int], list[str]] = {}
     for item in args.models.split(","):
         shape, world_size = item.split(":")
         for name, n, k in model_shapes(shape, int(world_size)):
-            shapes.setdefault((n, k), []).append(f"{shape} TP{world_size} {name}")
+            shapes.setdefault((KERNEL_OF_LAYER[name], n, k), []).append(f"{shape} TP{world_size} {name}")
     rows = {}
-    for (n, k), names in tqdm(sorted(shapes.items()), desc="shapes", file=sys.stderr):
-        rows[f"{n},{k}"] = {"used_by": names, **sweep_shape(n, k, device)}
-    print(f"{card}: one-row GEMV, bf16, us per call (weights not in L2)")
-    header = f"{'N x K':>14}{'cuBLAS':>9}{'default':>9}{'best':>8}{'TB/s':>7}"
+    for (kernel, n, k), names in tqdm(sorted(shapes.items()), desc="shapes", file=sys.stderr):
+        rows[f"{kernel} {n},{k}"] = {"used_by": names, **sweep_shape(kernel, n, k, device)}
+    print(f"{card}: one-row GEMV kernels, bf16, us per call (weights not in L2)")
+    print("cuBLAS: F.linear after the unfused norm / activation (their time included)")
+    header = f"{'kernel':>14}{'N x K':>14}{'cuBLAS':>9}{'default':>9}{'best':>8}{'TB/s':>7}"
     print(header + "  best [BN, BK, warps, stages]  used by")
     for key, row in rows.items():
+        kernel, shape = key.split(" ")
         default = f"{row['default_us']:.1f}" if row["default_us"] is not None else "-"
+        used_by = ", ".join(row["used_by"])
         print(
-            f"{key.replace(',', ' x '):>14}{row['cublas_us']:>9.1f}{default:>9}{row['best_us']:>8.1f}"
-            f"{row['best_tb_per_s']:>7.2f}  {row['best']!s:<28} {', '.join(row['used_by'])}"
+            f"{kernel:>14}{shape.replace(',', ' x '):>14}{row['cublas_us']:>9.1f}{default:>9}"
+            f"{row['best_us']:>8.1f}{row['best_tb_per_s']:>7.2f}  {row['best']!s:<28} {used_by}"
         )
     if args.json:
         args.json.write_text(json.dumps({"card": card, "rows": rows}, indent=1))
@@ -159,15 +204,18 @@ def main() -> None:
         path = args.write
         if path.name == "auto" or path.is_dir():
             path = (path.parent if path.name == "auto" else path) / table_file_name(card)
-        table = {"device": card, "measured_by": "scripts/bench_gemv.py", "configs": {}}
+        table: dict = {"device": card, "measured_by": "scripts/bench_gemv.py"}
+        table.update({section: {} for section in SECTIONS.values()})
         for key, row in rows.items():
+            kernel, shape = key.split(" ")
             # Only where it beats the rule by 3% (the rule's own choice, or cuBLAS where the rule's
             # blocks do not fit K) and cuBLAS.
             baseline = row["default_us"] if row["default_us"] is not None else row["cublas_us"]
             if row["best_us"] < min(0.97 * baseline, row["cublas_us"]):
-                table["configs"][key] = row["best"]
+                table[SECTIONS[kernel]][shape] = row["best"]
         path.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {len(table['configs'])} shapes to {path}")
+        counts = ", ".join(f"{kernel} {len(table[section])}" for kernel, section in SECTIONS.items())
+        print(f"wrote {path} (shapes per kernel: {counts})")
 
 
 if __name__ == "__main__":

@@ -148,15 +148,24 @@ def test_other_linears_stay_on_torch(rows, dtype, k, with_bias, monkeypatch):
     ("n", "k"), [(100, 512), (96, 2048)] + ([(1024, 3072), (4096, 1024)] if DEVICE == "cuda" else [])
 )  # the Qwen3-0.6B / Llama shapes take ~10 s each in the CPU interpreter
 def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k, monkeypatch):
-    """The MLP's activation fused into its down projection (one row): one launch, and the same bits
-    as silu_and_mul then the GEMV (it rounds the activation as they do)."""
-    from paged_llm.layers import fused_ops
+    """The MLP's activation fused into its down projection (one row): one launch with the settings
+    of its own kernel, and the same bits as silu_and_mul then the GEMV (it rounds the activation as
+    they do) where both launch with the same settings (a table may give them different ones, which
+    sums in another order)."""
+    from paged_llm.layers import fused_ops, gemv_tuning
 
     gate_up = randn(1, 2 * k, dtype=dtype, seed=8)
     weight = randn(n, k, dtype=dtype, seed=9) / k**0.5
     calls = record_launches(monkeypatch, fused_ops, "_silu_mul_gemv_kernel")
+    kernels_asked: list[str] = []
+
+    def plain_settings(n: int, k: int, device: torch.device, kernel: str = "gemv"):
+        kernels_asked.append(kernel)
+        return gemv_tuning.gemv_config(n, k, device)
+
+    monkeypatch.setattr(fused_ops, "gemv_config", plain_settings)
     actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
-    assert len(calls) == 1
+    assert len(calls) == 1 and kernels_asked == ["silu_mul_gemv"]
     two_kernels = fused_ops.linear_triton(silu_and_mul_triton(gate_up), weight)
     assert torch.equal(actual, two_kernels)
     expected = fused_ops.silu_mul_linear_torch(gate_up.float(), weight.float()).to(dtype)

@@ -7,7 +7,14 @@ import json
 import torch
 
 from paged_llm.layers import gemv_tuning
-from paged_llm.layers.gemv_tuning import GemvConfig, default_gemv_config, gemv_config, parse_table
+from paged_llm.layers.gemv_tuning import (
+    KERNELS,
+    GemvConfig,
+    default_gemv_config,
+    gemv_config,
+    parse_section,
+    parse_table,
+)
 
 
 def test_entries_that_cannot_launch_are_dropped():
@@ -19,7 +26,9 @@ def test_entries_that_cannot_launch_are_dropped():
         "6144,1024": [0, 1024, 4, 3],
         "8192,1024": [2, 1024, 6, 3],
     }
-    assert parse_table({"configs": configs}) == {(4096, 1024): GemvConfig(16, 256, 8, 4)}
+    assert parse_section(configs) == {(4096, 1024): GemvConfig(16, 256, 8, 4)}
+    table = parse_table({"configs": {}, "norm_gemv_configs": configs, "silu_mul_gemv_configs": {}})
+    assert table == {"gemv": {}, "norm_gemv": {(4096, 1024): GemvConfig(16, 256, 8, 4)}, "silu_mul_gemv": {}}
 
 
 def test_an_unreadable_table_gives_the_default_rule(tmp_path, monkeypatch):
@@ -58,4 +67,42 @@ def test_shipped_tables_parse_and_are_named_after_their_card():
     for path in gemv_tuning.TABLES_DIR.glob("*.json"):
         payload = json.loads(path.read_text())
         assert path.name == gemv_tuning.table_file_name(payload["device"])
-        assert parse_table(payload)
+        table = parse_table(payload)
+        assert set(table) == set(KERNELS) and table["gemv"]
+
+
+def test_each_kernel_takes_its_own_section(tmp_path, monkeypatch):
+    """A fused kernel's entry is its own; a shape missing from its section gets the rule, not the
+    plain GEMV's entry (the sweep left it out because the rule was as fast for that kernel)."""
+    path = tmp_path / "table.json"
+    payload = {
+        "configs": {"6144,1024": [2, 1024, 4, 2], "1024,3072": [2, 1024, 4, 4]},
+        "norm_gemv_configs": {"6144,1024": [8, 512, 4, 3]},
+        "silu_mul_gemv_configs": {},
+    }
+    path.write_text(json.dumps(payload))
+    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
+    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
+    gemv_tuning._table_for.cache_clear()
+    cuda = torch.device("cuda", 0)
+    try:
+        assert gemv_config(6144, 1024, cuda) == GemvConfig(2, 1024, 4, 2)
+        assert gemv_config(6144, 1024, cuda, "norm_gemv") == GemvConfig(8, 512, 4, 3)
+        assert gemv_config(1024, 3072, cuda, "silu_mul_gemv") == default_gemv_config(1024, 3072)
+        assert gemv_config(1024, 3072, cuda, "gemv") == GemvConfig(2, 1024, 4, 4)
+    finally:
+        gemv_tuning._table_for.cache_clear()
+
+
+def test_a_table_without_fused_sections_gives_them_the_plain_entries(tmp_path, monkeypatch):
+    """Tables written before the sweep timed the fused kernels (the H100's) keep their behaviour."""
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"configs": {"1024,3072": [2, 1024, 4, 4]}}))
+    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
+    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
+    gemv_tuning._table_for.cache_clear()
+    try:
+        for kernel in KERNELS:
+            assert gemv_config(1024, 3072, torch.device("cuda", 0), kernel) == GemvConfig(2, 1024, 4, 4)
+    finally:
+        gemv_tuning._table_for.cache_clear()

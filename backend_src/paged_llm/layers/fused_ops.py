@@ -273,7 +273,7 @@ def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch
     else the two ops."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
-    config = gemv_config(n, k, weight.device)
+    config = gemv_config(n, k, weight.device, "silu_mul_gemv")
     if not _gemv_applies(gate_up, weight, k, config.block_k) or weight.shape[1] != k:
         return linear_triton(silu_and_mul_triton(gate_up), weight)
     out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
@@ -344,7 +344,7 @@ def norm_linear_triton(
     a 16-bit dtype (_norm_gemv_kernel), else rms_norm_triton then linear_triton."""
     k = x.shape[1]
     n = weight.shape[0]
-    config = gemv_config(n, k, weight.device)
+    config = gemv_config(n, k, weight.device, "norm_gemv")
     if bias is not None or not _gemv_applies(x, weight, k, config.block_k) or norm_weight.dtype != x.dtype:
         return norm_then_linear(rms_norm_triton, linear_triton, x, residual, norm_weight, eps, weight, bias)
     if residual is not None and not residual.is_contiguous():
