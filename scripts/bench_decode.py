@@ -27,7 +27,14 @@ from pathlib import Path
 
 import torch
 
-from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.config import (
+    TORCH_COMPILE_MODES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.models.builtin import resolve_model_dir
@@ -222,6 +229,12 @@ def main() -> None:
         choices=["auto", "nccl"],
         help="tensor parallelism's all-reduce (auto: one-shot over symmetric memory for small tensors)",
     )
+    parser.add_argument(
+        "--torch-compile",
+        default="",
+        choices=TORCH_COMPILE_MODES,
+        help="torch.compile (Inductor) the decode step instead of our Triton elementwise/GEMV kernels",
+    )
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -246,6 +259,7 @@ def main() -> None:
             enable_onednn_linear=not args.no_onednn_linear,
             tensor_parallel_size=args.tensor_parallel_size,
             all_reduce=args.all_reduce,
+            torch_compile=args.torch_compile,
         ),
     )
     engine = LLMEngine(config, show_progress=False)

@@ -162,6 +162,9 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
+TORCH_COMPILE_MODES = ("", "default", "max-autotune")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda | npu (optionally with an index, e.g. cuda:1)
@@ -171,6 +174,11 @@ class DeviceConfig:
     # CPU, float32: linear layers of 512+ inputs through oneDNN instead of MKL (layers/cpu_linear.py;
     # 1.6-2.0x at batch-1 decode on the 2-core VM). Logits move by ~1e-6 relative against F.linear's.
     enable_onednn_linear: bool = True
+    # CUDA: torch.compile (Inductor) generates the decode step's kernels instead of our Triton
+    # elementwise and GEMV kernels (attention stays ours), then the decode graphs capture what it
+    # built: "" (off), "default" or "max-autotune" (Inductor's mode, without its own CUDA graphs).
+    # A measured alternative (docs/benchmarks.md), not faster than the hand-written kernels there.
+    torch_compile: str = ""
     # Devices one engine spreads the model over (Megatron-style sharding, NCCL on CUDA, gloo on
     # CPU): `device` and the next tensor_parallel_size - 1 devices, one worker process per extra one.
     tensor_parallel_size: int = 1
@@ -187,6 +195,11 @@ class DeviceConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.all_reduce not in ("auto", "nccl"):
             raise ConfigError(f"all_reduce must be auto or nccl, got {self.all_reduce!r}")
+        if self.torch_compile not in TORCH_COMPILE_MODES:
+            raise ConfigError(
+                f"torch_compile must be one of {', '.join(map(repr, TORCH_COMPILE_MODES))}, "
+                f"got {self.torch_compile!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -89,3 +89,13 @@ def test_tensor_parallel_and_load_format_from_config_pbtxt_and_serve_flags():
     args.model_path = "tiny-qwen3"
     assert engine_parameters(args)["tensor_parallel_size"] == "2"
     assert engine_parameters(args)["load_format"] == "dummy"
+
+
+def test_torch_compile_from_config_pbtxt():
+    assert EngineConfig.from_parameters({}).device.torch_compile == ""
+    for mode in ("default", "max-autotune"):
+        assert EngineConfig.from_parameters({"torch_compile": mode}).device.torch_compile == mode
+    with pytest.raises(
+        ConfigError, match="torch_compile must be one of '', 'default', 'max-autotune', got 'fast'"
+    ):
+        EngineConfig.from_parameters({"torch_compile": "fast"})

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from paged_llm.config import ConfigError
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.engine.core_types import TokenLogprobs
 from paged_llm.errors import TensorParallelError
@@ -27,7 +28,13 @@ from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup, all_ranks_
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
-from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_step_token_buckets
+from paged_llm.runner.cuda_graphs import (
+    DecodeGraphs,
+    MixedStepGraphs,
+    graph_batch_sizes,
+    mixed_step_token_buckets,
+)
+from paged_llm.runner.decode_compile import OpaqueToCompiler, compile_decode_forward
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
@@ -134,6 +141,7 @@ class ModelRunner:
         parallel: TensorParallelGroup | None = None,
         load_format: str = "safetensors",
         all_reduce: str = "auto",
+        torch_compile: str = "",
     ) -> None:
         """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks' workers
         (runner/tensor_parallel.py) in load(). `parallel`: set by a worker, its rank in the group.
@@ -155,6 +163,7 @@ class ModelRunner:
             greedy_only=greedy_only,
             load_format=load_format,
             all_reduce=all_reduce,
+            torch_compile=torch_compile,
         )
         self.load_format = load_format
         self.all_reduce = all_reduce
@@ -174,6 +183,12 @@ class ModelRunner:
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
         self.enable_onednn_linear = enable_onednn_linear
+        if torch_compile and not self.use_cuda_graphs:
+            raise ConfigError(
+                f"torch_compile={torch_compile!r} compiles the decode step that a CUDA graph captures: "
+                "it needs a CUDA device with enable_cuda_graphs"
+            )
+        self.torch_compile = torch_compile  # "": our Triton kernels; else Inductor's (decode_compile.py)
         self.num_speculative_tokens = num_speculative_tokens  # proposals a sequence verifies per step
         self.greedy_only = greedy_only  # every row takes its argmax (a draft model's proposals)
         self.sampler = Sampler()
@@ -200,13 +215,13 @@ class ModelRunner:
         self.model = load_model(
             self.model_dir,
             self.spec,
-            self.attention,
+            OpaqueToCompiler(self.attention) if self.torch_compile else self.attention,
             self.max_model_len,
             self.device.torch_device,
             self.dtype,
             show_progress=show_progress,
             ops=FusedOps(
-                use_triton=self.device.supports_triton,
+                use_triton=self.device.supports_triton and not self.torch_compile,
                 use_gemv=self.enable_triton_gemv,
                 use_onednn=self.enable_onednn_linear and self.device.is_cpu,
             ),
@@ -280,8 +295,12 @@ class ModelRunner:
         if self.use_cuda_graphs:
             torch.cuda.synchronize(device)
             reserved_before = torch.cuda.memory_reserved(device)
+            forward = self._forward_logits
+            if self.torch_compile:
+                num_buckets = len(graph_batch_sizes(self.max_num_seqs))
+                forward = compile_decode_forward(forward, self.torch_compile, num_buckets)
             self.graphs = DecodeGraphs(
-                self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
+                forward, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
             )
             self.graphs.capture()
             self.mixed_graphs = MixedStepGraphs(
