@@ -1,9 +1,10 @@
-"""The GEMV launch table: the measured settings per (N, K) for a card, the old rule elsewhere."""
+"""The GEMV launch table: the measured settings per kernel and (N, K) for a card, the old rule elsewhere."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from paged_llm.layers import gemv_tuning
@@ -15,6 +16,24 @@ from paged_llm.layers.gemv_tuning import (
     parse_section,
     parse_table,
 )
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def table_in_env(tmp_path, monkeypatch):
+    """table_in_env(text): PAGED_LLM_GEMV_TABLE names a file holding `text` (a dict: its JSON) on
+    "Some GPU"; the table cache is cleared before and after."""
+
+    def use(text) -> None:
+        path = tmp_path / "table.json"
+        path.write_text(text if isinstance(text, str) else json.dumps(text))
+        monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
+        monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
+        gemv_tuning._table_for.cache_clear()
+
+    yield use
+    gemv_tuning._table_for.cache_clear()
 
 
 def test_entries_that_cannot_launch_are_dropped():
@@ -31,16 +50,9 @@ def test_entries_that_cannot_launch_are_dropped():
     assert table == {"gemv": {}, "norm_gemv": {(4096, 1024): GemvConfig(16, 256, 8, 4)}, "silu_mul_gemv": {}}
 
 
-def test_an_unreadable_table_gives_the_default_rule(tmp_path, monkeypatch):
-    path = tmp_path / "table.json"
-    path.write_text("{not json")
-    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
-    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
-    gemv_tuning._table_for.cache_clear()
-    try:
-        assert gemv_config(6144, 1024, torch.device("cuda", 0)) == default_gemv_config(6144, 1024)
-    finally:
-        gemv_tuning._table_for.cache_clear()
+def test_an_unreadable_table_gives_the_default_rule(table_in_env):
+    table_in_env("{not json")
+    assert gemv_config(6144, 1024, CUDA) == default_gemv_config(6144, 1024)
 
 
 def test_cpu_and_unknown_shapes_get_the_default_rule():
@@ -50,17 +62,10 @@ def test_cpu_and_unknown_shapes_get_the_default_rule():
     assert default_gemv_config(1024, 3072) == GemvConfig(4, 512)
 
 
-def test_the_environment_names_a_table(tmp_path, monkeypatch):
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps({"configs": {"6144,1024": [2, 1024, 4, 2]}}))
-    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
-    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
-    gemv_tuning._table_for.cache_clear()
-    try:
-        assert gemv_config(6144, 1024, torch.device("cuda", 0)) == GemvConfig(2, 1024, 4, 2)
-        assert gemv_config(1024, 3072, torch.device("cuda", 0)) == default_gemv_config(1024, 3072)
-    finally:
-        gemv_tuning._table_for.cache_clear()
+def test_the_environment_names_a_table(table_in_env):
+    table_in_env({"configs": {"6144,1024": [2, 1024, 4, 2]}})
+    assert gemv_config(6144, 1024, CUDA) == GemvConfig(2, 1024, 4, 2)
+    assert gemv_config(1024, 3072, CUDA) == default_gemv_config(1024, 3072)
 
 
 def test_shipped_tables_parse_and_are_named_after_their_card():
@@ -71,38 +76,24 @@ def test_shipped_tables_parse_and_are_named_after_their_card():
         assert set(table) == set(KERNELS) and table["gemv"]
 
 
-def test_each_kernel_takes_its_own_section(tmp_path, monkeypatch):
+def test_each_kernel_takes_its_own_section(table_in_env):
     """A fused kernel's entry is its own; a shape missing from its section gets the rule, not the
     plain GEMV's entry (the sweep left it out because the rule was as fast for that kernel)."""
-    path = tmp_path / "table.json"
-    payload = {
-        "configs": {"6144,1024": [2, 1024, 4, 2], "1024,3072": [2, 1024, 4, 4]},
-        "norm_gemv_configs": {"6144,1024": [8, 512, 4, 3]},
-        "silu_mul_gemv_configs": {},
-    }
-    path.write_text(json.dumps(payload))
-    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
-    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
-    gemv_tuning._table_for.cache_clear()
-    cuda = torch.device("cuda", 0)
-    try:
-        assert gemv_config(6144, 1024, cuda) == GemvConfig(2, 1024, 4, 2)
-        assert gemv_config(6144, 1024, cuda, "norm_gemv") == GemvConfig(8, 512, 4, 3)
-        assert gemv_config(1024, 3072, cuda, "silu_mul_gemv") == default_gemv_config(1024, 3072)
-        assert gemv_config(1024, 3072, cuda, "gemv") == GemvConfig(2, 1024, 4, 4)
-    finally:
-        gemv_tuning._table_for.cache_clear()
+    table_in_env(
+        {
+            "configs": {"6144,1024": [2, 1024, 4, 2], "1024,3072": [2, 1024, 4, 4]},
+            "norm_gemv_configs": {"6144,1024": [8, 512, 4, 3]},
+            "silu_mul_gemv_configs": {},
+        }
+    )
+    assert gemv_config(6144, 1024, CUDA) == GemvConfig(2, 1024, 4, 2)
+    assert gemv_config(6144, 1024, CUDA, "norm_gemv") == GemvConfig(8, 512, 4, 3)
+    assert gemv_config(1024, 3072, CUDA, "silu_mul_gemv") == default_gemv_config(1024, 3072)
+    assert gemv_config(1024, 3072, CUDA, "gemv") == GemvConfig(2, 1024, 4, 4)
 
 
-def test_a_table_without_fused_sections_gives_them_the_plain_entries(tmp_path, monkeypatch):
+def test_a_table_without_fused_sections_gives_them_the_plain_entries(table_in_env):
     """Tables written before the sweep timed the fused kernels (the H100's) keep their behaviour."""
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps({"configs": {"1024,3072": [2, 1024, 4, 4]}}))
-    monkeypatch.setenv(gemv_tuning.TABLE_ENV, str(path))
-    monkeypatch.setattr(gemv_tuning, "_device_name", lambda index: "Some GPU")
-    gemv_tuning._table_for.cache_clear()
-    try:
-        for kernel in KERNELS:
-            assert gemv_config(1024, 3072, torch.device("cuda", 0), kernel) == GemvConfig(2, 1024, 4, 4)
-    finally:
-        gemv_tuning._table_for.cache_clear()
+    table_in_env({"configs": {"1024,3072": [2, 1024, 4, 4]}})
+    for kernel in KERNELS:
+        assert gemv_config(1024, 3072, CUDA, kernel) == GemvConfig(2, 1024, 4, 4)
