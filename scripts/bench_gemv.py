@@ -6,8 +6,9 @@ up + GEMV), and writes the fastest per kernel and shape: the table layers/gemv_t
 
 Each timing is a CUDA graph of back-to-back calls over enough copies of the weight that none is
 still in L2 when it comes round again (as in a model, where every layer has its own weights);
-cuBLAS (F.linear, after the unfused norm or activation for the fused kernels) and the default
-settings are timed the same way, and every result is checked against the PyTorch ops.
+cuBLAS (F.linear, after the unfused PyTorch norm or activation for the fused kernels) and the
+default settings are timed the same way, and every result is checked against the PyTorch ops. The
+norm kernel is timed with a residual (every layer but the first has one).
 
     python scripts/bench_gemv.py --write backend_src/paged_llm/layers/gemv_tables/auto \\
         --json gemv_sweep.json     # auto: the file name comes from the card's name
@@ -152,10 +153,13 @@ def sweep_shape(kernel: str, n: int, k: int, device: torch.device) -> dict:
     timings = []
     for config in candidates(k):
         case.out.fill_(float("nan"))  # a launch that writes nothing must not pass on the last result
+        case.residual_out.fill_(float("nan"))
         case.launcher(config)(0)
         torch.cuda.synchronize()
         if not torch.allclose(case.out.float(), reference, atol=2e-2, rtol=2e-2):
             raise AssertionError(f"{kernel} {n}x{k} {config}: wrong result")
+        if kernel == "norm_gemv" and not torch.equal(case.residual_out, case.x + case.residual):
+            raise AssertionError(f"{kernel} {n}x{k} {config}: wrong new residual")
         timings.append((time_us(case.launcher(config), case.num_copies), config))
     default = default_gemv_config(n, k)
     results["default_us"] = next(us for us, c in timings if c == default) if default.fits(k) else None

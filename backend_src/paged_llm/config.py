@@ -177,7 +177,8 @@ class DeviceConfig:
     # CUDA: torch.compile (Inductor) generates the decode step's kernels instead of our Triton
     # elementwise and GEMV kernels (attention stays ours), then the decode graphs capture what it
     # built: "" (off), "default" or "max-autotune" (Inductor's mode, without its own CUDA graphs).
-    # A measured alternative (docs/benchmarks.md), not faster than the hand-written kernels there.
+    # Prefill and mixed steps keep our kernels. A measured alternative (docs/benchmarks.md), slower
+    # than the hand-written kernels there; not with tensor parallelism.
     torch_compile: str = ""
     # Devices one engine spreads the model over (Megatron-style sharding, NCCL on CUDA, gloo on
     # CPU): `device` and the next tensor_parallel_size - 1 devices, one worker process per extra one.
@@ -199,6 +200,11 @@ class DeviceConfig:
             raise ConfigError(
                 f"torch_compile must be one of {', '.join(map(repr, TORCH_COMPILE_MODES))}, "
                 f"got {self.torch_compile!r}"
+            )
+        if self.torch_compile and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"torch_compile={self.torch_compile!r} is not supported with tensor_parallel_size "
+                f"{self.tensor_parallel_size} (torch.compile has not been tried on the all-reduces)"
             )
 
 

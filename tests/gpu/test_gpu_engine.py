@@ -62,7 +62,7 @@ def test_greedy_matches_hf_on_gpu(model_dir, prompts):
 
 def test_torch_compiled_decode_graphs_match_hf(model_dir, prompts):
     """torch_compile: Inductor's kernels inside the decode graphs (our attention between them) give
-    HF's tokens; every bucket was compiled (none fell back to eager past Dynamo's recompile limit)."""
+    HF's tokens; every bucket was compiled (past Dynamo's recompile limit the capture would raise)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -71,7 +71,8 @@ def test_torch_compiled_decode_graphs_match_hf(model_dir, prompts):
     counters.clear()
     engine = cuda_engine(model_dir, torch_compile="default", max_num_seqs=4)
     runner = engine.core.runner
-    assert runner.graphs is not None and not runner.model.ops.use_triton
+    # The PyTorch ops only while the decode graphs were captured: the other steps keep the kernels.
+    assert runner.graphs is not None and runner.model.ops.use_triton
     assert counters["stats"]["unique_graphs"] >= len(runner.graphs.batch_sizes)
     results = run_to_completion(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [r[0].token_ids for r in results] == expected

@@ -99,3 +99,6 @@ def test_torch_compile_from_config_pbtxt():
         ConfigError, match="torch_compile must be one of '', 'default', 'max-autotune', got 'fast'"
     ):
         EngineConfig.from_parameters({"torch_compile": "fast"})
+    message = "torch_compile='default' is not supported with tensor_parallel_size 2"
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_parameters({"torch_compile": "default", "tensor_parallel_size": "2"})

@@ -152,18 +152,12 @@ def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k, mon
     of its own kernel, and the same bits as silu_and_mul then the GEMV (it rounds the activation as
     they do) where both launch with the same settings (a table may give them different ones, which
     sums in another order)."""
-    from paged_llm.layers import fused_ops, gemv_tuning
+    from paged_llm.layers import fused_ops
 
     gate_up = randn(1, 2 * k, dtype=dtype, seed=8)
     weight = randn(n, k, dtype=dtype, seed=9) / k**0.5
     calls = record_launches(monkeypatch, fused_ops, "_silu_mul_gemv_kernel")
-    kernels_asked: list[str] = []
-
-    def plain_settings(n: int, k: int, device: torch.device, kernel: str = "gemv"):
-        kernels_asked.append(kernel)
-        return gemv_tuning.gemv_config(n, k, device)
-
-    monkeypatch.setattr(fused_ops, "gemv_config", plain_settings)
+    kernels_asked = record_settings_asked(monkeypatch, fused_ops)
     actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
     assert len(calls) == 1 and kernels_asked == ["silu_mul_gemv"]
     two_kernels = fused_ops.linear_triton(silu_and_mul_triton(gate_up), weight)
@@ -198,8 +192,9 @@ def test_one_row_norm_linear_is_one_kernel_equal_to_norm_then_linear(dtype, n, k
     weight = randn(n, k, dtype=dtype, seed=14) / k**0.5
     res = residual if with_residual else None
     calls = record_launches(monkeypatch, fused_ops, "_norm_gemv_kernel")
+    kernels_asked = record_settings_asked(monkeypatch, fused_ops)
     out, new_residual = norm_linear_triton(x, res, norm_weight, 1e-6, weight)
-    assert len(calls) == 1
+    assert len(calls) == 1 and kernels_asked == ["norm_gemv"]
     normed, want_residual = fused_ops.rms_norm_triton(x, norm_weight, 1e-6, res)
     assert torch.equal(new_residual, want_residual)
     assert_same(out, fused_ops.linear_triton(normed, weight), dtype)
@@ -209,6 +204,21 @@ def test_one_row_norm_linear_is_one_kernel_equal_to_norm_then_linear(dtype, n, k
     assert_same(
         out3, torch.nn.functional.linear(fused_ops.rms_norm_triton(rows, norm_weight, 1e-6)[0], weight), dtype
     )
+
+
+def record_settings_asked(monkeypatch, fused_ops) -> list[str]:
+    """Records the kernel names fused_ops asks launch settings for, and gives every kernel the plain
+    GEMV's settings (so a fused kernel and the two ops it replaces sum in the same order)."""
+    from paged_llm.layers import gemv_tuning
+
+    kernels_asked: list[str] = []
+
+    def plain_settings(n: int, k: int, device: torch.device, kernel: str = "gemv"):
+        kernels_asked.append(kernel)
+        return gemv_tuning.gemv_config(n, k, device, "gemv")
+
+    monkeypatch.setattr(fused_ops, "gemv_config", plain_settings)
+    return kernels_asked
 
 
 def record_launches(monkeypatch, module, kernel_name: str) -> list:

@@ -10,8 +10,9 @@ the activation dtype, so greedy outputs stay token-identical to HF.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -205,7 +206,9 @@ if triton is not None:
         """y[n] = sum_k w[n, k] * (silu(gate[k]) * up[k]) for one row gate_up = [gate | up] of width
         2K: the MLP's activation and its down projection in one kernel (batch-1 decode). Each
         program recomputes the activation of the whole row (K exps, cheap next to its BLOCK_N x K
-        weights) with the roundings of _silu_and_mul_kernel, so the result equals the two kernels'."""
+        weights) with the roundings of _silu_and_mul_kernel, so the result equals the two kernels'
+        where both launch with the same settings (a table may give them different BLOCK_K, which
+        sums in another order)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -440,10 +443,15 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class FusedOps:
-    """The decoder's elementwise ops: Triton kernels when `use_triton`, else the PyTorch versions."""
+    """The decoder's elementwise ops: Triton kernels when `use_triton`, else the PyTorch versions.
+    The decoder's modules share one instance and read its ops at every call."""
 
     def __init__(self, use_triton: bool, use_gemv: bool = True, use_onednn: bool = False) -> None:
         """`use_onednn`: float32 linear layers on CPU through oneDNN (layers/cpu_linear.py)."""
+        self._settings = (use_triton, use_gemv, use_onednn)
+        self._bind(*self._settings)
+
+    def _bind(self, use_triton: bool, use_gemv: bool, use_onednn: bool) -> None:
         self.use_triton = use_triton and triton is not None
         self.rms_norm = rms_norm_triton if self.use_triton else rms_norm_torch
         self.qk_norm_rope = qk_norm_rope_triton if self.use_triton else qk_norm_rope_torch
@@ -461,3 +469,13 @@ class FusedOps:
             self.silu_mul_linear = silu_mul_linear_triton
         else:
             self.silu_mul_linear = functools.partial(silu_mul_then_linear, self.silu_and_mul, self.linear)
+
+    @contextlib.contextmanager
+    def pytorch_ops(self) -> Iterator[None]:
+        """Inside: the PyTorch versions of every op (what torch.compile traces and generates its own
+        kernels for, runner/decode_compile.py); after: the ops this instance was built with."""
+        self._bind(use_triton=False, use_gemv=False, use_onednn=False)
+        try:
+            yield
+        finally:
+            self._bind(*self._settings)

@@ -110,6 +110,8 @@ def _device_name(index: int) -> str:
 def gemv_config(n: int, k: int, device: torch.device, kernel: str = "gemv") -> GemvConfig:
     """The measured settings of `kernel` (one of KERNELS) for an n x k weight on this device's card,
     else the default rule."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown GEMV kernel {kernel!r} (one of {', '.join(KERNELS)})")
     if device.type == "cuda":
         tuned = _table_for(_device_name(device.index or 0)).get(kernel, {}).get((n, k))
         if tuned is not None:

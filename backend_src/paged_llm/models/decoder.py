@@ -109,10 +109,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.backend = backend
-        # The RoPE kernel writes the step's keys and values to the cache, the backend only reads it.
-        self.kv_write_in_rope = ops.qk_norm_rope_write_kv is not None and getattr(
-            backend, "kv_write_in_rope", False
-        )
+        # The RoPE kernel writes the step's keys and values to the cache, the backend only reads it
+        # (where the ops have that kernel: read per call, FusedOps.pytorch_ops() swaps them).
+        self.backend_reads_kv_written_in_rope = getattr(backend, "kv_write_in_rope", False)
 
     def forward(
         self,
@@ -135,7 +134,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
-        if self.kv_write_in_rope:
+        if self.backend_reads_kv_written_in_rope and self.ops.qk_norm_rope_write_kv is not None:
             k_cache, v_cache = kv_cache
             q = self.ops.qk_norm_rope_write_kv(
                 q, k, v, q_weight, k_weight, self.eps, rotary.cos_sin, positions, k_cache, v_cache,

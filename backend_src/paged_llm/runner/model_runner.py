@@ -8,6 +8,7 @@ scheduling) does not delay it. Such a step reads this one's tokens on the device
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Callable
@@ -221,7 +222,7 @@ class ModelRunner:
             self.dtype,
             show_progress=show_progress,
             ops=FusedOps(
-                use_triton=self.device.supports_triton and not self.torch_compile,
+                use_triton=self.device.supports_triton,
                 use_gemv=self.enable_triton_gemv,
                 use_onednn=self.enable_onednn_linear and self.device.is_cpu,
             ),
@@ -302,7 +303,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 forward, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
             )
-            self.graphs.capture()
+            # torch_compile: Inductor traces the PyTorch ops (decode only; the mixed-step graphs below
+            # and eager steps keep the Triton kernels).
+            with self.model.ops.pytorch_ops() if self.torch_compile else contextlib.nullcontext():
+                self.graphs.capture()
             self.mixed_graphs = MixedStepGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                 self.model.compute_logits,
