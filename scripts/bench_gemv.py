@@ -1,4 +1,4 @@
-"""Sweeps the launch settings of the one-row GEMV kernels (layers/fused_ops.py) over the weight shapes
+"""Sweeps the launch settings of the one-row GEMV kernels (layers/triton_gemv.py) over the weight shapes
 of the models we serve and their tensor-parallel shards, each shape through the kernel the decoder
 runs it with (q/k/v and gate/up: residual-add + RMSNorm + GEMV; o_proj: the plain GEMV; down: SiLU *
 up + GEMV), and writes the fastest per kernel and shape: the table layers/gemv_tuning.py reads
@@ -28,15 +28,10 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
-from paged_llm.layers.fused_ops import (
-    _gemv_kernel,
-    _norm_gemv_kernel,
-    _silu_mul_gemv_kernel,
-    rms_norm_torch,
-    silu_and_mul_torch,
-)
 from paged_llm.layers.gemv_tuning import SECTIONS, GemvConfig, default_gemv_config, table_file_name
 from paged_llm.layers.parallel import ShardPlan
+from paged_llm.layers.torch_ops import rms_norm_torch, silu_and_mul_torch
+from paged_llm.layers.triton_gemv import _gemv_kernel, _norm_gemv_kernel, _silu_mul_gemv_kernel
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import SHAPES
 

@@ -8,16 +8,19 @@ import torch
 pytest.importorskip("triton")
 
 from paged_llm.layers.attention.triton_kernels import write_kv_cache
-from paged_llm.layers.fused_ops import (
-    norm_linear_triton,
+from paged_llm.layers.torch_ops import (
     qk_norm_rope_torch,
+    rms_norm_torch,
+    silu_and_mul_torch,
+    silu_mul_linear_torch,
+)
+from paged_llm.layers.triton_elementwise import (
     qk_norm_rope_triton,
     qk_norm_rope_write_kv_triton,
-    rms_norm_torch,
     rms_norm_triton,
-    silu_and_mul_torch,
     silu_and_mul_triton,
 )
+from paged_llm.layers.triton_gemv import norm_linear_triton
 from paged_llm.models.decoder import RotaryEmbedding
 from paged_llm.models.hf_config import RopeSpec
 
@@ -115,12 +118,12 @@ def test_silu_and_mul(dtype, size):
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize(("n", "k"), [(1024, 2048), (6144, 1024), (100, 512), (4096, 3072)])
 def test_one_row_linear_takes_the_gemv_and_matches_cublas(dtype, n, k, monkeypatch):
-    from paged_llm.layers import fused_ops
+    from paged_llm.layers import triton_gemv
 
     x = randn(1, k, dtype=dtype, seed=1)
     weight = randn(n, k, dtype=dtype, seed=2) / k**0.5
-    calls = record_launches(monkeypatch, fused_ops, "_gemv_kernel")
-    actual = fused_ops.linear_triton(x, weight)
+    calls = record_launches(monkeypatch, triton_gemv, "_gemv_kernel")
+    actual = triton_gemv.linear_triton(x, weight)
     assert calls, "the one-row GEMV was not used"
     expected = (x.float() @ weight.float().T).to(dtype)
     torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
@@ -132,13 +135,13 @@ def test_one_row_linear_takes_the_gemv_and_matches_cublas(dtype, n, k, monkeypat
      (1, torch.float16, 512, True)],
 )  # fmt: skip
 def test_other_linears_stay_on_torch(rows, dtype, k, with_bias, monkeypatch):
-    from paged_llm.layers import fused_ops
+    from paged_llm.layers import triton_gemv
 
     x = randn(rows, k, dtype=dtype, seed=3)
     weight = randn(64, k, dtype=dtype, seed=4)
     bias = randn(64, dtype=dtype, seed=5) if with_bias else None
-    calls = record_launches(monkeypatch, fused_ops, "_gemv_kernel")
-    actual = fused_ops.linear_triton(x, weight, bias)
+    calls = record_launches(monkeypatch, triton_gemv, "_gemv_kernel")
+    actual = triton_gemv.linear_triton(x, weight, bias)
     assert not calls
     torch.testing.assert_close(actual, torch.nn.functional.linear(x, weight, bias))
 
@@ -152,30 +155,30 @@ def test_one_row_silu_mul_linear_is_one_kernel_equal_to_the_two(dtype, n, k, mon
     of its own kernel, and the same bits as silu_and_mul then the GEMV (it rounds the activation as
     they do) where both launch with the same settings (a table may give them different ones, which
     sums in another order)."""
-    from paged_llm.layers import fused_ops
+    from paged_llm.layers import triton_gemv
 
     gate_up = randn(1, 2 * k, dtype=dtype, seed=8)
     weight = randn(n, k, dtype=dtype, seed=9) / k**0.5
-    calls = record_launches(monkeypatch, fused_ops, "_silu_mul_gemv_kernel")
-    kernels_asked = record_settings_asked(monkeypatch, fused_ops)
-    actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
+    calls = record_launches(monkeypatch, triton_gemv, "_silu_mul_gemv_kernel")
+    kernels_asked = record_settings_asked(monkeypatch, triton_gemv)
+    actual = triton_gemv.silu_mul_linear_triton(gate_up, weight)
     assert len(calls) == 1 and kernels_asked == ["silu_mul_gemv"]
-    two_kernels = fused_ops.linear_triton(silu_and_mul_triton(gate_up), weight)
+    two_kernels = triton_gemv.linear_triton(silu_and_mul_triton(gate_up), weight)
     assert torch.equal(actual, two_kernels)
-    expected = fused_ops.silu_mul_linear_torch(gate_up.float(), weight.float()).to(dtype)
+    expected = silu_mul_linear_torch(gate_up.float(), weight.float()).to(dtype)
     torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(("rows", "dtype"), [(3, torch.float16), (1, torch.float32)])
 def test_other_silu_mul_linears_take_the_two_ops(rows, dtype, monkeypatch):
-    from paged_llm.layers import fused_ops
+    from paged_llm.layers import triton_gemv
 
     gate_up = randn(rows, 1024, dtype=dtype, seed=10)
     weight = randn(64, 512, dtype=dtype, seed=11)
-    calls = record_launches(monkeypatch, fused_ops, "_silu_mul_gemv_kernel")
-    actual = fused_ops.silu_mul_linear_triton(gate_up, weight)
+    calls = record_launches(monkeypatch, triton_gemv, "_silu_mul_gemv_kernel")
+    actual = triton_gemv.silu_mul_linear_triton(gate_up, weight)
     assert not calls
-    assert_same(actual, fused_ops.silu_mul_linear_torch(gate_up, weight), dtype)
+    assert_same(actual, silu_mul_linear_torch(gate_up, weight), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
@@ -185,29 +188,27 @@ def test_one_row_norm_linear_is_one_kernel_equal_to_norm_then_linear(dtype, n, k
     """The decoder's residual-add + RMSNorm + projection for a one-row batch (_norm_gemv_kernel)
     against rms_norm_triton then linear_triton: the same residual bits, the output within float32
     summation order; more rows take the two ops."""
-    from paged_llm.layers import fused_ops
+    from paged_llm.layers import triton_gemv
 
     x, residual = randn(1, k, dtype=dtype, seed=11), randn(1, k, dtype=dtype, seed=12)
     norm_weight = 1 + 0.1 * randn(k, dtype=dtype, seed=13)
     weight = randn(n, k, dtype=dtype, seed=14) / k**0.5
     res = residual if with_residual else None
-    calls = record_launches(monkeypatch, fused_ops, "_norm_gemv_kernel")
-    kernels_asked = record_settings_asked(monkeypatch, fused_ops)
+    calls = record_launches(monkeypatch, triton_gemv, "_norm_gemv_kernel")
+    kernels_asked = record_settings_asked(monkeypatch, triton_gemv)
     out, new_residual = norm_linear_triton(x, res, norm_weight, 1e-6, weight)
     assert len(calls) == 1 and kernels_asked == ["norm_gemv"]
-    normed, want_residual = fused_ops.rms_norm_triton(x, norm_weight, 1e-6, res)
+    normed, want_residual = rms_norm_triton(x, norm_weight, 1e-6, res)
     assert torch.equal(new_residual, want_residual)
-    assert_same(out, fused_ops.linear_triton(normed, weight), dtype)
+    assert_same(out, triton_gemv.linear_triton(normed, weight), dtype)
     rows = randn(3, k, dtype=dtype, seed=15)
     out3, _ = norm_linear_triton(rows, None, norm_weight, 1e-6, weight)
     assert len(calls) == 1  # three rows: rms_norm + cuBLAS
-    assert_same(
-        out3, torch.nn.functional.linear(fused_ops.rms_norm_triton(rows, norm_weight, 1e-6)[0], weight), dtype
-    )
+    assert_same(out3, torch.nn.functional.linear(rms_norm_triton(rows, norm_weight, 1e-6)[0], weight), dtype)
 
 
-def record_settings_asked(monkeypatch, fused_ops) -> list[str]:
-    """Records the kernel names fused_ops asks launch settings for, and gives every kernel the plain
+def record_settings_asked(monkeypatch, triton_gemv) -> list[str]:
+    """Records the kernel names triton_gemv asks launch settings for, and gives every kernel the plain
     GEMV's settings (so a fused kernel and the two ops it replaces sum in the same order)."""
     from paged_llm.layers import gemv_tuning
 
@@ -217,7 +218,7 @@ def record_settings_asked(monkeypatch, fused_ops) -> list[str]:
         kernels_asked.append(kernel)
         return gemv_tuning.gemv_config(n, k, device, "gemv")
 
-    monkeypatch.setattr(fused_ops, "gemv_config", plain_settings)
+    monkeypatch.setattr(triton_gemv, "gemv_config", plain_settings)
     return kernels_asked
 
 

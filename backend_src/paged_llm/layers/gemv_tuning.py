@@ -1,4 +1,4 @@
-"""Launch settings of the one-row GEMV kernels (layers/fused_ops.py), per weight shape and GPU.
+"""Launch settings of the one-row GEMV kernels (layers/triton_gemv.py), per weight shape and GPU.
 
 A GEMV streams its weight matrix once; how fast depends on how the N x K matrix is cut into
 programs (BLOCK_N rows each, BLOCK_K columns per load) and how many loads are in flight (warps,
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 TABLES_DIR = Path(__file__).resolve().parent / "gemv_tables"
 TABLE_ENV = "PAGED_LLM_GEMV_TABLE"
-# The one-row GEMV kernels of layers/fused_ops.py and their sections in a table.
+# The one-row GEMV kernels of layers/triton_gemv.py and their sections in a table.
 KERNELS = ("gemv", "norm_gemv", "silu_mul_gemv")
 SECTIONS = {"gemv": "configs", "norm_gemv": "norm_gemv_configs", "silu_mul_gemv": "silu_mul_gemv_configs"}
 
