@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 TABLES_DIR = Path(__file__).resolve().parent / "gemv_tables"
 TABLE_ENV = "PAGED_LLM_GEMV_TABLE"
 # The one-row GEMV kernels of layers/triton_gemv.py and their sections in a table.
-KERNELS = ("gemv", "norm_gemv", "silu_mul_gemv")
 SECTIONS = {"gemv": "configs", "norm_gemv": "norm_gemv_configs", "silu_mul_gemv": "silu_mul_gemv_configs"}
+KERNELS = tuple(SECTIONS)
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,7 @@ from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup, all_ranks_
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
-from paged_llm.runner.cuda_graphs import (
-    DecodeGraphs,
-    MixedStepGraphs,
-    graph_batch_sizes,
-    mixed_step_token_buckets,
-)
+from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_step_token_buckets
 from paged_llm.runner.decode_compile import OpaqueToCompiler, compile_decode_forward
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
@@ -296,13 +291,13 @@ class ModelRunner:
         if self.use_cuda_graphs:
             torch.cuda.synchronize(device)
             reserved_before = torch.cuda.memory_reserved(device)
-            forward = self._forward_logits
-            if self.torch_compile:
-                num_buckets = len(graph_batch_sizes(self.max_num_seqs))
-                forward = compile_decode_forward(forward, self.torch_compile, num_buckets)
             self.graphs = DecodeGraphs(
-                forward, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
+                self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
             )
+            if self.torch_compile:  # compiled once per bucket, at capture
+                self.graphs.forward = compile_decode_forward(
+                    self._forward_logits, self.torch_compile, len(self.graphs.batch_sizes)
+                )
             # torch_compile: Inductor traces the PyTorch ops (decode only; the mixed-step graphs below
             # and eager steps keep the Triton kernels).
             with self.model.ops.pytorch_ops() if self.torch_compile else contextlib.nullcontext():
