@@ -70,9 +70,9 @@ class TritonAttention:
         if self.fixed_num_splits is not None:
             return self.fixed_num_splits
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        _, query_block_tokens, _ = attention_tiles(
+        query_block_tokens = attention_tiles(
             metadata.max_query_len, query.shape[1] // num_kv_heads, head_dim
-        )
+        ).block_q
         programs = estimated_programs(
             num_seqs=metadata.block_tables.shape[0],
             num_tokens=query.shape[0],

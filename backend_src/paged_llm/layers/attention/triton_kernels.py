@@ -22,6 +22,8 @@ host ints that stay fixed for a captured CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -235,17 +237,32 @@ def write_kv_cache(
     )  # fmt: skip
 
 
-def attention_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N). tl.dot wants every dim >= 16, so BLOCK_M never drops below 16.
+@dataclass(frozen=True)
+class AttentionTiles:
+    """How `_paged_attention_kernel` cuts its work: BLOCK_M rows of (token, head) per program, i.e.
+    BLOCK_Q tokens of GROUP_P heads; TILE_N keys per loop step; warps and pipeline stages."""
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def attention_tiles(max_query_len: int, group: int, head_dim: int) -> AttentionTiles:
+    """tl.dot wants every dim >= 16, so BLOCK_M never drops below 16.
 
     Decode-like batches (one token times the head group fits 16 rows) take the 16-row tile: the
     kernel is bound by the K/V reads and bigger tiles only add masked rows. Prefills take 64 rows,
     the usual FlashAttention-2 tile for head_dim <= 128 on Hopper.
     """
     group_p = triton.next_power_of_2(group)
-    block_m = max(16, group_p) if max_query_len * group_p <= 16 else max(64, group_p)
     tile_n = 64 if head_dim <= 128 else 32  # keeps K/V tiles + scores within the register file
-    return block_m, block_m // group_p, tile_n
+    if max_query_len * group_p <= 16:
+        block_m = max(16, group_p)
+        return AttentionTiles(block_m, block_m // group_p, tile_n, num_warps=4, num_stages=3)
+    block_m = max(64, group_p)
+    return AttentionTiles(block_m, block_m // group_p, tile_n, num_warps=4, num_stages=2)
 
 
 def paged_attention(
@@ -271,7 +288,8 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_q, tile_n = attention_tiles(max_query_len, group, head_dim)
+    tiles = attention_tiles(max_query_len, group, head_dim)
+    block_m, block_q, tile_n = tiles.block_m, tiles.block_q, tiles.tile_n
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
     if num_splits > 1:
         part_acc = torch.empty(
@@ -300,7 +318,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32",
-        num_warps=4, num_stages=3 if block_m <= 16 else 2,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
