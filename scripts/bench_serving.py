@@ -382,6 +382,17 @@ def _server_ttft(server: Any) -> tuple[float, float] | None:
     return totals["sum"], totals["count"]
 
 
+def _server_ttft_mean_ms(server: Any, before: tuple[float, float] | None) -> float | None:
+    """The stubs' mean TTFT (arrival to first token) of the requests since `before`."""
+    if before is None:
+        return None
+    time.sleep(1.0)  # the stubs flush their histograms every ~0.5 s
+    after = _server_ttft(server)
+    assert after is not None
+    num_firsts = after[1] - before[1]
+    return 1e3 * (after[0] - before[0]) / num_firsts if num_firsts > 0 else None
+
+
 def _server_counters(server: Any) -> dict[str, float] | None:
     """The stub's cancellation-polling and the engine core's GC counters from a launched server's
     /metrics (and `now`), else None."""
@@ -497,12 +508,22 @@ def _other_tokens(jobs: list[Job], vocab_limit: int) -> list[Job]:
 
 
 def _openai_added(grpc: dict[str, Any], openai: dict[str, Any]) -> dict[str, float]:
-    return {
+    """The OpenAI run's figures minus direct gRPC's; with the stubs' TTFT histogram, the TTFT mean
+    split into the part spent in the stub (arrival to first token: the engine's batching) and the
+    part outside it (the client, the transport, the OpenAI server)."""
+    added = {
         "ttft_p50_ms": openai["ttft_ms"]["p50"] - grpc["ttft_ms"]["p50"],
         "itl_p50_ratio": openai["itl_ms"]["p50"] / grpc["itl_ms"]["p50"]
         if grpc["itl_ms"]["p50"]
         else float("nan"),
     }
+    stub_grpc, stub_openai = grpc.get("server_ttft_mean_ms"), openai.get("server_ttft_mean_ms")
+    if stub_grpc is not None and stub_openai is not None:
+        added["stub_ttft_mean_ms"] = stub_openai - stub_grpc
+        added["outside_stub_ttft_mean_ms"] = (openai["ttft_ms"]["mean"] - stub_openai) - (
+            grpc["ttft_ms"]["mean"] - stub_grpc
+        )
+    return added
 
 
 def main() -> int:
@@ -636,13 +657,7 @@ def main() -> int:
             counters_after = _server_counters(server)
             summary["cancellation_polls"] = _poll_delta(counters_before, counters_after)
             summary["engine_gc"] = _engine_gc_delta(counters_before, counters_after)
-            summary["server_ttft_mean_ms"] = None
-            if ttft_before is not None:
-                time.sleep(1.0)  # the stubs flush their histograms every ~0.5 s
-                ttft_after = _server_ttft(server)
-                num_firsts = ttft_after[1] - ttft_before[1]
-                if num_firsts > 0:
-                    summary["server_ttft_mean_ms"] = 1e3 * (ttft_after[0] - ttft_before[0]) / num_firsts
+            summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, ttft_before)
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}
@@ -670,11 +685,13 @@ def main() -> int:
                     flush=True,
                 )
             if args.endpoint == "both":
+                ttft_before = _server_ttft(server)
                 via_openai, _ = run_served(
                     openai_url, args.model, _other_tokens(run.jobs, args.vocab_limit), run.concurrency,
                     args.client_processes,
                 )  # fmt: skip
                 openai_summary = summarize(via_openai)
+                openai_summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, ttft_before)
                 results[-1]["served_openai"] = openai_summary
                 results[-1]["openai_added"] = _openai_added(summary, openai_summary)
                 print(
@@ -686,6 +703,13 @@ def main() -> int:
                     f"ITL p50 {added['itl_p50_ratio'] - 1:+.1%} (target <= 10%)",
                     flush=True,
                 )
+                if "stub_ttft_mean_ms" in added:
+                    in_stub, outside = added["stub_ttft_mean_ms"], added["outside_stub_ttft_mean_ms"]
+                    print(
+                        f"   TTFT mean in the stub (arrival to first token) {in_stub:+.2f} ms, "
+                        f"outside it (client, transport, OpenAI server) {outside:+.2f} ms",
+                        flush=True,
+                    )
     finally:
         if frontend is not None:
             frontend.terminate()

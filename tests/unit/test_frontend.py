@@ -173,6 +173,7 @@ def test_metrics_render_prometheus_text():
         (b'{"model": "m", "prompt": [4294967297]}', "prompt", "Invalid type"),
         (b'{"model": "m", "prompt": "x", "repetition_penalty": Infinity}', None, "not a JSON number"),
         (b'{"model": "m", "prompt": "\\ud800"}', None, "unpaired UTF-16 surrogate"),
+        (b'{"model": "m", "prompt": "x", "stop": ["a\\uDFFF"]}', None, "unpaired UTF-16 surrogate"),
         (b"[" * 100000 + b"]" * 100000, None, "nested too deeply"),
         (json.dumps({"model": "m", "prompt": [[1]] * 2049}).encode(), "prompt", "at most 2048 prompts"),
         (json.dumps({"model": "m", "prompt": [[1]] * 100, "n": 21}).encode(), "n", "prompts x n is 2100"),
@@ -181,6 +182,38 @@ def test_metrics_render_prometheus_text():
 def test_bodies_that_used_to_reach_the_engine_or_a_500(raw, param, message):
     error = _error(raw)
     assert error.status_code == 400 and error.param == param and message in error.message
+
+
+def test_escapes_that_are_not_lone_surrogates_pass():
+    body = parse_body(b'{"model": "m", "prompt": "\\u00e9\\ud83d\\ude00 \\\\ud800"}', CompletionRequest)
+    assert body.prompts() == ["\u00e9\U0001f600 \\ud800"]
+
+
+def test_inputs_share_only_constant_flags_between_requests():
+    """build_inputs reuses one BOOL input per (name, value); each request still gets its own."""
+    from tritonclient.grpc._utils import _get_inference_request
+
+    from paged_llm.frontend.triton_backend import GenerationRequest, build_inputs
+
+    def flags(request: GenerationRequest) -> dict[str, bool]:
+        proto = _get_inference_request(
+            model_name="llm", inputs=build_inputs(request), model_version="", request_id="",
+            outputs=None, sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
+            timeout=None, parameters=None,
+        )  # fmt: skip
+        raw = dict(zip((t.name for t in proto.inputs), proto.raw_input_contents, strict=True))
+        return {name: value == b"\x01" for name, value in raw.items() if len(value) == 1}
+
+    opening = GenerationRequest("m", [1, 2], {}, True, False, "a", {"session_id": "s", "session_start": True})
+    closing = GenerationRequest("m", [3], {}, False, True, "b", {"session_id": "s", "session_end": True})
+    assert flags(opening) == {
+        "stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
+        "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": False,
+        "session_start": True, "session_end": False,
+    }  # fmt: skip
+    assert flags(closing)["stream"] is False and flags(closing)["return_logprobs"] is True
+    assert flags(closing)["session_start"] is False and flags(closing)["session_end"] is True
+    assert flags(opening)["stream"] is True  # unchanged by the request built after it
 
 
 def test_chat_template_kwargs_may_not_replace_the_template():

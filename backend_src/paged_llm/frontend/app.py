@@ -235,13 +235,16 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             metrics.finished(route, response.status_code, time.monotonic() - start)
         return response
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completions", _completions)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "chat_completions", _chat_completions)
+
+    # Plain Starlette routes: they read the body themselves (protocol.py validates it), so FastAPI's
+    # per-request dependency solving would only add to the time before the request reaches Triton.
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     async def _completions(request: Request) -> Response:
         start = time.monotonic()
