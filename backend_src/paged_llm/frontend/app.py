@@ -38,6 +38,7 @@ from paged_llm.frontend.edge import (
 from paged_llm.frontend.errors import OpenAIError
 from paged_llm.frontend.generation import Generation, merge_streams
 from paged_llm.frontend.metrics import FrontendMetrics
+from paged_llm.frontend.model_list import ModelList
 from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.frontend.responses import (
     SSE_DONE,
@@ -103,12 +104,13 @@ class FrontendSettings:
 
 def create_app(settings: FrontendSettings) -> FastAPI:
     metrics = FrontendMetrics()
-    state: dict[str, Any] = {"models": (), "models_at": 0.0}
+    state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         backend = TritonBackend(settings.triton_url, settings.api_keys[0] if settings.api_keys else None)
         state["backend"] = backend
+        state["models"] = ModelList(backend.ready_models, _MODELS_CACHE_S)
         state["chat"] = ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, backend)
         publisher = asyncio.create_task(_publish_metrics()) if settings.metrics_dir else None
         try:
@@ -162,19 +164,6 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         return JSONResponse(
             OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code
         )
-
-    async def known_model(model: str) -> None:
-        backend: TritonBackend = state["backend"]
-        for refresh in (False, True):
-            if refresh or time.monotonic() - state["models_at"] > _MODELS_CACHE_S:
-                try:
-                    state["models"] = tuple(await backend.ready_models())
-                except Exception as error:
-                    raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
-                state["models_at"] = time.monotonic()
-            if model in state["models"]:
-                return
-        raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     # ------------------------------------------------------------------------------- plain routes
     @app.get("/health")
@@ -251,7 +240,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         body: CompletionRequest = parse_body(
             await read_body(request, settings.max_body_bytes), CompletionRequest
         )
-        await known_model(body.model)
+        await state["models"].check(body.model)
         prompts = body.prompts()
         echo_texts = [""] * (len(prompts) * body.n)
         if body.echo:
@@ -311,7 +300,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         body: ChatCompletionRequest = parse_body(
             await read_body(request, settings.max_body_bytes), ChatCompletionRequest
         )
-        await known_model(body.model)
+        await state["models"].check(body.model)
         messages = [message.template_dict(i) for i, message in enumerate(body.messages)]
         session = session_of(request)
         prompt = await state["chat"].render(

@@ -1,0 +1,59 @@
+"""Which models the OpenAI routes may send to: Triton's ready models with vllm_backend's interface,
+read once and renewed in the background, so a request for a known model never waits for Triton's
+repository index (in a wave of 64 requests, each used to ask again once the list was 2 s old)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from paged_llm.frontend.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+class ModelList:
+    def __init__(self, fetch: Callable[[], Awaitable[list[str]]], max_age_s: float = 2.0) -> None:
+        self._fetch = fetch  # Triton's ready models (TritonBackend.ready_models)
+        self.max_age_s = max_age_s
+        self.names: tuple[str, ...] = ()
+        self._read_at = float("-inf")
+        self._refresh: asyncio.Future[list[str]] | None = None
+
+    async def check(self, model: str) -> None:
+        """Returns at once for a listed model (renewing a list older than max_age_s in the
+        background); for another name, waits for a fresh list and raises 404 if it is not there.
+        A model unloaded since the list was read is refused by Triton itself (a 404 too)."""
+        if model in self.names:
+            if time.monotonic() - self._read_at > self.max_age_s and not self.refreshing:
+                asyncio.ensure_future(self.refresh()).add_done_callback(_log_failure)
+            return
+        if model not in await self.refresh():
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    @property
+    def refreshing(self) -> bool:
+        return self._refresh is not None and not self._refresh.done()
+
+    async def refresh(self) -> tuple[str, ...]:
+        """A fresh list: one request to Triton however many callers wait for it."""
+        if not self.refreshing:
+            self._refresh = asyncio.ensure_future(self._fetch())
+            self._refresh.add_done_callback(self._store)
+        assert self._refresh is not None
+        try:
+            await asyncio.shield(self._refresh)  # a caller that goes away leaves it running
+        except Exception as error:
+            raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
+        return self.names
+
+    def _store(self, fetch: asyncio.Future[list[str]]) -> None:
+        if not fetch.cancelled() and fetch.exception() is None:
+            self.names, self._read_at = tuple(fetch.result()), time.monotonic()
+
+
+def _log_failure(task: asyncio.Future[tuple[str, ...]]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("background refresh of the model list failed: %s", task.exception())
