@@ -174,6 +174,8 @@ def test_metrics_render_prometheus_text():
         (b'{"model": "m", "prompt": "x", "repetition_penalty": Infinity}', None, "not a JSON number"),
         (b'{"model": "m", "prompt": "\\ud800"}', None, "unpaired UTF-16 surrogate"),
         (b'{"model": "m", "prompt": "x", "stop": ["a\\uDFFF"]}', None, "unpaired UTF-16 surrogate"),
+        (b'{"model": "m", "prompt": "a\xed\xa0\x80"}', None, "unpaired UTF-16 surrogate"),  # raw bytes
+        ('{"model": "m", "prompt": "\\ud800"}'.encode("utf-16"), None, "unpaired UTF-16 surrogate"),
         (b"[" * 100000 + b"]" * 100000, None, "nested too deeply"),
         (json.dumps({"model": "m", "prompt": [[1]] * 2049}).encode(), "prompt", "at most 2048 prompts"),
         (json.dumps({"model": "m", "prompt": [[1]] * 100, "n": 21}).encode(), "n", "prompts x n is 2100"),

@@ -74,12 +74,34 @@ def test_an_unreachable_triton_is_a_503_only_for_names_not_listed():
         models = ModelList(repository.ready_models, max_age_s=0.0)
         await models.check("llm")
         repository.fail = True
-        await models.check("llm")  # the background renewal fails quietly
+        await models.check("llm")  # stale: a renewal starts, and this request goes on
+        assert models.refreshing
         while models.refreshing:
             await asyncio.sleep(0)
+        assert repository.num_fetches == 2 and models.names == ("llm",)  # failed quietly, list kept
         await models.check("llm")
         with pytest.raises(OpenAIError) as info:
             await models.check("other")
         assert info.value.status_code == 503 and "not reachable" in info.value.message
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_fetch_is_a_503_and_a_caller_that_leaves_does_not_cancel_it():
+    async def scenario() -> None:
+        repository = Repository(["llm"])
+        repository.gate.clear()
+        models = ModelList(repository.ready_models)
+        leaving = asyncio.ensure_future(models.check("llm"))
+        staying = asyncio.ensure_future(models.check("llm"))
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        await asyncio.sleep(0.01)
+        assert models.refreshing and not staying.done()  # the fetch goes on for the others
+        models._refresh.cancel()  # e.g. the gRPC channel closing under it
+        with pytest.raises(OpenAIError) as info:
+            await staying
+        assert info.value.status_code == 503
+        assert leaving.cancelled() and repository.num_fetches == 1
 
     asyncio.run(scenario())

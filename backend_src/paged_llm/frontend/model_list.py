@@ -20,15 +20,15 @@ class ModelList:
         self.max_age_s = max_age_s
         self.names: tuple[str, ...] = ()
         self._read_at = float("-inf")
-        self._refresh: asyncio.Future[list[str]] | None = None
+        self._refresh: asyncio.Future[None] | None = None
 
     async def check(self, model: str) -> None:
         """Returns at once for a listed model (renewing a list older than max_age_s in the
         background); for another name, waits for a fresh list and raises 404 if it is not there.
         A model unloaded since the list was read is refused by Triton itself (a 404 too)."""
         if model in self.names:
-            if time.monotonic() - self._read_at > self.max_age_s and not self.refreshing:
-                asyncio.ensure_future(self.refresh()).add_done_callback(_log_failure)
+            if time.monotonic() - self._read_at > self.max_age_s:
+                self._start()  # a failure is logged; the next stale check tries again
             return
         if model not in await self.refresh():
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -39,21 +39,29 @@ class ModelList:
 
     async def refresh(self) -> tuple[str, ...]:
         """A fresh list: one request to Triton however many callers wait for it."""
-        if not self.refreshing:
-            self._refresh = asyncio.ensure_future(self._fetch())
-            self._refresh.add_done_callback(self._store)
-        assert self._refresh is not None
+        fetch = self._start()
         try:
-            await asyncio.shield(self._refresh)  # a caller that goes away leaves it running
+            await asyncio.shield(fetch)  # a caller that goes away leaves it running
         except Exception as error:
             raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
+        except asyncio.CancelledError:
+            if fetch.cancelled():  # the fetch itself (e.g. the channel closing), not this caller
+                raise OpenAIError(503, "tritonserver is not reachable: the request was cancelled") from None
+            raise
         return self.names
 
-    def _store(self, fetch: asyncio.Future[list[str]]) -> None:
-        if not fetch.cancelled() and fetch.exception() is None:
-            self.names, self._read_at = tuple(fetch.result()), time.monotonic()
+    def _start(self) -> asyncio.Future[None]:
+        """The fetch in flight, or a new one (started here, synchronously: single-flight)."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._fetch_and_store())
+            self._refresh.add_done_callback(_retrieve)
+        return self._refresh
+
+    async def _fetch_and_store(self) -> None:
+        names = await self._fetch()
+        self.names, self._read_at = tuple(names), time.monotonic()  # before anyone sees it done
 
 
-def _log_failure(task: asyncio.Future[tuple[str, ...]]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("background refresh of the model list failed: %s", task.exception())
+def _retrieve(fetch: asyncio.Future[None]) -> None:
+    if not fetch.cancelled() and fetch.exception() is not None:
+        logger.debug("refresh of the model list failed: %s", fetch.exception())

@@ -238,8 +238,9 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         data = json.loads(raw, parse_constant=_refuse_constant)
         # A lone surrogate ("\ud800") parses but cannot be encoded again: refuse it here, not
         # with a 500 when a prompt or an error message is encoded later. Only a \uD800-\uDFFF
-        # escape makes one (UTF-8 bytes cannot), so most bodies skip the re-encoding.
-        if _SURROGATE_ESCAPE.search(raw):
+        # escape or a surrogate's encoded bytes make one, so most UTF-8 bodies skip the re-encoding
+        # (json also reads UTF-16 and UTF-32 bodies, which the byte pattern would not see into).
+        if json.detect_encoding(raw) != "utf-8" or _SURROGATE_ESCAPE.search(raw):
             json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise bad_request("the request body contains an unpaired UTF-16 surrogate") from None
@@ -257,7 +258,8 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
     return body
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A \uD800-\uDFFF escape, or a surrogate's own 3 UTF-8 bytes (json.loads decodes with surrogatepass).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def _refuse_constant(name: str) -> Any:
