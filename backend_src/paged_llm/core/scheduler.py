@@ -35,7 +35,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from paged_llm.config import SchedulerConfig
+from paged_llm.core import stop_rules
 from paged_llm.core.kv_cache_manager import KVCacheManager
+from paged_llm.core.stop_rules import SequenceUpdate, reaches_length_limit
 from paged_llm.sequence import Sequence, SequenceStatus
 
 
@@ -79,16 +81,6 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # sequence-steps that verified proposed tokens
     spec_num_draft_tokens: int = 0  # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
-
-
-@dataclass
-class SequenceUpdate:
-    """What a finished step did to one scheduled sequence."""
-
-    seq: Sequence
-    new_token_id: int | None  # the sampled token; None for a prefill chunk that sampled nothing
-    # With speculative decoding: every token the step emitted, in order (new_token_id is the last).
-    new_token_ids: list[int] | None = None
 
 
 class Scheduler:
@@ -136,7 +128,8 @@ class Scheduler:
         return bool(self.sequences)
 
     def finish_sequences(self, seq_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
-        """Ends sequences (abort, stop string, timeout, error): frees their blocks, forgets them."""
+        """Ends sequences (abort, stop string, timeout, error, and a step's stop or length limit from
+        core/stop_rules.py): frees their blocks, forgets them."""
         assert status.is_finished
         finished = []
         for seq_id in seq_ids:
@@ -178,7 +171,9 @@ class Scheduler:
             seq = self.running[index]
             lacking = seq.num_tokens - seq.num_computed_tokens
             assert lacking > 0, f"running seq {seq.seq_id} has nothing to compute"
-            if seq.num_pending_tokens and self._reaches_length_limit(seq, seq.num_output_tokens):
+            if seq.num_pending_tokens and reaches_length_limit(
+                seq, seq.num_output_tokens, self.max_model_len
+            ):
                 index += 1  # its pending token is its last: it ends when that token arrives
                 continue
             num_drafts = self._num_drafts_to_verify(seq, budget - 1) if lacking == 1 else 0
@@ -364,87 +359,9 @@ class Scheduler:
         sampled_token_ids: Mapping[str, int],
         spec_token_ids: Mapping[str, list[int]] | None = None,
     ) -> list[SequenceUpdate]:
-        """Applies a finished step: one update per scheduled sequence still live. `spec_token_ids`:
-        for each sequence that verified proposals, the tokens the verification emitted.
-
-        Sequences that finished here (EOS, stop token, max_tokens, max_model_len) are already freed.
-        """
-        if not output.launched:
-            self.on_launched(output)
-        updates: list[SequenceUpdate] = []
-        for scheduled in output.scheduled:
-            seq = scheduled.seq
-            if seq.is_finished:
-                continue  # finished between schedule() and now (abort); nothing to apply
-            if not scheduled.needs_sample:
-                self.kv_cache.cache_computed_blocks(seq)
-                updates.append(SequenceUpdate(seq, None))
-                continue
-            new_token_ids = None
-            if scheduled.draft_token_ids:
-                assert spec_token_ids is not None, f"{seq.seq_id}: proposals verified, no result"
-                first_new = seq.num_output_tokens - seq.num_pending_tokens
-                status = self._apply_verified(seq, scheduled.draft_token_ids, spec_token_ids[seq.seq_id])
-                new_token_ids = seq.output_token_ids[first_new:]
-                token_id = new_token_ids[-1]
-            else:
-                token_id = sampled_token_ids[seq.seq_id]
-                num_output_tokens = seq.resolve_pending_token(token_id) + 1
-                status = self._check_stop(seq, token_id, num_output_tokens)
-            self.kv_cache.cache_computed_blocks(seq)
-            if status is not None:
-                if seq.status is SequenceStatus.RUNNING:
-                    self.running.remove(seq)
-                else:  # preempted while this step ran (asynchronous scheduling)
-                    self._remove_waiting(seq)
-                self._finish(seq, status)
-            updates.append(SequenceUpdate(seq, token_id, new_token_ids))
-        return updates
-
-    def _apply_verified(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> SequenceStatus | None:
-        """Appends the tokens a verification emitted (the accepted proposals, then one token), up to
-        the first that ends the sequence, and counts the accepted proposals' KV as computed (the
-        rejected ones' KV is stale; later steps overwrite it). Returns the status that ended it."""
-        num_accepted = len(emitted) - 1
-        assert 0 <= num_accepted <= len(drafts) and emitted[:num_accepted] == drafts[:num_accepted]
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(drafts)
-        self.spec_num_accepted_tokens += num_accepted
-        seq.num_computed_tokens += num_accepted
-        status = None
-        for position, token_id in enumerate(emitted):
-            if position == 0:
-                num_output_tokens = seq.resolve_pending_token(token_id) + 1
-            else:
-                seq.append_output_token(token_id)
-                num_output_tokens = seq.num_output_tokens
-            status = self._check_stop(seq, token_id, num_output_tokens)
-            if status is not None:
-                break
-        # Ended early: the KV of the accepted proposals it keeps is valid, the rest is not its.
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-        return status
-
-    def _check_stop(self, seq: Sequence, token_id: int, num_output_tokens: int) -> SequenceStatus | None:
-        """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence."""
-        params = seq.sampling_params
-        # Stop tokens count from index min_tokens on (the sampler suppresses them before that).
-        if num_output_tokens > params.min_tokens:
-            if token_id in seq.eos_token_ids and not params.ignore_eos:
-                seq.stop_reason = token_id
-                return SequenceStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                seq.stop_reason = token_id
-                return SequenceStatus.FINISHED_STOPPED
-        if self._reaches_length_limit(seq, num_output_tokens):
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _reaches_length_limit(self, seq: Sequence, num_output_tokens: int) -> bool:
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None and num_output_tokens >= max_tokens:
-            return True
-        return seq.num_prompt_tokens + num_output_tokens >= self.max_model_len
+        """Applies a finished step (core/stop_rules.py): one update per scheduled sequence still live;
+        sequences that finished here are already freed."""
+        return stop_rules.update_from_output(self, output, sampled_token_ids, spec_token_ids)
 
     # ------------------------------------------------------------------------------------- state
     def stats(self) -> SchedulerStats:
