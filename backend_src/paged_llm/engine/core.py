@@ -6,6 +6,9 @@ One client request with `n` samples becomes `n` sequences. The first one runs th
 are added once its prompt KV is computed, so they take the prompt's full blocks from the prefix
 cache instead of recomputing them.
 
+Request expiry (deadlines, queue waits) is engine/expiry.py's; what a failed model step does,
+engine/faults.py's.
+
 The same class runs in the engine core process (engine/core_process.py), in a thread of the caller
 (engine/core_client.py) or stepped directly by the offline LLMEngine.
 """
@@ -14,13 +17,11 @@ from __future__ import annotations
 
 import logging
 import random
-import time
-import traceback
 from dataclasses import dataclass, field
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, SchedulerStats
+from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from paged_llm.core.sessions import SessionManager, SessionTurn
 from paged_llm.core.stop_rules import SequenceUpdate
 from paged_llm.engine.core_types import (
@@ -30,6 +31,8 @@ from paged_llm.engine.core_types import (
     FinishedRequest,
     FinishedSequence,
 )
+from paged_llm.engine.expiry import expire_deadlines, expire_queue_waits
+from paged_llm.engine.faults import fail_launched_after_fault, fail_step
 from paged_llm.engine.model_setup import load_engine_model
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
@@ -308,23 +311,9 @@ class EngineCore:
             num_faults = self.num_step_faults
             outputs = self.finish_step(previous)
             if self.num_step_faults > num_faults and self._in_flight is not None:
-                self._fail_launched_after_fault(self._in_flight)
+                fail_launched_after_fault(self, self._in_flight)
                 self._in_flight = None
         return outputs if outputs is not None else self.take_outputs()
-
-    def _fail_launched_after_fault(self, in_flight: InFlightStep) -> None:
-        """Step N failed with N+1 already launched: N+1 read N's KV and may have read prefix-cache
-        blocks that N was writing (they count as computed from launch on), so its requests fail too."""
-        try:
-            in_flight.launched.result()
-        except Exception:  # the device fault shows here as well; the step fails either way
-            pass
-        self._fail_step(
-            in_flight.scheduler_output.scheduled,
-            RuntimeError(f"launched before step {in_flight.step_number - 1} failed, on its KV"),
-            in_flight.step_number,
-            is_fault=False,
-        )
 
     def finish_in_flight(self) -> EngineCoreOutputs:
         """Finishes step_pipelined's running step (if any): what it and everything before produced."""
@@ -351,10 +340,10 @@ class EngineCore:
         their blocks are only reused by a later schedule(), after this step's sync (or, on the
         device, after this step in stream order). `previous`: a launched step not finished yet,
         whose sampled tokens this step takes as inputs on the device (asynchronous scheduling)."""
-        self._expire_deadlines()
+        expire_deadlines(self)
         self.sessions.expire_idle()
         if self.config.scheduler.queue_max_wait_s > 0.0:
-            self._expire_queue_waits()
+            expire_queue_waits(self)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
@@ -370,7 +359,7 @@ class EngineCore:
         except TensorParallelError:
             raise  # no step can run any more: the core stops
         except Exception as error:  # a model fault must not take the server down
-            self._fail_step(scheduler_output.scheduled, error, self.num_steps)
+            fail_step(self, scheduler_output.scheduled, error, self.num_steps)
             return None
 
     def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
@@ -379,7 +368,7 @@ class EngineCore:
             try:
                 runner_output = in_flight.launched.result()
             except Exception as error:
-                self._fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
+                fail_step(self, in_flight.scheduler_output.scheduled, error, in_flight.step_number)
             else:
                 updates = self.scheduler.update_from_output(
                     in_flight.scheduler_output, runner_output.sampled_token_ids, runner_output.spec_token_ids
@@ -431,70 +420,6 @@ class EngineCore:
                 )
                 if record.is_finished:
                     self._close(record)
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        expired = [r for r in self._requests.values() if r.deadline is not None and r.deadline <= now]
-        for record in expired:
-            waited = now - record.arrival_time
-            self.abort_request(record.request_id, reason=f"timed out after {waited:.3f} s (request timeout)")
-
-    def _expire_queue_waits(self) -> None:
-        """Ends requests that waited longer than queue_max_wait_s without starting (UNAVAILABLE);
-        a preempted sequence waits again, but it has run, so it is not counted as queued."""
-        now = time.monotonic()
-        max_wait_s = self.config.scheduler.queue_max_wait_s
-        expired = []
-        for seq in self.scheduler.waiting:  # the waiting queue only, not every request
-            owner = self._owner.get(seq.seq_id)
-            if owner is None or seq.first_scheduled_time is not None:
-                continue
-            record, index = owner
-            if index == 0 and now - record.arrival_time > max_wait_s:
-                expired.append(record)
-        for record in expired:
-            waited_s = now - record.arrival_time
-            logger.info(
-                "request %s never started within queue_max_wait_s (%.3f s)", record.request_id, waited_s
-            )
-            self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
-            self._close(
-                record,
-                CoreError(
-                    "unavailable",
-                    f"waited {waited_s:.3f} s in the queue without starting, more than "
-                    f"queue_max_wait_s={max_wait_s:g}; retry later",
-                ),
-            )
-
-    def _fail_step(
-        self, scheduled: list[ScheduledSequence], error: Exception, step_number: int, is_fault: bool = True
-    ) -> None:
-        """A model fault: fail every request of the step (INTERNAL), drop cached KV, keep serving.
-        `is_fault=False`: the step failed because of another step's fault (not counted again).
-        A collective that failed because a tensor-parallel worker died raises WorkerDiedError."""
-        self.runner.check_workers()
-        logger.error(
-            "model step %d failed; failing %d sequences:\n%s",
-            step_number,
-            len(scheduled),
-            "".join(traceback.format_exception(error)),
-        )
-        self.num_step_faults += int(is_fault)
-        records: dict[int, _CoreRequest] = {}
-        for item in scheduled:
-            owner = None if item.seq.is_finished else self._owner.get(item.seq_id)
-            # The id may belong to a newer request by now (aborted, then reused): match the object.
-            if owner is not None and owner[0].sequences[owner[1]] is item.seq:
-                records[id(owner[0])] = owner[0]
-        message = f"the model step failed: {type(error).__name__}: {error}".splitlines()[0]
-        for record in records.values():
-            self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ERROR)
-            self._close(record, CoreError("internal", message))
-        # KV written by the failed step may be garbage: never serve it from the prefix cache, and
-        # idle sessions recompute their history.
-        self.kv_cache.reset_prefix_cache()
-        self.sessions.drop_all_kv()
 
     # ---------------------------------------------------------------------------------- utility
     def record_utility_result(self, call_id: int, result: tuple[bool, object]) -> None:
