@@ -37,7 +37,7 @@ from paged_llm.engine.model_setup import load_engine_model
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses
-from paged_llm.runner.model_runner import LaunchedStep, ModelRunnerOutput
+from paged_llm.runner.step_types import LaunchedStep, ModelRunnerOutput
 from paged_llm.sequence import Sequence, SequenceStatus
 from paged_llm.spec_decode.draft_model import DraftModelProposer
 from paged_llm.spec_decode.proposer import make_proposer

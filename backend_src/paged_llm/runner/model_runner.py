@@ -12,15 +12,13 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from paged_llm.config import ConfigError
 from paged_llm.core.scheduler import SchedulerOutput
-from paged_llm.engine.core_types import TokenLogprobs
 from paged_llm.errors import TensorParallelError
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.portable import PortableAttention
@@ -32,8 +30,9 @@ from paged_llm.models.loader import load_model
 from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_step_token_buckets
 from paged_llm.runner.decode_compile import OpaqueToCompiler, compile_decode_forward
 from paged_llm.runner.device import Device
-from paged_llm.runner.input_buffers import InputBuffers, PendingTokens
+from paged_llm.runner.input_buffers import InputBuffers
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
+from paged_llm.runner.step_types import LaunchedStep, ModelRunnerOutput
 from paged_llm.runner.tensor_parallel import TensorParallelWorkers
 from paged_llm.runner.tp_channel import CMD_ALLOCATE, CMD_PROFILE
 from paged_llm.sampling.bad_words import banned_token_ids
@@ -42,65 +41,6 @@ from paged_llm.sequence import Sequence
 from paged_llm.spec_decode.verify import VerifyOutput, verify
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # sequence id -> new token
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only sequences that asked
-    # Sequences that verified proposals: the tokens emitted (accepted proposals, then one token).
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose device work is enqueued; `result()` is the step's one host synchronisation."""
-
-    seqs: list[Sequence]  # the sequences that sample a token, in row order
-    sampled: SamplerOutput | None  # device tensors (None: nothing sampled this step)
-    host: SamplerOutput | None = None  # the same, copied (or being copied) to host memory
-    copied: Any = None  # device event after the copy to the host (None: nothing to wait for)
-    verify_seqs: list[Sequence] = field(default_factory=list)  # sequences that verified proposals
-    verified: VerifyOutput | None = None  # their verification (device tensors)
-    verified_host: VerifyOutput | None = None  # the same on the host
-
-    def pending_tokens(self) -> PendingTokens | None:
-        """This step's sampled tokens on the device, for a step launched before its result()."""
-        if self.sampled is None:
-            return None
-        return PendingTokens(self.sampled.sampled_token_ids, {s.seq_id: r for r, s in enumerate(self.seqs)})
-
-    def result(self) -> ModelRunnerOutput:
-        if self.copied is not None:
-            self.copied.synchronize()
-        output = ModelRunnerOutput()
-        verified = self.verified_host or self.verified
-        if verified is not None:
-            token_ids = verified.token_ids.tolist()
-            for seq, row, count in zip(self.verify_seqs, token_ids, verified.num_emitted.tolist()):
-                output.spec_token_ids[seq.seq_id] = row[:count]
-        if self.sampled is None:
-            return output
-        sampled, seqs = self.host or self.sampled, self.seqs
-        token_ids = sampled.sampled_token_ids.tolist()
-        output.sampled_token_ids = {r.seq_id: t for r, t in zip(seqs, token_ids)}
-        if sampled.sampled_logprobs is None:
-            return output
-        logprobs = sampled.sampled_logprobs.tolist()
-        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(seqs)
-        top_ids = sampled.topk_token_ids.tolist() if sampled.topk_token_ids is not None else None
-        top_values = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
-        for row, seq in enumerate(seqs):
-            num_top = seq.sampling_params.logprobs
-            if num_top is None:
-                continue
-            output.logprobs[seq.seq_id] = TokenLogprobs(
-                sampled_logprob=float(logprobs[row]),
-                sampled_rank=int(ranks[row]),
-                top_token_ids=top_ids[row][:num_top] if top_ids else [],
-                top_logprobs=top_values[row][:num_top] if top_values else [],
-            )
-        return output
 
 
 def suppressed_token_ids(seq: Sequence) -> tuple[int, ...]:

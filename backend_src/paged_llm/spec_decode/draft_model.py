@@ -31,7 +31,8 @@ from paged_llm.core.scheduler import ScheduledSequence, SchedulerOutput
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import ModelSpec, load_model_spec
 from paged_llm.runner.device import Device
-from paged_llm.runner.model_runner import LaunchedStep, ModelRunner
+from paged_llm.runner.model_runner import ModelRunner
+from paged_llm.runner.step_types import LaunchedStep
 from paged_llm.sequence import PENDING_TOKEN, Sequence
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from paged_llm.runner.model_runner import LaunchedStep
+from paged_llm.runner.step_types import LaunchedStep
 from paged_llm.sequence import Sequence
 from paged_llm.spec_decode.proposer import Proposer, SpeculationPause, can_speculate, wants_speculation
 
