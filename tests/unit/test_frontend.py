@@ -191,20 +191,17 @@ def test_escapes_that_are_not_lone_surrogates_pass():
     assert body.prompts() == ["\u00e9\U0001f600 \\ud800"]
 
 
-def test_inputs_share_only_constant_flags_between_requests():
-    """build_inputs reuses one BOOL input per (name, value); each request still gets its own."""
-    from tritonclient.grpc._utils import _get_inference_request
+def _raw_inputs(proto) -> dict[str, bytes]:
+    return dict(zip((t.name for t in proto.inputs), proto.raw_input_contents, strict=True))
 
-    from paged_llm.frontend.triton_backend import GenerationRequest, build_inputs
+
+def test_requests_share_only_constant_flag_headers():
+    """build_request reuses one BOOL tensor header per name; each request has its own values."""
+    from paged_llm.frontend.triton_backend import GenerationRequest, build_request
 
     def flags(request: GenerationRequest) -> dict[str, bool]:
-        proto = _get_inference_request(
-            model_name="llm", inputs=build_inputs(request), model_version="", request_id="",
-            outputs=None, sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
-            timeout=None, parameters=None,
-        )  # fmt: skip
-        raw = dict(zip((t.name for t in proto.inputs), proto.raw_input_contents, strict=True))
-        return {name: value == b"\x01" for name, value in raw.items() if len(value) == 1}
+        raw = _raw_inputs(build_request(request))
+        return {t.name: raw[t.name] == b"\x01" for t in build_request(request).inputs if t.datatype == "BOOL"}
 
     opening = GenerationRequest("m", [1, 2], {}, True, False, "a", {"session_id": "s", "session_start": True})
     closing = GenerationRequest("m", [3], {}, False, True, "b", {"session_id": "s", "session_end": True})
@@ -216,6 +213,59 @@ def test_inputs_share_only_constant_flags_between_requests():
     assert flags(closing)["stream"] is False and flags(closing)["return_logprobs"] is True
     assert flags(closing)["session_start"] is False and flags(closing)["session_end"] is True
     assert flags(opening)["stream"] is True  # unchanged by the request built after it
+
+
+@pytest.mark.parametrize(
+    "prompt, session",
+    [("héllo", None), ([5, 6, 70000], None), ([1], {"session_id": "s1", "session_start": True})],
+)
+def test_request_protobuf_equals_what_tritonclient_builds(prompt, session):
+    """The same message as tritonclient's stream_infer builds from InferInput objects (the wire
+    format the server reads), inputs compared by name."""
+    import numpy as np
+    import tritonclient.grpc.aio as grpcclient
+    from tritonclient.grpc._utils import _get_inference_request
+
+    from paged_llm.frontend.triton_backend import GenerationRequest, build_request
+
+    request = GenerationRequest("llm", prompt, {"max_tokens": 3, "stop": ["é"]}, True, True, "req-1", session)
+    outputs = ("text_output", "finish_reason")
+    parameters = {"paged_llm_error_output": True, "paged_llm_totals_on_final": False}
+    ours = build_request(request, outputs, parameters)
+
+    def tensor(name, array, datatype):
+        infer_input = grpcclient.InferInput(name, list(array.shape), datatype)
+        infer_input.set_data_from_numpy(array)
+        return infer_input
+
+    if isinstance(prompt, str):
+        inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")]
+    else:
+        inputs = [tensor("input_ids", np.asarray(prompt, dtype=np.int32), "INT32")]
+    sampling = json.dumps(request.sampling_parameters).encode()
+    inputs.append(tensor("sampling_parameters", np.array([sampling], dtype=np.object_), "BYTES"))
+    flags = dict.fromkeys(
+        ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+         "return_num_output_tokens", "return_logprobs"),
+        True,
+    )  # fmt: skip
+    if session is not None:
+        inputs.append(tensor("session_id", np.array([b"s1"], dtype=np.object_), "BYTES"))
+        flags.update(session_start=True, session_end=False)
+    inputs += [tensor(name, np.array([value]), "BOOL") for name, value in flags.items()]
+    theirs = _get_inference_request(
+        model_name="llm", inputs=inputs, model_version="", request_id="req-1",
+        outputs=[grpcclient.InferRequestedOutput(name) for name in outputs], sequence_id=0,
+        sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=parameters,
+    )  # fmt: skip
+    assert _raw_inputs(ours) == _raw_inputs(theirs)
+
+    def headers(proto) -> list[bytes]:
+        return sorted(t.SerializeToString() for t in proto.inputs)
+
+    assert headers(ours) == headers(theirs)
+    for field in ("model_name", "model_version", "id", "outputs", "parameters"):
+        assert getattr(ours, field) == getattr(theirs, field), field
 
 
 def test_chat_template_kwargs_may_not_replace_the_template():
@@ -299,3 +349,27 @@ def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir,
     turn = render(later, after_an_answer=True)
     assert turn.startswith("\n<|im_start|>user")
     assert render(first) + answer["content"] + "<|im_end|>" + turn == render([*first, answer, *later])
+
+
+def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address():
+    import asyncio
+    import socket
+
+    from paged_llm.frontend.triton_backend import BackendError, GenerationRequest, TritonBackend
+
+    with socket.socket() as sock:  # a port nothing listens on (bound, then closed)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    async def generate() -> BackendError:
+        backend = TritonBackend(f"127.0.0.1:{port}")
+        try:
+            with pytest.raises(BackendError) as info:
+                async for _chunk in backend.generate(GenerationRequest("llm", [1], {}, True, False, "r")):
+                    pass
+            return info.value
+        finally:
+            await backend.close()
+
+    error = asyncio.run(generate())
+    assert error.status_code == 503 and f"cannot reach tritonserver at 127.0.0.1:{port}" in error.message

@@ -32,6 +32,7 @@ from paged_llm.frontend.edge import (
     ApiKeyMiddleware,
     ClientDisconnected,
     ClosingStreamingResponse,
+    LastChunk,
     read_body,
     until_disconnect,
 )
@@ -369,26 +370,31 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         prelude: list[bytes] | None = None,
     ) -> StreamingResponse:
         """The SSE stream of a request whose first chunk arrived: `prelude`, the events of each
-        chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`."""
+        chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`. Events that are
+        ready together go out in one write: a chunk's events (the first chunk's with the prelude),
+        and the final chunk's with what follows it and the end of the body (LastChunk)."""
+        single_stream = generation.num_prompts == 1  # (else a final chunk may not be the last)
 
         async def events() -> AsyncIterator[bytes]:
             async with aclosing(chunks):
+                pending = list(prelude or [])
                 try:
-                    for event in prelude or []:
-                        yield event
                     item = first
                     while item is not None:
                         position, chunk = item
                         _note_first_token(chunk, start, route, generation)
-                        for event in events_of(position, chunk):
-                            yield event
+                        pending.extend(events_of(position, chunk))
+                        if pending and not (chunk.is_final and single_stream):
+                            yield b"".join(pending)
+                            pending.clear()
                         item = await _next(chunks)
                 except OpenAIError as error:
-                    yield sse(error.body())
+                    pending.append(sse(error.body()))
                 metrics.tokens(*_counts(generation))
                 if include_usage:
-                    yield sse(builder.usage_chunk(generation.usage()))
-                yield SSE_DONE
+                    pending.append(sse(builder.usage_chunk(generation.usage())))
+                pending.append(SSE_DONE)
+                yield LastChunk(b"".join(pending))
 
         return ClosingStreamingResponse(events(), media_type="text/event-stream")
 

@@ -93,6 +93,11 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+class LastChunk(bytes):
+    """A streamed body's last bytes: ClosingStreamingResponse sends them with the end of the body,
+    one write instead of two."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator and reports how the stream ended.
     Starlette cancels the sending task when the client leaves; if that happens while a chunk is
@@ -100,6 +105,15 @@ class ClosingStreamingResponse(StreamingResponse):
     collector finalizes it, and with it the request's gRPC stream and KV blocks."""
 
     on_close: Callable[[int], None] | None = None  # called once: 200 if sent to the end, else 499
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:
+            ended = isinstance(chunk, LastChunk)
+            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         body = self.body_iterator

@@ -1,5 +1,9 @@
 """One gRPC stream per request to a Triton model with vllm_backend's request interface (API.md).
 
+The streams are tritonclient's ModelStreamInfer calls on grpc.aio, each request's protobuf built
+here directly: per request, tritonclient's stream_infer adds InferInput objects, a request iterator
+and a task of gRPC's to consume it, which at a wave of 64 requests delays the last one's first token.
+
 Our `llm` model is asked (request parameter `paged_llm_error_output`) to send its errors as an
 ordinary final response holding `paged_llm_error` = "<label>\\t<message>": over a gRPC stream Triton
 2.51 passes only an error's message, and the HTTP status depends on its code. Other models' errors
@@ -116,21 +120,56 @@ def _openai_param(engine_field: str | None) -> str | None:
     return engine_field
 
 
-def _tensor(name: str, array: np.ndarray, datatype: str) -> Any:
-    import tritonclient.grpc.aio as grpcclient
+def _bool_tensor(name: str) -> Any:
+    from tritonclient.grpc import service_pb2
 
-    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-    tensor.set_data_from_numpy(array)
-    return tensor
+    return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="BOOL", shape=[1])
 
 
-def build_inputs(request: GenerationRequest) -> list[Any]:
+_TRUE, _FALSE = b"\x01", b"\x00"
+_UINT32 = struct.Struct("<I")
+_FLAG_NAMES = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_logprobs",
+)
+
+
+@functools.cache
+def _flag_tensors() -> dict[str, Any]:
+    """The BOOL input tensors' headers, built once (a request's protobuf copies them in)."""
+    return {name: _bool_tensor(name) for name in (*_FLAG_NAMES, "session_start", "session_end")}
+
+
+def _bytes_element(value: bytes) -> bytes:
+    """One BYTES element in Triton's raw layout: a little-endian uint32 length, then the bytes."""
+    return _UINT32.pack(len(value)) + value
+
+
+def build_request(
+    request: GenerationRequest,
+    outputs: tuple[str, ...] | None = None,
+    parameters: dict[str, bool] | None = None,
+) -> Any:
+    """The ModelInferRequest protobuf of one generation, as tritonclient's stream_infer would build
+    it from InferInput objects (the inputs of API.md, raw contents in Triton's layout), without its
+    per-input objects and copies."""
+    from tritonclient.grpc import service_pb2
+
+    proto = service_pb2.ModelInferRequest(model_name=request.model, id=request.request_id)
+    tensors, contents = proto.inputs, proto.raw_input_contents
     if isinstance(request.prompt, str):
-        inputs = [_tensor("text_input", np.array([request.prompt.encode()], dtype=np.object_), "BYTES")]
+        tensors.add(name="text_input", datatype="BYTES", shape=[1])
+        contents.append(_bytes_element(request.prompt.encode()))
     else:
-        inputs = [_tensor("input_ids", np.asarray(request.prompt, dtype=np.int32), "INT32")]
-    sampling = json.dumps(request.sampling_parameters).encode()
-    inputs.append(_tensor("sampling_parameters", np.array([sampling], dtype=np.object_), "BYTES"))
+        ids = np.asarray(request.prompt, dtype=np.int32)
+        tensors.add(name="input_ids", datatype="INT32", shape=[len(ids)])
+        contents.append(ids.tobytes())
+    tensors.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+    contents.append(_bytes_element(json.dumps(request.sampling_parameters).encode()))
     flags = {
         "stream": request.stream,
         "exclude_input_in_output": True,  # echo is ours to do
@@ -139,21 +178,19 @@ def build_inputs(request: GenerationRequest) -> list[Any]:
         "return_num_output_tokens": True,
         "return_logprobs": request.want_logprobs,
     }
-    for name, value in flags.items():
-        inputs.append(_flag(name, value))
     if request.session is not None:
-        session_id = str(request.session["session_id"]).encode()
-        inputs.append(_tensor("session_id", np.array([session_id], dtype=np.object_), "BYTES"))
+        tensors.add(name="session_id", datatype="BYTES", shape=[1])
+        contents.append(_bytes_element(str(request.session["session_id"]).encode()))
         for name in ("session_start", "session_end"):
-            inputs.append(_flag(name, bool(request.session.get(name))))
-    return inputs
-
-
-@functools.cache
-def _flag(name: str, value: bool) -> Any:
-    """A one-element BOOL input, built once: tritonclient copies an input into each request it
-    builds and never changes it, so every request can share it (11 us each to build, 7 a request)."""
-    return _tensor(name, np.array([value], dtype=bool), "BOOL")
+            flags[name] = bool(request.session.get(name))
+    headers = _flag_tensors()
+    tensors.extend([headers[name] for name in flags])
+    contents.extend([_TRUE if value else _FALSE for value in flags.values()])
+    for name in outputs or ():
+        proto.outputs.add(name=name)
+    for key, value in (parameters or {}).items():
+        proto.parameters[key].bool_param = value
+    return proto
 
 
 def _decode_bytes(raw: bytes) -> list[str]:
@@ -165,9 +202,6 @@ def _decode_bytes(raw: bytes) -> list[str]:
         items.append(raw[offset : offset + length].decode("utf-8", errors="replace"))
         offset += length
     return items
-
-
-_UINT32 = struct.Struct("<I")
 
 
 def response_outputs(response: Any) -> dict[str, list[Any]]:
@@ -234,57 +268,62 @@ class TritonBackend:
         self.url = url
         # Sent with each inference request: Triton forwards it to the model, which checks it when
         # `paged-llm serve --api-key` set the model's api_key_sha256 (serving/auth.py).
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._client = grpcclient.InferenceServerClient(url)
+        # The generation streams go straight through tritonclient's service stub on a channel of
+        # their own (same message limits as tritonclient's); the other calls use its client.
+        from tritonclient.grpc import service_pb2_grpc
+
+        self._channel = grpc.aio.insecure_channel(
+            url,
+            options=[
+                ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+            ],
+        )
+        self._stream_infer = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer
         self._kind_cache: dict[str, tuple[bool, bool]] = {}
         self._last_answer_at: dict[str, float] = {}  # model -> when it last sent a response
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the /health probe in flight
 
     async def close(self) -> None:
+        await self._channel.close()
         await self._client.close()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """The model's responses as chunks, the last one `is_final`; BackendError on failure."""
-        from tritonclient.utils import InferenceServerException
-
-        triton_request = {
-            "model_name": request.model,
-            "inputs": build_inputs(request),
-            "request_id": request.request_id,
-            "enable_empty_final_response": True,
-            "parameters": {ERROR_OUTPUT_PARAMETER: True},
-        }
+        parameters = {ERROR_OUTPUT_PARAMETER: True}
+        outputs = None
         totals_on_final = False
         if await self._is_paged_llm(request.model):
             # Only what the routes read: the model then builds nothing else (no output_ids).
-            import tritonclient.grpc.aio as grpcclient
-
-            names = [*_PAGED_LLM_OUTPUTS, *(("logprobs",) if request.want_logprobs else ())]
-            triton_request["outputs"] = [grpcclient.InferRequestedOutput(name) for name in names]
+            outputs = (*_PAGED_LLM_OUTPUTS, *(("logprobs",) if request.want_logprobs else ()))
             totals_on_final = request.stream and not request.want_logprobs
             if totals_on_final:
-                triton_request["parameters"][TOTALS_ON_FINAL_PARAMETER] = True
-
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield triton_request
-
+                parameters[TOTALS_ON_FINAL_PARAMETER] = True
+        proto = build_request(request, outputs, parameters)
+        # The stream's one request is written and the writing side closed on this task: no request
+        # iterator and no task of gRPC's to consume it (tritonclient's stream_infer has both).
+        call = self._stream_infer(metadata=self._metadata)
+        finished = received = False
         try:
-            responses = self._client.stream_infer(requests(), headers=self._headers)
-        except InferenceServerException as error:
-            raise BackendError(503, f"cannot reach tritonserver at {self.url}: {error.message()}") from None
-        finished = False
-        try:
-            async for result, error in responses:
-                if error is not None:
+            await call.write(proto)
+            await call.done_writing()
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                received = True
+                if message.error_message:
                     finished = True
-                    raise classify_error_message(error.message())
-                response = result.get_response()
+                    raise classify_error_message(message.error_message)
+                response = message.infer_response
                 is_final = bool(response.parameters["triton_final_response"].bool_param)
-                outputs = response_outputs(response)
-                if ERROR_OUTPUT in outputs:
+                outputs_of = response_outputs(response)
+                if ERROR_OUTPUT in outputs_of:
                     finished = True
-                    raise error_from_output(outputs[ERROR_OUTPUT])
-                chunk = parse_outputs(outputs, is_final, totals_on_final)
+                    raise error_from_output(outputs_of[ERROR_OUTPUT])
+                chunk = parse_outputs(outputs_of, is_final, totals_on_final)
                 self._last_answer_at[request.model] = time.monotonic()
                 if is_final:
                     finished = True
@@ -293,16 +332,15 @@ class TritonBackend:
                     return
             finished = True
             raise BackendError(500, "tritonserver closed the stream before the final response")
-        except InferenceServerException as error:
-            finished = True
-            raise BackendError(503, f"tritonserver stream failed: {error.message()}") from None
-        except grpc.RpcError as error:  # the server went away mid-stream, or refused the call
+        except grpc.RpcError as error:  # unreachable, the server went away mid-stream, or refused it
             finished = True
             detail = error.details() if hasattr(error, "details") else str(error)
+            if error.code() == grpc.StatusCode.UNAVAILABLE and not received:
+                raise BackendError(503, f"cannot reach tritonserver at {self.url}: {detail}") from None
             raise BackendError(503, f"tritonserver stream failed: {detail}") from None
         finally:
             if not finished:
-                responses.cancel()  # the HTTP client went away: Triton cancels the request
+                call.cancel()  # the HTTP client went away: Triton cancels the request
 
     async def _kind(self, model: str) -> tuple[bool, bool] | None:
         """(has vllm_backend's interface, is our llm model), from the model's config (cached), or
