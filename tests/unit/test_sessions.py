@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from paged_llm.config import SessionConfig
+from paged_llm.core.kv_cache_manager import KVCacheManager
 from paged_llm.core.scheduler import Scheduler
 from paged_llm.core.sessions import SessionManager, SessionTurn, truncate_with_sinks
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
@@ -113,6 +114,31 @@ def test_a_turn_takes_the_sessions_blocks_and_computes_only_its_new_tokens():
     assert h.sessions.stats().reused_tokens_total == 8
     assert h.sessions.close("s")
     h.assert_all_free()
+
+
+def test_a_turn_hashes_only_its_new_blocks_for_the_prefix_cache(monkeypatch):
+    hashed: list[int] = []  # indexes of the blocks the engine hashed (the integrity checks not counted)
+    real_update = KVCacheManager.update_block_hashes
+
+    def counting_update(self, seq):
+        first = len(seq.block_hashes)
+        real_update(self, seq)
+        hashed.extend(range(first, len(seq.block_hashes)))
+
+    monkeypatch.setattr(KVCacheManager, "update_block_hashes", counting_update)
+    h = Harness(num_blocks=64)
+    h.add_turn("s", "r1", list(range(100, 118)), start=True, max_tokens=2)
+    h.run()
+    assert len(h.sessions.get("s").token_ids) == 20  # 18 + 2 tokens: 5 full blocks of 4, but
+    assert len(h.sessions.get("s").block_hashes) == 4  # the last output token has no KV yet
+    hashed.clear()
+    seq = h.add_turn("s", "r2", list(range(200, 210)), max_tokens=2)
+    assert len(seq.block_hashes) == 4  # taken from the session, not recomputed
+    h.run()
+    # 20 + 10 + 2 = 32 tokens, the last without KV: full blocks 4 .. 6 (from history[16:20]) are new
+    assert hashed == [4, 5, 6]
+    assert h.sessions.get("s").block_hashes == seq.block_hashes
+    h.check()  # the session's hashes are its history's (SessionManager.check_integrity recomputes)
 
 
 def test_a_turn_aborted_after_admission_keeps_the_history_and_recomputes_it_from_the_prefix_cache():

@@ -25,10 +25,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paged_llm.config import SessionConfig
-from paged_llm.core.kv_cache_manager import KVCacheManager
+from paged_llm.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 from paged_llm.sequence import Sequence, SequenceStatus
 
@@ -56,6 +56,10 @@ class Session:
     last_used: float = 0.0  # time.monotonic() of the last turn's start or end
     turn_request_id: str | None = None  # the turn in flight, if any
     closing: bool = False  # the turn in flight ends the session
+    # Prefix-cache hashes of token_ids' leading full blocks (core/kv_cache_manager.py): the next
+    # turn's sequence starts from them and hashes only its new blocks (re-hashing a 4,400-token
+    # history every turn was O(history) on the way to the first token).
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def holder(self) -> str:
@@ -158,6 +162,7 @@ class SessionManager:
             self._sessions[turn.session_id] = session
         if num_dropped:  # positions change: the held KV is of no use (the history changes only
             self._drop_kv(session)  # when the turn completes: an aborted one leaves it whole)
+            session.block_hashes = []  # hashes of the untruncated history: not the prompt's prefix
             self.num_truncated_total += 1
         session.turn_request_id = request_id
         session.closing = turn.end
@@ -168,6 +173,7 @@ class SessionManager:
         """Sets up the turn's sequence to take the session's KV and to give its own back."""
         session = self._sessions[session_id]
         seq.keep_kv_owner = session.holder
+        seq.block_hashes = list(session.block_hashes)  # the history is the prompt's prefix
         if session.num_kv_tokens and self.kv_cache.holds(session.holder):
             seq.held_kv_owner = session.holder
             seq.num_held_kv_tokens = session.num_kv_tokens
@@ -187,6 +193,7 @@ class SessionManager:
             self.reused_tokens_total += seq.num_held_kv_tokens
         if completed and seq is not None:
             session.token_ids = list(seq.all_token_ids)
+            session.block_hashes = seq.block_hashes  # the sequence is done: it appends no more
             session.num_kv_tokens = (
                 min(seq.num_computed_tokens, seq.num_tokens) if self.kv_cache.holds(session.holder) else 0
             )
@@ -272,5 +279,11 @@ class SessionManager:
                 assert session.turn_request_id is not None or session.num_kv_tokens > 0
                 num_blocks = len(self.kv_cache.seq_to_blocks[session.holder])
                 assert num_blocks * size >= session.num_kv_tokens, f"{session.session_id}: blocks short"
+            assert len(session.block_hashes) * size <= len(session.token_ids), "hashes past history"
+            parent = None
+            for index, block_hash in enumerate(session.block_hashes):
+                tokens = session.token_ids[index * size : (index + 1) * size]
+                parent = hash_block_tokens(parent, tokens, self.kv_cache.hash_salt)
+                assert block_hash == parent, f"{session.session_id}: block {index}: hash differs"
         holders = {o for o in self.kv_cache.seq_to_blocks if o.startswith(HOLDER_PREFIX)}
         assert holders <= self.kv_holders, "a closed session still holds blocks"
