@@ -359,3 +359,20 @@ def test_decoder_attention_with_the_kv_written_in_rope_equals_the_separate_write
     (fused, fused_k, fused_v), (separate, separate_k, separate_v) = results
     assert torch.equal(fused_k, separate_k) and torch.equal(fused_v, separate_v)
     assert torch.equal(fused, separate)
+
+
+def test_pipeline_stages_fit_the_devices_shared_memory():
+    from paged_llm.layers.attention.triton_kernels import attention_tiles, fit_shared_memory, shared_mem_bytes
+
+    prefill, decode = attention_tiles(201, 2, 128), attention_tiles(1, 2, 128)
+    assert (prefill.block_m, prefill.tile_n, prefill.num_stages) == (64, 64, 3)
+    assert shared_mem_bytes(prefill, 128, 2, 2) == 112 << 10  # Q 16 KiB + 3 x (K 16 + V 16) KiB
+    h100, a100, l40 = 227 << 10, 163 << 10, 99 << 10  # opt-in shared memory per block
+    assert fit_shared_memory(prefill, 128, 2, 2, h100).num_stages == 3
+    assert fit_shared_memory(prefill, 128, 2, 2, a100).num_stages == 3
+    assert fit_shared_memory(prefill, 128, 2, 2, l40).num_stages == 2  # 80 KiB
+    assert fit_shared_memory(decode, 128, 2, 2, l40).num_stages == 2  # 4 + 3 x 32 KiB would not fit
+    assert fit_shared_memory(prefill, 128, 4, 4, h100).num_stages == 2  # float32: 224 KiB at 3 stages
+    assert fit_shared_memory(decode, 128, 4, 4, h100).num_stages == 3
+    small = fit_shared_memory(prefill, 128, 4, 4, 1 << 10)  # never below 2 stages: as before
+    assert small.num_stages == 2 and (small.block_m, small.tile_n) == (64, 64)

@@ -22,7 +22,8 @@ host ints that stay fixed for a captured CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -259,6 +260,33 @@ class AttentionTiles:
     num_stages: int = 2
 
 
+SHARED_MEM_MARGIN_BYTES = 8 << 10  # the compiler's own scratch (layout conversions, reductions)
+
+
+def shared_mem_bytes(tiles: AttentionTiles, head_dim_p: int, q_bytes: int, kv_bytes: int) -> int:
+    """Shared memory the attention kernel's pipeline takes: the Q tile, and a K and a V tile per stage."""
+    return tiles.block_m * head_dim_p * q_bytes + 2 * tiles.num_stages * tiles.tile_n * head_dim_p * kv_bytes
+
+
+def fit_shared_memory(
+    tiles: AttentionTiles, head_dim_p: int, q_bytes: int, kv_bytes: int, limit_bytes: int
+) -> AttentionTiles:
+    """Fewer pipeline stages (down to 2) where the device has less shared memory per block than
+    the tiles want: 3 stages of 64-key bf16 tiles at head_dim 128 take 112 KiB, more than the
+    ~99 KiB of an L4, L40 or RTX 4090; float32 models take twice that."""
+    while tiles.num_stages > 2 and (
+        shared_mem_bytes(tiles, head_dim_p, q_bytes, kv_bytes) + SHARED_MEM_MARGIN_BYTES > limit_bytes
+    ):
+        tiles = replace(tiles, num_stages=tiles.num_stages - 1)
+    return tiles
+
+
+@functools.cache
+def _max_shared_mem_bytes(device_index: int) -> int:
+    """What Triton itself checks a compiled kernel against (opt-in shared memory per block)."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
 def attention_tiles(max_query_len: int, group: int, head_dim: int) -> AttentionTiles:
     """tl.dot wants every dim >= 16, so BLOCK_M never drops below 16.
 
@@ -304,6 +332,9 @@ def paged_attention(
     tiles = attention_tiles(max_query_len, group, head_dim)
     block_m, block_q, tile_n = tiles.block_m, tiles.block_q, tiles.tile_n
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
+    if query.is_cuda and not _INTERPRETED:
+        limit = _max_shared_mem_bytes(query.device.index if query.device.index is not None else 0)
+        tiles = fit_shared_memory(tiles, head_dim_p, query.element_size(), k_cache.element_size(), limit)
     if num_splits > 1:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=query.device
