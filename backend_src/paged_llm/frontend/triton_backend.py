@@ -120,28 +120,16 @@ def _openai_param(engine_field: str | None) -> str | None:
     return engine_field
 
 
-def _bool_tensor(name: str) -> Any:
-    from tritonclient.grpc import service_pb2
-
-    return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="BOOL", shape=[1])
-
-
 _TRUE, _FALSE = b"\x01", b"\x00"
 _UINT32 = struct.Struct("<I")
-_FLAG_NAMES = (
-    "stream",
-    "exclude_input_in_output",
-    "return_finish_reason",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-    "return_logprobs",
-)
 
 
 @functools.cache
-def _flag_tensors() -> dict[str, Any]:
-    """The BOOL input tensors' headers, built once (a request's protobuf copies them in)."""
-    return {name: _bool_tensor(name) for name in (*_FLAG_NAMES, "session_start", "session_end")}
+def _flag_tensor(name: str) -> Any:
+    """A one-element BOOL input tensor's header, built once per name (a request's protobuf copies it in)."""
+    from tritonclient.grpc import service_pb2
+
+    return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="BOOL", shape=[1])
 
 
 def _bytes_element(value: bytes) -> bytes:
@@ -183,8 +171,7 @@ def build_request(
         contents.append(_bytes_element(str(request.session["session_id"]).encode()))
         for name in ("session_start", "session_end"):
             flags[name] = bool(request.session.get(name))
-    headers = _flag_tensors()
-    tensors.extend([headers[name] for name in flags])
+    tensors.extend([_flag_tensor(name) for name in flags])
     contents.extend([_TRUE if value else _FALSE for value in flags.values()])
     for name in outputs or ():
         proto.outputs.add(name=name)
