@@ -143,3 +143,24 @@ def test_a_close_needs_no_prompt_and_session_errors_name_their_field():
         parse_request({"text_input": text("hi"), "session_id": text("")}, None, LIMITS)
     with pytest.raises(InvalidRequestError, match="session_end: must be a boolean"):
         parse_request({"text_input": text("hi")}, json.dumps({"session_id": "c", "session_end": 3}), LIMITS)
+
+
+def test_paged_llm_outputs_narrows_the_outputs_a_generate_request_gets():
+    """Triton's HTTP generate asks for every output; the parameter names the ones to build."""
+    from paged_llm.serving.triton_codec import requested_outputs
+
+    every = ["text_output", "output_ids", "finish_reason", "num_output_tokens"]
+    assert requested_outputs(every, "") == frozenset(every)
+    assert requested_outputs([], "") is None  # none named: all
+    narrowed = requested_outputs(every, '{"paged_llm_outputs": "text_output, finish_reason"}')
+    assert narrowed == {"text_output", "finish_reason"}
+    # Names the request did not ask for stay out; with none asked, the parameter decides.
+    assert requested_outputs(["text_output"], '{"paged_llm_outputs": "text_output,output_ids"}') == {
+        "text_output"
+    }
+    assert requested_outputs([], '{"paged_llm_outputs": "output_ids"}') == {"output_ids"}
+    with pytest.raises(InvalidRequestError) as info:
+        requested_outputs(every, '{"paged_llm_outputs": 3}')
+    assert info.value.field == "paged_llm_outputs"
+    # A transport parameter, never a sampling parameter.
+    assert request_parameter_mapping('{"paged_llm_outputs": "text_output", "top_k": 2}') == {"top_k": 2}

@@ -32,12 +32,20 @@ SESSION_INPUTS = ("session_id", "session_start", "session_end")
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS, *SESSION_INPUTS)
 # Request parameters Triton itself may attach; never sampling parameters.
 _IGNORED_REQUEST_PARAMETERS = frozenset(
-    {"triton_enable_empty_final_response", "paged_llm_error_output", "paged_llm_totals_on_final"}
+    {
+        "triton_enable_empty_final_response",
+        "paged_llm_error_output",
+        "paged_llm_totals_on_final",
+        "paged_llm_outputs",
+    }
 )
 # A streaming client that sets this request parameter to true gets finish_reason, num_input_tokens and
 # num_output_tokens on the final response only, num_output_tokens then counting the whole request:
 # each streamed response before it is text_output alone (one tensor for the stub to build, not four).
 TOTALS_ON_FINAL_PARAMETER = "paged_llm_totals_on_final"
+# Comma-separated output names to build: Triton's HTTP generate asks for every output, and a client
+# that wants fewer (the OpenAI server) names them here.
+OUTPUTS_PARAMETER = "paged_llm_outputs"
 
 
 @dataclass(frozen=True)
@@ -283,6 +291,20 @@ def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, 
         for k, v in mapping.items()
         if k not in _IGNORED_REQUEST_PARAMETERS and k.lower() != AUTHORIZATION_PARAMETER
     }
+
+
+def requested_outputs(
+    requested_names: Iterable[str], raw_parameters: str | Mapping[str, Any] | None
+) -> frozenset[str] | None:
+    """The outputs to build (None: all): the ones the request names, narrowed by OUTPUTS_PARAMETER."""
+    names = frozenset(requested_names)
+    if raw_parameters and OUTPUTS_PARAMETER in raw_parameters:
+        value = request_parameter_mapping_raw(raw_parameters).get(OUTPUTS_PARAMETER)
+        if not isinstance(value, str):
+            raise InvalidRequestError(OUTPUTS_PARAMETER, "must be a string of comma-separated output names")
+        chosen = frozenset(name.strip() for name in value.split(",") if name.strip())
+        names = names & chosen if names else chosen
+    return names or None
 
 
 def authorization_of(raw: str | Mapping[str, Any] | None) -> str | None:

@@ -50,6 +50,7 @@ from paged_llm.serving.triton_codec import (
     parse_request,
     read_inputs,
     request_parameter_mapping,
+    requested_outputs,
     wants_error_output,
 )
 
@@ -206,7 +207,9 @@ class TritonPythonModel:
                 return
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
             parsed = parse_request(inputs, raw_parameters, self.config.limits)
-            parsed = replace(parsed, requested_outputs=frozenset(request.requested_output_names()) or None)
+            parsed = replace(
+                parsed, requested_outputs=requested_outputs(request.requested_output_names(), raw_parameters)
+            )
             timeout_us = request.timeout()
         except InvalidRequestError as error:
             self._streams.send_error(sender, error, errors_as_output)
