@@ -528,7 +528,8 @@ def test_a_client_that_goes_away_frees_its_kv_blocks(served, stream):
 @pytest.fixture(scope="module")
 def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[tuple[Any, str]]:
     """One tritonserver with two copies of llm (max_num_seqs=1): llm_reject (admission_policy reject)
-    and llm_wait (queue_max_wait_s=0.5), and an OpenAI server (no keys) in front."""
+    and llm_wait (queue_max_wait_s=0.5), and an OpenAI server (no keys) in front, streaming over
+    Triton's HTTP generate_stream as `paged-llm serve` has it."""
     root = tmp_path_factory.mktemp("admission")
     repository = root / "models"
     for name, parameters in (
@@ -541,8 +542,9 @@ def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Itera
     server = start_server(repository, root / "server.log")
     try:  # the server stops even if the OpenAI server never becomes healthy
         frontend, base_url = _start_frontend(
-            server.grpc_url, root / "frontend.log", "--health-model", "llm_reject"
-        )
+            server.grpc_url, root / "frontend.log", "--health-model", "llm_reject",
+            "--triton-http-url", server.http_url,
+        )  # fmt: skip
         try:
             yield server, base_url
         finally:
@@ -615,6 +617,48 @@ def test_queue_max_wait_ends_a_request_that_never_started_with_503(admission):
         )
     finally:
         connection.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_transport(admission, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second OpenAI server on the admission fixture's tritonserver, streaming over gRPC."""
+    server, _ = admission
+    log_path = tmp_path_factory.mktemp("grpc_transport") / "frontend.log"
+    frontend, base_url = _start_frontend(server.grpc_url, log_path, "--health-model", "llm_reject")
+    try:
+        yield base_url
+    finally:
+        _stop_group(frontend, signal.SIGTERM)
+
+
+def test_both_transports_stream_the_same_tokens_and_cancel_a_client_that_left(admission, grpc_transport):
+    server, http_transport = admission
+    labels = {"model": "llm_wait"}
+
+    def cancelled() -> float:
+        return value(server.metrics(), "paged_llm_final_responses_total", code="cancelled", **labels)
+
+    def running() -> float:
+        return value(server.metrics(), "paged_llm_num_requests_running", **labels)
+
+    texts, usages = {}, {}
+    for name, base_url in (("http", http_transport), ("grpc", grpc_transport)):
+        client = openai.OpenAI(api_key="unused", base_url=f"{base_url}/v1", max_retries=0)
+        stream = client.completions.create(
+            model="llm_wait", prompt="the same prompt", max_tokens=12, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        texts[name] = "".join(c.choices[0].text for c in chunks if c.choices)
+        usages[name] = chunks[-1].usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert wait_for(lambda: running() == 0)
+        before = cancelled()
+        connection, _ = _open_long_stream(base_url, "llm_wait")  # 3000 tokens asked for
+        connection.close()
+        assert wait_for(lambda before=before: cancelled() > before and running() == 0, timeout_s=60), name
+    assert texts["http"] == texts["grpc"] and texts["http"]
+    assert usages == {"http": 12, "grpc": 12}
 
 
 def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):

@@ -351,7 +351,8 @@ def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir,
     assert render(first) + answer["content"] + "<|im_end|>" + turn == render([*first, answer, *later])
 
 
-def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address():
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport):
     import asyncio
     import socket
 
@@ -362,7 +363,8 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address():
         port = sock.getsockname()[1]
 
     async def generate() -> BackendError:
-        backend = TritonBackend(f"127.0.0.1:{port}")
+        address = f"127.0.0.1:{port}"
+        backend = TritonBackend(address, http_url=address if transport == "http" else None)
         try:
             with pytest.raises(BackendError) as info:
                 async for _chunk in backend.generate(GenerationRequest("llm", [1], {}, True, False, "r")):
@@ -373,3 +375,62 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address():
 
     error = asyncio.run(generate())
     assert error.status_code == 503 and f"cannot reach tritonserver at 127.0.0.1:{port}" in error.message
+
+
+def test_a_generate_request_carries_the_grpc_requests_inputs_by_name():
+    """Over HTTP generate the same inputs as the gRPC protobuf (API.md), the transport flags as
+    request parameters, and the outputs to build in paged_llm_outputs."""
+    from paged_llm.frontend.triton_backend import GenerationRequest, build_request
+    from paged_llm.frontend.triton_http import generate_body
+
+    session = {"session_id": "s1", "session_start": True}
+    for prompt in ("héllo", [5, 6, 70000]):
+        request = GenerationRequest("llm", prompt, {"max_tokens": 3, "stop": ["é"]}, True, True, "r", session)
+        outputs = ("text_output", "finish_reason")
+        parameters = {"paged_llm_error_output": True, "paged_llm_totals_on_final": True}
+        body = json.loads(generate_body(request, outputs, parameters))
+        proto = build_request(request, outputs, parameters)
+        raw = _raw_inputs(proto)
+        assert set(body) == {t.name for t in proto.inputs} | set(parameters) | {"paged_llm_outputs"}
+        assert body["paged_llm_outputs"] == "text_output,finish_reason"
+        assert json.loads(body["sampling_parameters"]) == request.sampling_parameters
+        for tensor in proto.inputs:
+            if tensor.datatype == "BOOL":
+                assert body[tensor.name] is (raw[tensor.name] == b"\x01"), tensor.name
+        if isinstance(prompt, str):
+            assert body["text_input"] == prompt
+        else:
+            assert body["input_ids"] == prompt and struct.unpack("<3i", raw["input_ids"]) == tuple(prompt)
+        assert body["session_id"] == "s1"
+    # The key as the request parameter the llm model checks (Triton 2.51 forwards no header of a
+    # generate request).
+    with_key = json.loads(generate_body(request, None, {}, "Bearer k"))
+    assert with_key["authorization"] == "Bearer k" and "paged_llm_outputs" not in with_key
+
+
+def test_sse_events_cut_anywhere_come_out_whole():
+    from paged_llm.frontend.triton_http import EventSplitter
+
+    events = [{"text_output": "a\n\nb", "model_name": "llm"}, {"text_output": ["x", "y"]}, {"error": "boom"}]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    for cut in range(1, len(body)):
+        splitter = EventSplitter()
+        payloads = splitter.feed(body[:cut]) + splitter.feed(body[cut:])
+        assert [json.loads(p) for p in payloads] == events, cut
+    splitter = EventSplitter()
+    assert [json.loads(p) for b in body for p in splitter.feed(bytes([b]))] == events  # byte by byte
+
+
+def test_generate_events_become_output_lists_and_the_final_one_is_known():
+    from paged_llm.frontend.triton_http import event_outputs, is_final_response
+
+    outputs = event_outputs(
+        {"model_name": "llm", "model_version": "1", "text_output": "a", "num_output_tokens": [3, 4]}
+    )
+    assert outputs == {"text_output": ["a"], "num_output_tokens": [3, 4]}  # one element: a bare value
+    streamed = {"text_output": ["a", "b"]}
+    assert not is_final_response(streamed, stream=True)
+    assert not is_final_response({**streamed, "finish_reason": ["length", "None"]}, stream=True)
+    assert is_final_response({**streamed, "finish_reason": ["length", "stop"]}, stream=True)
+    assert is_final_response({**streamed, "finish_reason": ["abort"]}, stream=True)
+    assert is_final_response(streamed, stream=False)  # a request that is not streamed has one response

@@ -2,10 +2,11 @@
 
 A request's life: API key (ASGI middleware, before the body is read) -> body read up to
 max_body_bytes (413 past it) -> validated (protocol.py, 400 naming the field) -> model known (404)
--> one gRPC stream per prompt -> one JSON body, or SSE chunks ending with `data: [DONE]`.
+-> one Triton stream per prompt (HTTP generate_stream, or gRPC) -> one JSON body, or SSE chunks
+ending with `data: [DONE]`.
 Streaming responses start only after the first tokens arrived, so an error the engine finds in the
 request (prompt too long, queue full) is still an HTTP status, not an SSE event. A client that goes
-away (before or during the stream) closes the gRPC streams, which cancels the Triton requests.
+away (before or during the stream) closes the Triton streams, which cancels the Triton requests.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ _METRICS_PUBLISH_S = 1.0
 @dataclass(frozen=True)
 class FrontendSettings:
     triton_url: str  # host:port of Triton's gRPC endpoint
+    # host:port of Triton's HTTP endpoint: generation requests then go over HTTP generate_stream
+    # (cheaper per streamed response in Python than gRPC, triton_http.py); None: over gRPC.
+    triton_http_url: str | None = None
     api_keys: tuple[str, ...] = ()  # none: no key needed
     health_model: str = "llm"  # /health is ready when Triton and this model are
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # model -> checkpoint dir (chat, echo)
@@ -76,6 +80,7 @@ class FrontendSettings:
         return json.dumps(
             {
                 "triton_url": self.triton_url,
+                "triton_http_url": self.triton_http_url,
                 "api_keys": list(self.api_keys),
                 "health_model": self.health_model,
                 "tokenizer_dirs": {k: str(v) for k, v in self.tokenizer_dirs.items()},
@@ -92,6 +97,7 @@ class FrontendSettings:
         data = json.loads(text)
         return FrontendSettings(
             triton_url=data["triton_url"],
+            triton_http_url=data.get("triton_http_url"),
             api_keys=tuple(data["api_keys"]),
             health_model=data["health_model"],
             tokenizer_dirs={k: Path(v) for k, v in data["tokenizer_dirs"].items()},
@@ -109,7 +115,9 @@ def create_app(settings: FrontendSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        backend = TritonBackend(settings.triton_url, settings.api_keys[0] if settings.api_keys else None)
+        backend = TritonBackend(
+            settings.triton_url, settings.api_keys[0] if settings.api_keys else None, settings.triton_http_url
+        )
         state["backend"] = backend
         state["models"] = ModelList(backend.ready_models, _MODELS_CACHE_S)
         state["chat"] = ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, backend)

@@ -22,6 +22,7 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ import grpc
 import numpy as np
 
 from paged_llm.frontend.errors import OpenAIError
+from paged_llm.frontend.triton_http import GenerateStreamError, GenerateStreams, TritonUnreachable
 
 logger = logging.getLogger(__name__)
 ERROR_OUTPUT = "paged_llm_error"
@@ -249,10 +251,13 @@ def parse_outputs(
 class TritonBackend:
     """The Triton server behind the OpenAI routes (one aio gRPC client, many streams)."""
 
-    def __init__(self, url: str, api_key: str | None = None) -> None:
+    def __init__(self, url: str, api_key: str | None = None, http_url: str | None = None) -> None:
         import tritonclient.grpc.aio as grpcclient
 
         self.url = url
+        # With Triton's HTTP endpoint given, streamed generation requests go there (triton_http.py
+        # says why); the others, the model index, configs and readiness stay on gRPC.
+        self._http = GenerateStreams(http_url, api_key) if http_url else None
         # Sent with each inference request: Triton forwards it to the model, which checks it when
         # `paged-llm serve --api-key` set the model's api_key_sha256 (serving/auth.py).
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -274,6 +279,8 @@ class TritonBackend:
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the /health probe in flight
 
     async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
         await self._channel.close()
         await self._client.close()
 
@@ -288,6 +295,44 @@ class TritonBackend:
             totals_on_final = request.stream and not request.want_logprobs
             if totals_on_final:
                 parameters[TOTALS_ON_FINAL_PARAMETER] = True
+        if self._http is not None and request.stream:
+            # (A request that is not streamed stays on gRPC: Triton 2.51's HTTP server notices a
+            # client that left only when it writes to it, and such a request has nothing to write
+            # until it ends, so its cancellation would come too late. Its one response makes the
+            # cost per response moot.)
+            responses = self._http_responses(request, outputs, parameters)
+        else:
+            responses = self._grpc_responses(request, outputs, parameters)
+        async with aclosing(responses):
+            async for outputs_of, is_final in responses:
+                if ERROR_OUTPUT in outputs_of:
+                    raise error_from_output(outputs_of[ERROR_OUTPUT])
+                self._last_answer_at[request.model] = time.monotonic()
+                yield parse_outputs(outputs_of, is_final, totals_on_final)
+
+    async def _http_responses(
+        self, request: GenerationRequest, outputs: tuple[str, ...] | None, parameters: dict[str, bool]
+    ) -> AsyncIterator[tuple[dict[str, list[Any]], bool]]:
+        """Over Triton's HTTP generate_stream (triton_http.py), read to the end of the body."""
+        assert self._http is not None
+        final_seen = False
+        try:
+            async for outputs_of, is_final in self._http.responses(request, outputs, parameters):
+                final_seen = final_seen or is_final
+                yield outputs_of, is_final
+        except GenerateStreamError as error:
+            raise classify_error_message(error.message) from None
+        except TritonUnreachable as error:
+            if not error.received:
+                raise BackendError(503, f"cannot reach tritonserver at {self._http.url}: {error}") from None
+            raise BackendError(503, f"tritonserver stream failed: {error}") from None
+        if not final_seen and outputs is not None:  # our llm model always marks its last response
+            raise BackendError(500, "tritonserver closed the stream before the final response")
+
+    async def _grpc_responses(
+        self, request: GenerationRequest, outputs: tuple[str, ...] | None, parameters: dict[str, bool]
+    ) -> AsyncIterator[tuple[dict[str, list[Any]], bool]]:
+        """Over a ModelStreamInfer call of its own, up to the final response."""
         proto = build_request(request, outputs, parameters)
         # The stream's one request is written and the writing side closed on this task: no request
         # iterator and no task of gRPC's to consume it (tritonclient's stream_infer has both).
@@ -306,15 +351,8 @@ class TritonBackend:
                     raise classify_error_message(message.error_message)
                 response = message.infer_response
                 is_final = bool(response.parameters["triton_final_response"].bool_param)
-                outputs_of = response_outputs(response)
-                if ERROR_OUTPUT in outputs_of:
-                    finished = True
-                    raise error_from_output(outputs_of[ERROR_OUTPUT])
-                chunk = parse_outputs(outputs_of, is_final, totals_on_final)
-                self._last_answer_at[request.model] = time.monotonic()
-                if is_final:
-                    finished = True
-                yield chunk
+                finished = finished or is_final
+                yield response_outputs(response), is_final
                 if is_final:
                     return
             finished = True
