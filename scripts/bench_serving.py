@@ -234,11 +234,11 @@ async def _run_worker(
 def _worker_main(url, model, jobs, concurrency, start_at, text_only, results) -> None:
     pauses = _GcPauses()
     records = asyncio.run(_run_worker(url, model, jobs, concurrency, start_at, text_only, pauses))
-    results.put(([asdict(r) for r in records], pauses.pauses_s))
+    results.put(([{**asdict(r), "endpoint": url} for r in records], pauses.pauses_s))
 
 
 def run_served(
-    url: str,
+    url: str | list[str],
     model: str,
     jobs: list[Job],
     concurrency: int | None,
@@ -246,7 +246,9 @@ def run_served(
     text_only: bool = False,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """Splits the jobs (and the concurrency) over client processes and gathers their records and
-    the client processes' garbage-collection pauses (count, longest, total)."""
+    the client processes' garbage-collection pauses (count, longest, total). With several URLs the
+    processes take them in turn (each record says its endpoint)."""
+    urls = [url] if isinstance(url, str) else url
     if concurrency is not None:
         num_processes = max(1, min(num_processes, concurrency))
     num_processes = max(1, min(num_processes, len(jobs)))
@@ -258,7 +260,8 @@ def run_served(
         share = jobs[index::num_processes]
         lanes = None if concurrency is None else len(range(index, concurrency, num_processes))
         worker = context.Process(
-            target=_worker_main, args=(url, model, share, lanes, start_at, text_only, results)
+            target=_worker_main,
+            args=(urls[index % len(urls)], model, share, lanes, start_at, text_only, results),
         )
         worker.start()
         workers.append(worker)
@@ -477,8 +480,11 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _start_frontend(grpc_url: str, model: str, num_workers: int) -> tuple[Any, str]:
-    """The OpenAI server (python -m paged_llm.frontend) in front of `grpc_url`, once healthy."""
+def _start_frontend(
+    grpc_url: str, model: str, num_workers: int, http_url: str | None = None
+) -> tuple[Any, str]:
+    """The OpenAI server (python -m paged_llm.frontend) in front of `grpc_url` (generation requests
+    over Triton's HTTP generate_stream when `http_url` is given), once healthy."""
     import subprocess
     import urllib.request
 
@@ -487,7 +493,8 @@ def _start_frontend(grpc_url: str, model: str, num_workers: int) -> tuple[Any, s
     [port] = free_ports(1)
     process = subprocess.Popen(
         [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url, "--port", str(port),
-         "--health-model", model, "--workers", str(num_workers)]
+         "--health-model", model, "--workers", str(num_workers),
+         *(["--triton-http-url", http_url] if http_url else [])]
     )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -505,6 +512,28 @@ def _start_frontend(grpc_url: str, model: str, num_workers: int) -> tuple[Any, s
 def _other_tokens(jobs: list[Job], vocab_limit: int) -> list[Job]:
     """The same lengths with other token ids: no prefix-cache hit on what an earlier run sent."""
     return [replace(j, prompt_token_ids=[(t + 7919) % vocab_limit for t in j.prompt_token_ids]) for j in jobs]
+
+
+def _mixed_run(run: Run, url: str, openai_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Direct gRPC and the OpenAI server in one run: the client processes alternate between them."""
+    if args.client_processes % 2:
+        raise SystemExit("--endpoint mixed needs an even --client-processes")
+    records, _ = run_served(
+        [url, openai_url], args.model, run.jobs, run.concurrency, args.client_processes, args.text_only
+    )
+    grpc = summarize([r for r in records if r.endpoint == url])
+    openai = summarize([r for r in records if r.endpoint == openai_url])
+    added = _openai_added(grpc, openai)
+    print(format_summary(f"served, direct gRPC half, {run.label}", grpc), flush=True)
+    print(format_summary(f"served, OpenAI half, {run.label}", openai), flush=True)
+    print(
+        f"   OpenAI path adds (same run): TTFT p50 {added['ttft_p50_ms']:+.2f} ms (target <= 2), "
+        f"ITL p50 {added['itl_p50_ratio'] - 1:+.1%} (target <= 10%)",
+        flush=True,
+    )
+    return {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
+            "request_rate": run.request_rate, "endpoint": "mixed", "served": grpc,
+            "served_openai": openai, "openai_added": added}  # fmt: skip
 
 
 def _openai_added(grpc: dict[str, Any], openai: dict[str, Any]) -> dict[str, float]:
@@ -538,11 +567,13 @@ def main() -> int:
     parser.add_argument("--model", default="llm", help="Triton model name (vllm_backend request interface)")
     parser.add_argument(
         "--endpoint",
-        choices=("grpc", "openai", "both"),
+        choices=("grpc", "openai", "both", "mixed"),
         default="grpc",
         help="send through Triton's gRPC streaming, the OpenAI server (/v1/completions, SSE), or both in "
         "turn on the same server (the OpenAI run gets other prompt tokens of the same lengths, so the "
-        "prefix cache does not favour it), with the OpenAI path's added TTFT and ITL",
+        "prefix cache does not favour it), with the OpenAI path's added TTFT and ITL; `mixed`: both at "
+        "once, half the client processes (and streams) each, so that both meet the same engine steps "
+        "(a scenario's c=128 gives each endpoint 64 streams)",
     )
     parser.add_argument(
         "--grpc-like-openai",
@@ -558,6 +589,16 @@ def main() -> int:
         type=int,
         default=max(1, min(6, (os.cpu_count() or 1) // 2)),
         help="processes of the OpenAI server this script starts (as `paged-llm serve` picks them)",
+    )
+    parser.add_argument(
+        "--openai-transport",
+        choices=("http", "grpc"),
+        default="http",
+        help="how the OpenAI server this script starts reaches Triton (as `paged-llm serve "
+        "--openai-transport`): HTTP generate_stream (default) or gRPC streaming",
+    )
+    parser.add_argument(
+        "--triton-http-url", help="Triton's HTTP host:port (--openai-transport http without --launch)"
     )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", default="128:128", help="uniform range, e.g. 100:1024")
@@ -630,7 +671,12 @@ def main() -> int:
     frontend = None
     openai_url = args.openai_url
     if args.endpoint != "grpc" and openai_url is None:
-        frontend, openai_url = _start_frontend(url, args.model, args.openai_workers)
+        http_url = None
+        if args.openai_transport == "http":
+            if server is None and args.triton_http_url is None:
+                parser.error("--openai-transport http needs --triton-http-url (or --launch)")
+            http_url = server.http_url if server else args.triton_http_url
+        frontend, openai_url = _start_frontend(url, args.model, args.openai_workers, http_url)
     try:
         if warmup:
             run_served(url, args.model, warmup, len(warmup), 1)
@@ -639,6 +685,9 @@ def main() -> int:
         for index, run in enumerate(tqdm(runs, desc="served", unit="run")):
             if args.endpoint == "openai":
                 run = replace(run, jobs=_other_tokens(run.jobs, args.vocab_limit))
+            if args.endpoint == "mixed":
+                results.append(_mixed_run(run, url, openai_url, args))
+                continue
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             counters_before = _server_counters(server)
             ttft_before = _server_ttft(server)

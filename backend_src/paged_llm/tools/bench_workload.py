@@ -45,6 +45,7 @@ class RequestRecord:
     arrival_times: list[float] = field(default_factory=list)  # one per response carrying tokens
     tokens_per_response: list[int] = field(default_factory=list)
     error: str | None = None
+    endpoint: str = ""  # where it was sent (bench_serving --endpoint mixed)
 
     @property
     def num_output_tokens(self) -> int:
