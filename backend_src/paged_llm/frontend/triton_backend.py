@@ -1,6 +1,8 @@
-"""One gRPC stream per request to a Triton model with vllm_backend's request interface (API.md).
+"""One Triton stream per request to a model with vllm_backend's request interface (API.md).
 
-The streams are tritonclient's ModelStreamInfer calls on grpc.aio, each request's protobuf built
+Streamed requests go over Triton's HTTP generate_stream when its HTTP endpoint is given
+(triton_http.py: cheaper per response in Python); the others, and every request without it, over
+gRPC. The gRPC streams are tritonclient's ModelStreamInfer calls on grpc.aio, each request's protobuf built
 here directly: per request, tritonclient's stream_infer adds InferInput objects, a request iterator
 and a task of gRPC's to consume it, which at a wave of 64 requests delays the last one's first token.
 
@@ -10,7 +12,8 @@ ordinary final response holding `paged_llm_error` = "<label>\\t<message>": over 
 arrive as messages and are classified by their text.
 
 Closing the async generator before the final response (the HTTP client went away) cancels the gRPC
-call; Triton then reports the request cancelled to the model, which aborts it and frees its KV.
+call, or closes the HTTP connection; Triton then reports the request cancelled to the model, which
+aborts it and frees its KV.
 """
 
 from __future__ import annotations
@@ -249,7 +252,7 @@ def parse_outputs(
 
 
 class TritonBackend:
-    """The Triton server behind the OpenAI routes (one aio gRPC client, many streams)."""
+    """The Triton server behind the OpenAI routes (one aio gRPC channel, one HTTP connection pool)."""
 
     def __init__(self, url: str, api_key: str | None = None, http_url: str | None = None) -> None:
         import tritonclient.grpc.aio as grpcclient
