@@ -145,6 +145,29 @@ def test_client_cli_streams_over_grpc_and_http(server):
         assert "finish_reason: length" in completed.stderr
 
 
+def test_serving_benchmark_mixed_sends_half_the_streams_through_the_openai_server(tmp_path):
+    """--endpoint mixed: direct gRPC and the OpenAI server it starts (streams over Triton's HTTP
+    generate_stream) in one run, each half's figures and the difference in the JSON."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    out = tmp_path / "bench.json"
+    completed = subprocess.run(
+        [
+            sys.executable, str(repo_root() / "scripts" / "bench_serving.py"), "--launch", str(repository),
+            "--endpoint", "mixed", "--openai-workers", "1", "--client-processes", "2",
+            "--scenario", "mixed:8:16:4:c=4", "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["endpoint"] == "mixed"
+    for half in ("served", "served_openai"):  # the 8 requests split between the two client processes
+        assert result[half]["num_requests"] == 4 and result[half]["num_errors"] == 0
+        assert result[half]["output_tokens"] == 4 * 4
+    assert set(result["openai_added"]) >= {"ttft_p50_ms", "itl_p50_ratio"}
+    assert "OpenAI path adds (same run)" in completed.stdout
+
+
 def test_serving_benchmark_runs_served_and_offline_and_writes_its_json(tmp_path):
     """scripts/bench_serving.py end to end on the tiny model: its own tritonserver (--launch), the
     offline engine on the same requests, and the server-side TTFT read from /metrics. Timings are
