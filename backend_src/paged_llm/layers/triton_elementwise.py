@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_llm.layers.powers_of_two import next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -144,7 +146,7 @@ def rms_norm_triton(
     out = torch.empty_like(x)
     residual_in = residual if residual is not None else x
     residual_out = torch.empty_like(x) if residual is not None else x
-    block = triton.next_power_of_2(size)
+    block = next_power_of_2(size)
     _rms_norm_kernel[(rows,)](
         x, residual_in, out, residual_out, weight,
         x.stride(0), residual_in.stride(0), out.stride(0), residual_out.stride(0),
@@ -197,11 +199,11 @@ def _launch_qk_norm_rope(q, k, v, q_out, k_out, v_out, q_weight, k_weight, eps, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), stride_kot, stride_koh,
         stride_cb, stride_cs, stride_ch, cos_sin.stride(1), cos_sin.shape[1], eps,
-        NUM_Q_HEADS=num_q_heads, Q_HEADS_P=triton.next_power_of_2(num_q_heads),
-        NUM_K_HEADS=num_k_heads, K_HEADS_P=triton.next_power_of_2(num_k_heads),
-        HALF=half, HALF_BLOCK=triton.next_power_of_2(half), HAS_NORM=has_norm,
+        NUM_Q_HEADS=num_q_heads, Q_HEADS_P=next_power_of_2(num_q_heads),
+        NUM_K_HEADS=num_k_heads, K_HEADS_P=next_power_of_2(num_k_heads),
+        HALF=half, HALF_BLOCK=next_power_of_2(half), HAS_NORM=has_norm,
         WRITE_KV=write_kv, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        HEAD_DIM_P=next_power_of_2(head_dim),
         num_warps=4 if num_q_heads * half >= 512 else 1,
     )  # fmt: skip
 
@@ -210,7 +212,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     size = width // 2
     out = torch.empty((rows, size), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(size))
+    block = min(1024, next_power_of_2(size))
     _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
     )

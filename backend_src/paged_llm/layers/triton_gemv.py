@@ -17,6 +17,7 @@ except ImportError:  # CPU-only installs without triton use the PyTorch versions
     triton = None
 
 from paged_llm.layers.gemv_tuning import gemv_config
+from paged_llm.layers.powers_of_two import next_power_of_2
 from paged_llm.layers.torch_ops import norm_then_linear
 from paged_llm.layers.triton_elementwise import rms_norm_triton, silu_and_mul_triton
 
@@ -162,6 +163,6 @@ def norm_linear_triton(
     _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, out, residual_out, n, k, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        K_P=triton.next_power_of_2(k), num_warps=config.num_warps, num_stages=config.num_stages,
+        K_P=next_power_of_2(k), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, residual_out

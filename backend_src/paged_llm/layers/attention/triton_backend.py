@@ -16,14 +16,11 @@ import torch
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.triton_kernels import attention_tiles, paged_attention, write_kv_cache
+from paged_llm.layers.powers_of_two import prev_power_of_2
 
 DEFAULT_NUM_SMS = 132  # H100 SXM; used when nobody said (tests through the CPU interpreter)
 MAX_SPLITS = 16  # the reduce kernel holds [splits, head_dim] partials in registers
 MIN_KEYS_PER_SPLIT = 256  # below this the partial writes + reduce cost more than the parallelism wins
-
-
-def _prev_power_of_2(value: int) -> int:
-    return 1 << (value.bit_length() - 1) if value > 0 else 0
 
 
 def choose_num_splits(num_programs: int, max_seq_len_bound: int, num_sms: int) -> int:
@@ -39,7 +36,7 @@ def choose_num_splits(num_programs: int, max_seq_len_bound: int, num_sms: int) -
         return 1
     wanted = -(-2 * num_sms // num_programs)
     splits = min(MAX_SPLITS, wanted, max_seq_len_bound // MIN_KEYS_PER_SPLIT)
-    return max(1, _prev_power_of_2(splits))
+    return max(1, prev_power_of_2(splits))
 
 
 def estimated_programs(

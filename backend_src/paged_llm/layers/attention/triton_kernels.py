@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_llm.layers.powers_of_two import next_power_of_2
+
 # The max/sum of the online softmax live in log2 units: exp2 is the fast hardware path.
 LOG2E = 1.4426950408889634
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split of a prompt chunk's query block, at least
@@ -243,7 +245,7 @@ def write_kv_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        KV_HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        KV_HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM_P=next_power_of_2(head_dim),
         num_warps=1 if num_kv_heads * head_dim <= 256 else 4,
     )  # fmt: skip
 
@@ -294,7 +296,7 @@ def attention_tiles(max_query_len: int, group: int, head_dim: int) -> AttentionT
     kernel is bound by the K/V reads and bigger tiles only add masked rows. Prefills take 64 rows,
     the usual FlashAttention-2 tile for head_dim <= 128 on Hopper.
     """
-    group_p = triton.next_power_of_2(group)
+    group_p = next_power_of_2(group)
     tile_n = 64 if head_dim <= 128 else 32  # keeps K/V tiles + scores within the register file
     if max_query_len * group_p <= 16:
         block_m = max(16, group_p)
@@ -331,7 +333,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     tiles = attention_tiles(max_query_len, group, head_dim)
     block_m, block_q, tile_n = tiles.block_m, tiles.block_q, tiles.tile_n
-    head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
+    head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
     if query.is_cuda and not _INTERPRETED:
         limit = _max_shared_mem_bytes(query.device.index if query.device.index is not None else 0)
         tiles = fit_shared_memory(tiles, head_dim_p, query.element_size(), k_cache.element_size(), limit)
@@ -360,7 +362,7 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_m.stride(0), part_m.stride(1),
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        GROUP=group, GROUP_P=next_power_of_2(group), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32", PREFETCH_BLOCKS=prefetch_blocks,
