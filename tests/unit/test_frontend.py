@@ -12,13 +12,9 @@ from paged_llm.frontend.generation import Generation
 from paged_llm.frontend.metrics import FrontendMetrics
 from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.frontend.responses import CompletionLogprobs, ResponseBuilder, chat_logprobs, sse
-from paged_llm.frontend.triton_backend import (
-    GenerationChunk,
-    SequenceDelta,
-    error_from_output,
-    parse_outputs,
-    response_outputs,
-)
+from paged_llm.frontend.triton_backend import error_from_output
+from paged_llm.frontend.triton_grpc import response_outputs
+from paged_llm.frontend.triton_request import GenerationChunk, SequenceDelta, parse_outputs
 
 
 def _error(raw: bytes, model=CompletionRequest) -> OpenAIError:
@@ -197,7 +193,8 @@ def _raw_inputs(proto) -> dict[str, bytes]:
 
 def test_requests_share_only_constant_flag_headers():
     """build_request reuses one BOOL tensor header per name; each request has its own values."""
-    from paged_llm.frontend.triton_backend import GenerationRequest, build_request
+    from paged_llm.frontend.triton_grpc import build_request
+    from paged_llm.frontend.triton_request import GenerationRequest
 
     def flags(request: GenerationRequest) -> dict[str, bool]:
         raw = _raw_inputs(build_request(request))
@@ -226,7 +223,8 @@ def test_request_protobuf_equals_what_tritonclient_builds(prompt, session):
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.grpc._utils import _get_inference_request
 
-    from paged_llm.frontend.triton_backend import GenerationRequest, build_request
+    from paged_llm.frontend.triton_grpc import build_request
+    from paged_llm.frontend.triton_request import GenerationRequest
 
     request = GenerationRequest("llm", prompt, {"max_tokens": 3, "stop": ["é"]}, True, True, "req-1", session)
     outputs = ("text_output", "finish_reason")
@@ -356,7 +354,8 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport)
     import asyncio
     import socket
 
-    from paged_llm.frontend.triton_backend import BackendError, GenerationRequest, TritonBackend
+    from paged_llm.frontend.triton_backend import BackendError, TritonBackend
+    from paged_llm.frontend.triton_request import GenerationRequest
 
     with socket.socket() as sock:  # a port nothing listens on (bound, then closed)
         sock.bind(("127.0.0.1", 0))
@@ -380,8 +379,9 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport)
 def test_a_generate_request_carries_the_grpc_requests_inputs_by_name():
     """Over HTTP generate the same inputs as the gRPC protobuf (API.md), the transport flags as
     request parameters, and the outputs to build in paged_llm_outputs."""
-    from paged_llm.frontend.triton_backend import GenerationRequest, build_request
+    from paged_llm.frontend.triton_grpc import build_request
     from paged_llm.frontend.triton_http import generate_body
+    from paged_llm.frontend.triton_request import GenerationRequest
 
     session = {"session_id": "s1", "session_start": True}
     for prompt in ("héllo", [5, 6, 70000]):
@@ -434,3 +434,26 @@ def test_generate_events_become_output_lists_and_the_final_one_is_known():
     assert is_final_response({**streamed, "finish_reason": ["length", "stop"]}, stream=True)
     assert is_final_response({**streamed, "finish_reason": ["abort"]}, stream=True)
     assert is_final_response(streamed, stream=False)  # a request that is not streamed has one response
+
+
+def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_model_does():
+    """The OpenAI server does not import the engine: its spellings of our llm model's transport
+    parameters, inputs and outputs must be the model's own (serving/triton_codec.py, config.pbtxt)."""
+    import re
+    from pathlib import Path
+
+    from paged_llm.frontend import triton_request as frontend
+    from paged_llm.serving import triton_codec as model
+
+    assert frontend.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
+    assert frontend.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
+    assert frontend.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
+    assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
+    config = (Path(__file__).parents[2] / "model_repository" / "llm" / "config.pbtxt").read_text()
+    start = config.index("\noutput [")
+    output_section = config[start : config.index("\n]", start)]
+    output_names = set(re.findall(r'name:\s*"([^"]+)"', output_section))
+    assert set(frontend.PAGED_LLM_OUTPUTS) | {"logprobs"} <= output_names
+    for prompt, session in (("text", None), ([1, 2], {"session_id": "s", "session_end": True})):
+        request = frontend.GenerationRequest("llm", prompt, {}, True, True, "r", session)
+        assert set(frontend.request_inputs(request)) <= set(model.INPUT_NAMES)

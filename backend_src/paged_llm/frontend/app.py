@@ -49,7 +49,8 @@ from paged_llm.frontend.responses import (
     chat_logprobs,
     sse,
 )
-from paged_llm.frontend.triton_backend import GenerationChunk, GenerationRequest, TritonBackend
+from paged_llm.frontend.triton_backend import TritonBackend
+from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
 from paged_llm.parent_death import process_is_alive
 
 logger = logging.getLogger(__name__)

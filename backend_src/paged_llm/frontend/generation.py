@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_llm.frontend.responses import Choice, usage
-from paged_llm.frontend.triton_backend import GenerationChunk, GenerationRequest, TritonBackend
+from paged_llm.frontend.triton_backend import TritonBackend
+from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
 
 
 class _Done:

@@ -21,33 +21,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
-if TYPE_CHECKING:
-    from paged_llm.frontend.triton_backend import GenerationRequest
+from paged_llm.frontend.triton_request import (
+    OUTPUTS_PARAMETER,
+    GenerationRequest,
+    StreamRefused,
+    TritonUnreachable,
+    request_inputs,
+)
 
-OUTPUTS_PARAMETER = "paged_llm_outputs"  # comma-separated output names our llm model builds
 _DATA = b"data: "
 _EVENT_END = b"\n\n"
 _NOT_OUTPUTS = frozenset({"model_name", "model_version", "id", "parameters"})
-
-
-class GenerateStreamError(Exception):
-    """Triton refused the request (an HTTP status other than 200) or sent an error event."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-class TritonUnreachable(Exception):
-    """No answer from Triton's HTTP endpoint (`received`: whether part of the stream had arrived)."""
-
-    def __init__(self, message: str, received: bool) -> None:
-        super().__init__(message)
-        self.received = received
 
 
 def generate_body(
@@ -56,25 +43,11 @@ def generate_body(
     parameters: dict[str, bool],
     authorization: str | None = None,
 ) -> bytes:
-    """The generate request's JSON: the same inputs as a gRPC request (API.md) by name.
+    """The generate request's JSON: the request's inputs (request_inputs, as over gRPC), then the
+    request parameters.
     `authorization` ("Bearer KEY") goes as the request parameter the llm model checks: Triton 2.51
     forwards headers (--http-header-forward-pattern) of `infer` requests, not of `generate` ones."""
-    body: dict[str, Any] = {}
-    if isinstance(request.prompt, str):
-        body["text_input"] = request.prompt
-    else:
-        body["input_ids"] = request.prompt
-    body["sampling_parameters"] = json.dumps(request.sampling_parameters)
-    body["stream"] = request.stream
-    body["exclude_input_in_output"] = True  # echo is ours to do
-    body["return_finish_reason"] = True
-    body["return_num_input_tokens"] = True
-    body["return_num_output_tokens"] = True
-    body["return_logprobs"] = request.want_logprobs
-    if request.session is not None:
-        body["session_id"] = str(request.session["session_id"])
-        body["session_start"] = bool(request.session.get("session_start"))
-        body["session_end"] = bool(request.session.get("session_end"))
+    body: dict[str, Any] = dict(request_inputs(request))
     body.update(parameters)
     if outputs:
         body[OUTPUTS_PARAMETER] = ",".join(outputs)
@@ -146,31 +119,30 @@ class GenerateStreams:
     async def responses(
         self, request: GenerationRequest, outputs: tuple[str, ...] | None, parameters: dict[str, bool]
     ) -> AsyncIterator[tuple[dict[str, list[Any]], bool]]:
-        """(outputs, is_final) per response; GenerateStreamError, TritonUnreachable."""
+        """(outputs, is_final) per response, to the end of the body; StreamRefused, TritonUnreachable."""
         import aiohttp
 
         url = f"{self._base_url}/v2/models/{quote(request.model, safe='')}/generate_stream"
         body = generate_body(request, outputs, parameters, self._authorization)
-        received = ended = False
+        ended = False
         try:
             response = await self._client().post(url, data=body, headers=self._headers)
         except aiohttp.ClientError as error:
-            raise TritonUnreachable(f"{type(error).__name__}: {error}", received=False) from None
+            raise TritonUnreachable(f"{type(error).__name__}: {error}", reached=False) from None
         try:
             if response.status != 200:
-                raise GenerateStreamError(_error_message(await response.read()), response.status)
+                raise StreamRefused(_error_message(await response.read()))
             splitter = EventSplitter()
             async for data in response.content.iter_any():
-                received = True
                 for payload in splitter.feed(data):
                     event = json.loads(payload)
                     if "error" in event:
-                        raise GenerateStreamError(str(event["error"]))
+                        raise StreamRefused(str(event["error"]))
                     outputs_of = event_outputs(event)
                     yield outputs_of, is_final_response(outputs_of, request.stream)
             ended = True
         except aiohttp.ClientError as error:
-            raise TritonUnreachable(f"{type(error).__name__}: {error}", received=received) from None
+            raise TritonUnreachable(f"{type(error).__name__}: {error}", reached=True) from None
         finally:
             if ended:
                 response.release()  # the connection goes back to the pool

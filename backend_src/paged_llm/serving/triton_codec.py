@@ -30,15 +30,6 @@ BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 # A session's turn (shared/design/API.md): as inputs, or as request parameters of the same names.
 SESSION_INPUTS = ("session_id", "session_start", "session_end")
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS, *SESSION_INPUTS)
-# Request parameters Triton itself may attach; never sampling parameters.
-_IGNORED_REQUEST_PARAMETERS = frozenset(
-    {
-        "triton_enable_empty_final_response",
-        "paged_llm_error_output",
-        "paged_llm_totals_on_final",
-        "paged_llm_outputs",
-    }
-)
 # A streaming client that sets this request parameter to true gets finish_reason, num_input_tokens and
 # num_output_tokens on the final response only, num_output_tokens then counting the whole request:
 # each streamed response before it is text_output alone (one tensor for the stub to build, not four).
@@ -237,6 +228,15 @@ FORWARDED_ERROR_OUTPUT = "paged_llm_error"
 # ordinary FINAL holding FORWARDED_ERROR_OUTPUT: over a gRPC stream Triton 2.51 passes an error's
 # message but not its status code, and the OpenAI server needs the code (400 vs 503 vs 500).
 ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"
+# Request parameters Triton itself or a client sets for transport; never sampling parameters.
+_IGNORED_REQUEST_PARAMETERS = frozenset(
+    {
+        "triton_enable_empty_final_response",
+        ERROR_OUTPUT_PARAMETER,
+        TOTALS_ON_FINAL_PARAMETER,
+        OUTPUTS_PARAMETER,
+    }
+)
 
 
 def is_forwarded(triton_request_id: str) -> bool:
