@@ -721,3 +721,44 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
         if frontend is not None:
             _stop_group(frontend, signal.SIGTERM)
         server.stop()
+
+
+def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_path, tiny_model_dir):
+    """tritonserver stopped and started again on its ports under a running OpenAI server: while it
+    is down every request is a 503 in OpenAI's shape; once it is ready again the first requests
+    succeed, streamed (HTTP generate_stream, pooled connections to the old server) and not (gRPC,
+    whose channel would otherwise be waiting out its reconnection backoff)."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    server = start_server(repository, tmp_path / "server1.log")
+    frontend = None
+    streamed = {"model": "llm", "prompt": "again", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    plain = {**streamed, "stream": False}
+
+    def completion(body: dict[str, Any]) -> tuple[int, Any]:
+        status, answer, _ = post(base_url, "/v1/completions", body, None)
+        return status, answer
+
+    try:
+        frontend, base_url = _start_frontend(
+            server.grpc_url, tmp_path / "frontend.log", "--triton-http-url", server.http_url
+        )
+        assert completion(streamed)[0] == 200 and completion(plain)[0] == 200
+        ports = server.ports
+        server.stop()
+        for _ in range(2):  # a few seconds down: the gRPC channel's reconnection attempts fail meanwhile
+            for body in (streamed, plain):
+                status, answer = completion(body)
+                assert status == 503, answer
+                assert "cannot reach tritonserver" in answer["error"]["message"]
+                assert answer["error"]["type"] == "service_unavailable_error"
+        assert _get(f"{base_url}/health")[0] == 503
+        server = start_server(repository, tmp_path / "server2.log", ports=ports)
+        status, answer = completion(plain)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+        status, text = completion(streamed)
+        assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
+        assert wait_for(lambda: _get(f"{base_url}/health")[0] == 200, timeout_s=30)
+    finally:
+        if frontend is not None:
+            _stop_group(frontend, signal.SIGTERM)
+        server.stop()

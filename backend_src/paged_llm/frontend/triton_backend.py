@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.triton_grpc import GrpcStreams
+from paged_llm.frontend.triton_grpc import GrpcStreams, channel_options
 from paged_llm.frontend.triton_http import GenerateStreams
 from paged_llm.frontend.triton_request import (
     ERROR_OUTPUT,
@@ -100,7 +100,7 @@ class TritonBackend:
         # says why); the others, the model index, configs and readiness stay on gRPC.
         self._http = GenerateStreams(http_url, api_key) if http_url else None
         self._grpc = GrpcStreams(url, api_key)
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = grpcclient.InferenceServerClient(url, channel_args=channel_options())
         self._kind_cache: dict[str, tuple[bool, bool]] = {}
         self._last_answer_at: dict[str, float] = {}  # model -> when it last sent a response
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the /health probe in flight

@@ -11,6 +11,8 @@ request cancelled to the model, which aborts it and frees its KV.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import struct
 from collections.abc import AsyncIterator
@@ -28,6 +30,30 @@ from paged_llm.frontend.triton_request import (
 
 _TRUE, _FALSE = b"\x01", b"\x00"
 _UINT32 = struct.Struct("<I")
+# While tritonserver is down, a gRPC channel retries its connection with exponential backoff, by
+# default up to 120 s apart, and fails every call at once in between: after a restart the OpenAI
+# server answered 503 for seconds (measured: 2.1 s after 10 s down), and would for up to two
+# minutes after a long outage. Triton is a local peer: try again at least once a second.
+RECONNECT_BACKOFF_MAX_MS = 1000
+RECONNECT_BACKOFF_INITIAL_MS = 250
+# A request that finds the stream channel not connected waits this long for it before it is sent
+# (and then fails at once if Triton is still not there): the first requests after Triton came back
+# succeed instead of failing until the channel's next connection attempt.
+RECONNECT_WAIT_S = 3.0
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """The options of both gRPC channels to Triton: tritonclient's message limits and a short
+    reconnection backoff."""
+    import tritonclient.grpc.aio as grpcclient
+
+    return [
+        ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+    ]
 
 
 @functools.cache
@@ -101,23 +127,16 @@ def response_outputs(response: Any) -> dict[str, list[Any]]:
 
 
 class GrpcStreams:
-    """One aio gRPC channel to Triton for the generation streams (tritonclient's message limits)."""
+    """One aio gRPC channel to Triton for the generation streams (channel_options)."""
 
     def __init__(self, url: str, api_key: str | None = None) -> None:
-        import tritonclient.grpc.aio as grpcclient
         from tritonclient.grpc import service_pb2_grpc
 
         self.url = url
         # Sent with each request: Triton forwards it to the model, which checks it when
         # `paged-llm serve --api-key` set the model's api_key_sha256 (serving/auth.py).
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self._channel = grpc.aio.insecure_channel(
-            url,
-            options=[
-                ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
-                ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
-            ],
-        )
+        self._channel = grpc.aio.insecure_channel(url, options=channel_options())
         self._stream_infer = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer
 
     async def close(self) -> None:
@@ -129,6 +148,9 @@ class GrpcStreams:
         """(outputs, is_final) per response, up to the final one; StreamRefused, TritonUnreachable.
         Ends without a final response only when Triton closed the stream early."""
         proto = build_request(request, outputs, parameters)
+        if self._channel.get_state() != grpc.ChannelConnectivity.READY:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._channel.channel_ready(), RECONNECT_WAIT_S)
         # The stream's one request is written and the writing side closed on this task: no request
         # iterator and no task of gRPC's to consume it (tritonclient's stream_infer has both).
         call = self._stream_infer(metadata=self._metadata)

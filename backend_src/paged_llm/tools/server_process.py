@@ -128,12 +128,16 @@ def _wait_for_group_exit(group: int, timeout_s: float) -> bool:
 
 
 def start_server(
-    model_repository: Path, log_path: Path, extra_args: list[str] | None = None, timeout_s: float = 180.0
+    model_repository: Path,
+    log_path: Path,
+    extra_args: list[str] | None = None,
+    timeout_s: float = 180.0,
+    ports: ServerPorts | None = None,
 ) -> RunningServer:
-    """Starts tritonserver on free ports and waits until it is ready. Call it from a thread that
-    outlives the server (the main thread): the server gets SIGTERM when that thread exits."""
-    http, grpc, metrics = free_ports(3)
-    ports = ServerPorts(http, grpc, metrics)
+    """Starts tritonserver on `ports` (default: free ones) and waits until it is ready. Call it from
+    a thread that outlives the server (the main thread): the server gets SIGTERM when that thread
+    exits."""
+    ports = ports or ServerPorts(*free_ports(3))
     command = server_command(model_repository, ports, exit_timeout_secs=3, extra_args=extra_args)
     log_file = open(log_path, "w")  # the server process writes it for as long as it runs
     process = subprocess.Popen(
