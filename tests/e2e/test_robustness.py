@@ -371,8 +371,12 @@ def test_repeated_load_unload_leaks_no_threads_processes_or_memory(tmp_path):
         threads = [s[1] for s in samples]
         assert threads[-1] - threads[1] < len(samples) - 2, samples
         assert samples[-1][0] - samples[1][0] < 32 << 20, samples  # RSS flat within 32 MiB
-        finalized = "paged_llm finalized: output thread alive=False, housekeeping thread alive=False"
-        assert explicit.log().count(finalized) == 4
+        # ... and no thread of ours left running while the stub exits (ServerDeathWatch's docstring)
+        finalized = (
+            "paged_llm finalized: output thread alive=False, housekeeping thread alive=False, "
+            "threads left: none"
+        )
+        assert explicit.log().count(finalized) == 4, explicit.log()[-6000:]
     finally:
         explicit.stop()
 

@@ -16,7 +16,7 @@ leaves on its own. `paged_llm.tools.launch serve` kills a server that hangs afte
 
 If the server dies outright (SIGKILL), the stub's own exit path can hang for good: its cleanup waits
 on messages that no longer have a receiver (seen with threads blocked in is_cancelled()).
-`exit_when_server_dies` is the stub's own way out.
+`ServerDeathWatch` is the stub's own way out.
 
 The port and the exit timeout come from tritonserver's command line (/proc/<pid>/cmdline):
 --http-port / --http-address, or the gRPC ones when HTTP is off; Triton's defaults otherwise.
@@ -29,7 +29,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -190,16 +189,32 @@ class ModelUnloadWatch:
         return self._unloading
 
 
-def exit_when_server_dies(server_pid: int, interval_s: float = 0.5) -> threading.Thread:
-    """Starts a thread that ends this process (exit status 1) once `server_pid` is no longer its
-    parent. It calls nothing of Triton's: every pb_utils call may block once the server is gone."""
+class ServerDeathWatch:
+    """A thread that ends this process (exit status 1) once `server_pid` is no longer its parent.
+    It calls nothing of Triton's: every pb_utils call may block once the server is gone.
 
-    def watch() -> None:
+    `stop()` ends it: finalize() does, last, so that no thread of ours is left running while the
+    stub tears its interpreter down (a daemon thread that wakes during Py_Finalize is ended from
+    inside its GIL wait, a known source of crashes at exit: cpython#84058). After finalize() the
+    stub only reports to the server and exits; nothing of ours waits on the server any more."""
+
+    def __init__(self, server_pid: int, interval_s: float = 0.5) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, args=(server_pid, interval_s), name="paged_llm-server-watch", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, server_pid: int, interval_s: float) -> None:
         while os.getppid() == server_pid:
-            time.sleep(interval_s)
+            if self._stopped.wait(interval_s):
+                return
         print("paged_llm: tritonserver is gone; the stub exits", file=sys.stderr, flush=True)
         os._exit(1)
 
-    thread = threading.Thread(target=watch, name="paged_llm-server-watch", daemon=True)
-    thread.start()
-    return thread
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=timeout_s)

@@ -38,9 +38,9 @@ from paged_llm.serving.response_accumulator import ResponseAccumulator
 from paged_llm.serving.response_streams import ResponseStreams
 from paged_llm.serving.server_watch import (
     ModelUnloadWatch,
+    ServerDeathWatch,
     ServerShutdownWatch,
     endpoint_of_process,
-    exit_when_server_dies,
 )
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
@@ -104,7 +104,7 @@ class TritonPythonModel:
         _ignore_ctrl_c()
         # First of all: every pb_utils call below (metrics, logging) blocks for ever once the server
         # is gone, so a server killed while this model loads must not leave the stub waiting.
-        exit_when_server_dies(os.getppid())
+        self._server_death_watch = ServerDeathWatch(os.getppid())
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
@@ -179,7 +179,11 @@ class TritonPythonModel:
             target=self._housekeeping_loop, name="paged_llm-housekeeping", daemon=True
         )
         self._housekeeping.start()
-        threading.Thread(target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True).start()
+        self._unload_watch_thread = threading.Thread(
+            target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True
+        )
+        self._unload_watch_thread.start()
+        self._leave_thread: threading.Thread | None = None  # started once the server shuts down
         # What initialize() built lives as long as the model: keep it out of every later garbage
         # collection, which then scans only what the requests create (shorter pauses of the stub).
         gc.freeze()
@@ -318,7 +322,10 @@ class TritonPythonModel:
             return
         count = self.engine.abort_all(RequestAbortedError("the server is shutting down"))
         logger.info("tritonserver is shutting down (its port closed): ended %d requests", count)
-        threading.Thread(target=self._leave_with_the_server, name="paged_llm-leave", daemon=True).start()
+        self._leave_thread = threading.Thread(
+            target=self._leave_with_the_server, name="paged_llm-leave", daemon=True
+        )
+        self._leave_thread.start()
 
     def _watch_for_unload(self) -> None:
         """Its own thread (the server may take seconds to answer under load). Once our model is
@@ -364,10 +371,17 @@ class TritonPythonModel:
         self._streams.stop()
         self._stopping.set()
         self._housekeeping.join(timeout=10.0)
+        # No thread of ours may run on while the stub tears its interpreter down (ServerDeathWatch).
+        self._unload_watch_thread.join(timeout=5.0)
+        if self._leave_thread is not None:
+            self._leave_thread.join(timeout=5.0)
+        self._server_death_watch.stop()
+        left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
         logger.info(
-            "paged_llm finalized: output thread alive=%s, housekeeping thread alive=%s",
+            "paged_llm finalized: output thread alive=%s, housekeeping thread alive=%s, threads left: %s",
             self.engine.is_alive,
             self._housekeeping.is_alive(),
+            ", ".join(left) or "none",
         )
         faulthandler.cancel_dump_traceback_later()
 
