@@ -350,9 +350,13 @@ def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir,
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
-def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport):
+def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport, monkeypatch):
     import asyncio
     import socket
+
+    from paged_llm.frontend import triton_grpc
+
+    monkeypatch.setattr(triton_grpc, "RECONNECT_WAIT_S", 0.2)  # (how long a request waits for a channel)
 
     from paged_llm.frontend.triton_backend import BackendError, TritonBackend
     from paged_llm.frontend.triton_request import GenerationRequest
@@ -449,6 +453,10 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     assert frontend.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
     assert frontend.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
     assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
+    from paged_llm.frontend.triton_backend import _STATUS_OF_LABEL
+    from paged_llm.serving.metric_families import FINAL_CODES
+
+    assert set(_STATUS_OF_LABEL) == set(FINAL_CODES) - {"success"}  # every error label has a status
     config = (Path(__file__).parents[2] / "model_repository" / "llm" / "config.pbtxt").read_text()
     start = config.index("\noutput [")
     output_section = config[start : config.index("\n]", start)]

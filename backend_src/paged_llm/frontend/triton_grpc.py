@@ -5,8 +5,7 @@ layout): per request, tritonclient's stream_infer adds InferInput objects, a req
 task of gRPC's to consume it, which at a wave of 64 requests delays the last one's first token. Its
 responses are read straight from their raw contents for the same reason (InferResult.as_numpy per
 output costs more than the rest of a chunk's work at thousands of responses per second).
-Closing the generator before the final response cancels the call; Triton then reports the
-request cancelled to the model, which aborts it and frees its KV.
+Closing the generator before the final response cancels the call.
 """
 
 from __future__ import annotations
@@ -33,13 +32,16 @@ _UINT32 = struct.Struct("<I")
 # While tritonserver is down, a gRPC channel retries its connection with exponential backoff, by
 # default up to 120 s apart, and fails every call at once in between: after a restart the OpenAI
 # server answered 503 for seconds (measured: 2.1 s after 10 s down), and would for up to two
-# minutes after a long outage. Triton is a local peer: try again at least once a second.
+# minutes after a long outage. Triton is a near peer: try again at least once a second. (Not
+# grpc.min_reconnect_backoff_ms: despite its name that is the time one connection attempt may
+# take, 20 s by default, which a slow network or a busy host may need.)
 RECONNECT_BACKOFF_MAX_MS = 1000
 RECONNECT_BACKOFF_INITIAL_MS = 250
 # A request that finds the stream channel not connected waits this long for it before it is sent
 # (and then fails at once if Triton is still not there): the first requests after Triton came back
-# succeed instead of failing until the channel's next connection attempt.
-RECONNECT_WAIT_S = 3.0
+# succeed instead of failing until the channel's next connection attempt (at most ~1.2 s away:
+# the backoff above with gRPC's 20% jitter). Below the /health probe's PROBE_TIMEOUT_S.
+RECONNECT_WAIT_S = 2.0
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -51,7 +53,6 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
         ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
-        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     ]
 
@@ -150,7 +151,8 @@ class GrpcStreams:
         proto = build_request(request, outputs, parameters)
         if self._channel.get_state() != grpc.ChannelConnectivity.READY:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._channel.channel_ready(), RECONNECT_WAIT_S)
+                async with asyncio.timeout(RECONNECT_WAIT_S):
+                    await self._channel.channel_ready()
         # The stream's one request is written and the writing side closed on this task: no request
         # iterator and no task of gRPC's to consume it (tritonclient's stream_infer has both).
         call = self._stream_infer(metadata=self._metadata)

@@ -68,12 +68,12 @@ class StreamRefused(Exception):
 
 
 class TritonUnreachable(Exception):
-    """The transport failed: `reached` says whether Triton had answered at all (else it is not
-    there, or not at that address)."""
+    """The transport failed. `reached`: Triton had answered this request (gRPC: a response came,
+    or the call failed other than UNAVAILABLE; HTTP: the response's status line came), so the
+    stream broke rather than never started."""
 
     def __init__(self, message: str, reached: bool) -> None:
         super().__init__(message)
-        self.message = message
         self.reached = reached
 
 

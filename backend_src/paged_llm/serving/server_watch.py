@@ -196,7 +196,9 @@ class ServerDeathWatch:
     `stop()` ends it: finalize() does, last, so that no thread of ours is left running while the
     stub tears its interpreter down (a daemon thread that wakes during Py_Finalize is ended from
     inside its GIL wait, a known source of crashes at exit: cpython#84058). After finalize() the
-    stub only reports to the server and exits; nothing of ours waits on the server any more."""
+    stub only reports to the server and exits; nothing of ours waits on the server any more. The
+    trade-off: a server SIGKILLed in that last moment is left to the stub's own exit path, which
+    the module docstring says can hang (not seen in that window)."""
 
     def __init__(self, server_pid: int, interval_s: float = 0.5) -> None:
         self._stopped = threading.Event()

@@ -175,6 +175,7 @@ class TritonPythonModel:
             thread.start()
         self._stopping = threading.Event()
         self._finalized = threading.Event()
+        self._leave_thread: threading.Thread | None = None  # started once the server shuts down
         self._housekeeping = threading.Thread(
             target=self._housekeeping_loop, name="paged_llm-housekeeping", daemon=True
         )
@@ -183,7 +184,6 @@ class TritonPythonModel:
             target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True
         )
         self._unload_watch_thread.start()
-        self._leave_thread: threading.Thread | None = None  # started once the server shuts down
         # What initialize() built lives as long as the model: keep it out of every later garbage
         # collection, which then scans only what the requests create (shorter pauses of the stub).
         gc.freeze()
@@ -322,10 +322,9 @@ class TritonPythonModel:
             return
         count = self.engine.abort_all(RequestAbortedError("the server is shutting down"))
         logger.info("tritonserver is shutting down (its port closed): ended %d requests", count)
-        self._leave_thread = threading.Thread(
-            target=self._leave_with_the_server, name="paged_llm-leave", daemon=True
-        )
-        self._leave_thread.start()
+        leave = threading.Thread(target=self._leave_with_the_server, name="paged_llm-leave", daemon=True)
+        leave.start()
+        self._leave_thread = leave  # (published once started: finalize() joins it)
 
     def _watch_for_unload(self) -> None:
         """Its own thread (the server may take seconds to answer under load). Once our model is
@@ -372,11 +371,16 @@ class TritonPythonModel:
         self._stopping.set()
         self._housekeeping.join(timeout=10.0)
         # No thread of ours may run on while the stub tears its interpreter down (ServerDeathWatch).
-        self._unload_watch_thread.join(timeout=5.0)
+        # The unload watch may be inside a readiness request (5 s to connect, 5 s to read).
+        self._unload_watch_thread.join(timeout=12.0)
         if self._leave_thread is not None:
             self._leave_thread.join(timeout=5.0)
         self._server_death_watch.stop()
-        left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+        left = [
+            t.name
+            for t in threading.enumerate()
+            if t.name.startswith("paged_llm-") and t is not threading.current_thread() and t.is_alive()
+        ]
         logger.info(
             "paged_llm finalized: output thread alive=%s, housekeeping thread alive=%s, threads left: %s",
             self.engine.is_alive,
