@@ -79,6 +79,15 @@ class RunningServer:
         except OSError:
             return False
 
+    def metrics_listening(self) -> bool:
+        """Whether the metrics port accepts connections: Triton opens it last, after HTTP says
+        ready (seen on a busy 2-core machine: a metrics read right after readiness was refused)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.ports.metrics), timeout=2):
+                return True
+        except OSError:
+            return False
+
     def stop(self, timeout_s: float = 30.0, stragglers_timeout_s: float = 15.0) -> None:
         """SIGTERM to the server's process group; SIGKILL to it after `timeout_s`. Then waits up to
         `stragglers_timeout_s` for the rest of the group (stubs, engine cores), which may outlive the
@@ -149,11 +158,12 @@ def start_server(
         preexec_fn=parent_death_signal(signal.SIGTERM),  # a test run or benchmark killed hard
     )
     server = RunningServer(process, ports, log_path)
+    metrics_disabled = "--allow-metrics=false" in (extra_args or [])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{server.log()[-5000:]}")
-        if server.is_ready():
+        if server.is_ready() and (metrics_disabled or server.metrics_listening()):
             return server
         time.sleep(0.25)
     server.stop()
