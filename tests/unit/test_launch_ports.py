@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from paged_llm.tools.launch import ServerPorts, busy_ports
+from paged_llm.tools.launch import ServerPorts, busy_ports, endpoint_disabled
 from paged_llm.tools.server_process import free_ports
 
 
@@ -43,3 +43,12 @@ def test_serve_on_a_busy_port_exits_before_starting_anything():
     assert done.returncode == 2
     assert f"cannot serve: HTTP port {http} on 127.0.0.1" in done.stderr
     assert "Starting tritonserver" not in done.stderr
+
+
+def test_endpoint_disabled_reads_both_flag_forms_and_the_last_value():
+    assert endpoint_disabled(["--allow-metrics=false"], "metrics")
+    assert endpoint_disabled(["--allow-metrics", "0"], "metrics")
+    assert endpoint_disabled(["--allow-grpc=OFF"], "grpc")
+    assert not endpoint_disabled(["--allow-metrics=false"], "grpc")
+    assert not endpoint_disabled(["--allow-metrics=false", "--allow-metrics=true"], "metrics")
+    assert not endpoint_disabled([], "http")

@@ -221,6 +221,13 @@ def _flag_values(args: list[str], flag: str) -> list[str]:
     return values
 
 
+def endpoint_disabled(extra_args: list[str], endpoint: str) -> bool:
+    """True when a tritonserver argument list turns `endpoint` ("http", "grpc", "metrics") off:
+    `--allow-metrics=false` or `--allow-metrics false` (tritonserver also reads off and 0)."""
+    values = _flag_values(extra_args, f"--allow-{endpoint}")
+    return bool(values) and values[-1].lower() in ("false", "off", "0")
+
+
 def _restricts_repository_api(values: list[str]) -> bool:
     """True if one `<api>,<api>:<key>=<value>` restriction covers model-repository, with a key."""
     for value in values:
@@ -272,7 +279,7 @@ def busy_ports(address: str, ports: ServerPorts, extra_args: list[str] | None = 
     busy = []
     endpoints = (("HTTP", "http", ports.http), ("gRPC", "grpc", ports.grpc))
     for name, flag, port in (*endpoints, ("metrics", "metrics", ports.metrics)):
-        if "false" in _flag_values(extra_args or [], f"--allow-{flag}"):
+        if endpoint_disabled(extra_args or [], flag):
             continue  # that endpoint is off
         error = port_bind_error(address, port)
         if error is not None:

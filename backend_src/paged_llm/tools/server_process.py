@@ -21,7 +21,7 @@ from pathlib import Path
 
 from paged_llm.parent_death import parent_death_signal
 from paged_llm.paths import repo_root
-from paged_llm.tools.launch import ServerPorts, server_command, server_env
+from paged_llm.tools.launch import ServerPorts, endpoint_disabled, server_command, server_env
 from paged_llm.tools.procfs import process_group_members
 from paged_llm.tools.shm_regions import (  # noqa: F401 (re-exported: tests and scripts use them here)
     SHM_DIR,
@@ -158,7 +158,7 @@ def start_server(
         preexec_fn=parent_death_signal(signal.SIGTERM),  # a test run or benchmark killed hard
     )
     server = RunningServer(process, ports, log_path)
-    metrics_disabled = "--allow-metrics=false" in (extra_args or [])
+    metrics_disabled = endpoint_disabled(extra_args or [], "metrics")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
