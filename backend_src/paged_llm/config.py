@@ -263,6 +263,8 @@ class EngineConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
+    # tests: a request with this bad word fails inside AsyncLLM.add_request with an unexpected error
+    fault_injection_bad_word: str | None = None
 
     @staticmethod
     def from_parameters(parameters: Mapping[str, str]) -> EngineConfig:
@@ -286,6 +288,8 @@ class EngineConfig:
             else:
                 if key == "fault_injection_step":
                     top[key] = _coerce(raw_key, value, "int | None")
+                elif key == "fault_injection_bad_word":
+                    top[key] = value
                 else:
                     raise ConfigError(f"unknown parameter {raw_key!r} in config.pbtxt")
         try:

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def wire_text(text: str) -> str:
+    """`text` as it can go to a client: UTF-8 encodable (a lone surrogate a client sent, quoted back
+    in a message, becomes its \\udXXX escape; pb_utils.TritonError and the wire reject it)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class InvalidRequestError(ValueError):
     """Bad user input (becomes INVALID_ARG). `field` names what the user must fix."""
 

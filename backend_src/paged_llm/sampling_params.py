@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -24,6 +25,12 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
+# The sampler computes in float32: a value past its range would become inf or 0 there, and
+# -inf / inf (a suppressed logit) is NaN, which wins every argmax.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# A \uD800-\uDFFF escape: JSON allows it alone, Unicode does not (such text cannot be encoded).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # Filled by the engine's front end (it has the tokenizer), never sent by clients.
 _INTERNAL_FIELDS = frozenset({"extra", "bad_words_token_ids"})
 
@@ -33,12 +40,45 @@ def loads_request_json(text: str, field_name: str) -> Any:
     recursion limit, an integer past Python's digit limit) is an InvalidRequestError naming the field,
     with a one-line message."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except RecursionError:
         raise InvalidRequestError(field_name, "invalid JSON: nested too deeply") from None
     except ValueError as error:  # JSONDecodeError, and int("9" * 5000)'s digit limit
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise InvalidRequestError(field_name, f"invalid JSON: {message}") from None
+    if _SURROGATE_ESCAPE.search(text):  # json.loads joins a pair; a lone one stays and breaks later
+        try:
+            where = _lone_surrogate_field(value)
+        except RecursionError:
+            raise InvalidRequestError(field_name, "invalid JSON: nested too deeply") from None
+        if where is not None:
+            raise InvalidRequestError(
+                where or field_name, "not valid Unicode: a \\ud800-\\udfff escape without its pair"
+            )
+    return value
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate_field(value: Any) -> str | None:
+    """None if `value` holds no lone surrogate; else the top-level key it is under ("" when that
+    key itself holds one, or `value` is not an object)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _has_lone_surrogate(key):
+                return ""
+            if _lone_surrogate_field(item) is not None:
+                return key
+        return None
+    if isinstance(value, list):
+        return "" if any(_lone_surrogate_field(item) is not None for item in value) else None
+    return "" if isinstance(value, str) and _has_lone_surrogate(value) else None
 
 
 @dataclass(frozen=True)
@@ -138,7 +178,8 @@ class SamplingParams:
                 allowed = ", ".join(sorted(known))
                 raise InvalidRequestError(key, f"unknown sampling parameter (allowed: {allowed})")
             if raw is None and key == "max_tokens":
-                values[key] = None  # as in vLLM: generate until max_model_len
+                # As in vLLM: until max_model_len; a server cap (max_tokens_cap) still bounds it.
+                values[key] = limits.max_tokens
                 continue
             if raw is None and key in _NULLABLE:
                 continue  # null means "use the default", as in vLLM
@@ -148,6 +189,9 @@ class SamplingParams:
                     values[key] = 0
                 continue
             values[key] = _PARSERS[key](key, raw)
+        if "max_tokens" not in values and limits.max_tokens is not None:
+            # The default (16) within a smaller server cap: a request that did not ask is not refused.
+            values["max_tokens"] = min(limits.max_tokens, SamplingParams.max_tokens or limits.max_tokens)
         params = SamplingParams(**values)
         params.validate(limits)
         return params
@@ -158,15 +202,16 @@ class SamplingParams:
             upper = limits.max_tokens if limits.max_tokens is not None else None
             _check_range("max_tokens", self.max_tokens, 1, upper)
         _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
-        _check_range("temperature", self.temperature, 0.0, None)
+        _check_range("temperature", self.temperature, 0.0, FLOAT32_MAX)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise InvalidRequestError("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
-        if not self.repetition_penalty > 0.0:
+        if not FLOAT32_MIN_NORMAL <= self.repetition_penalty <= FLOAT32_MAX:
             raise InvalidRequestError(
-                "repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"must be > 0 (1 = off) and within float32's range, got {self.repetition_penalty}",
             )
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -247,7 +292,11 @@ def parse_float(name: str, raw: Any) -> float:
     if isinstance(raw, bool):
         raise InvalidRequestError(name, f"must be a number, got a boolean ({raw})")
     if isinstance(raw, int | float):
-        value = float(raw)
+        try:
+            value = float(raw)
+        except OverflowError:  # an integer of more than 308 digits
+            message = "must be a finite number, got an integer past float's range"
+            raise InvalidRequestError(name, message) from None
     elif isinstance(raw, str):
         try:
             value = float(raw.strip())

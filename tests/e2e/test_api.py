@@ -92,7 +92,48 @@ MALFORMED = [
         {},
         "input_ids: the prompt has 5000 tokens but max_model_len is 4096",
     ),
+    # a lone surrogate (JSON allows the escape, Unicode does not): it once crashed the server
+    (
+        "bad-word-lone-surrogate",
+        "llm",
+        "Hi",
+        {"sampling_parameters": {"bad_words": ["\ud800"]}},
+        "bad_words: not valid Unicode",
+    ),
+    (
+        "key-lone-surrogate",
+        "llm",
+        "Hi",
+        {"sampling_parameters": {"\udfff": 1}},
+        "sampling_parameters: not valid Unicode",
+    ),
+    # past float32 (the sampler's): inf there, and -inf / inf is NaN
+    (
+        "temperature-past-float32",
+        "llm",
+        "Hi",
+        {"sampling_parameters": {"temperature": 1e39}},
+        "temperature: must be in",
+    ),
+    (
+        "repetition-penalty-underflow",
+        "llm",
+        "Hi",
+        {"sampling_parameters": {"repetition_penalty": 1e-46}},
+        "repetition_penalty",
+    ),
+    (
+        "temperature-400-digits",
+        "llm",
+        "Hi",
+        {"sampling_parameters": {"temperature": 10**400}},
+        "temperature: must be a finite number",
+    ),
     ("trtllm-beam-width", "llm_trtllm", "Hi", {"beam_width": 2}, "beam_width: only 1 is supported"),
+    # named as the client sent them, not as the llm parameters they become
+    ("trtllm-end-id", "llm_trtllm", "Hi", {"end_id": -1}, "end_id: must be in"),
+    ("trtllm-runtime-top-p", "llm_trtllm", "Hi", {"runtime_top_p": 1.5}, "runtime_top_p: must be in"),
+    ("trtllm-min-length", "llm_trtllm", "Hi", {"min_length": -5}, "min_length: must be in"),
     ("trtllm-top-p", "llm_trtllm", "Hi", {"top_p": 7.0}, "top_p"),
     ("trtllm-max-tokens", "llm_trtllm", "Hi", {"max_tokens": -4}, "max_tokens"),
     # refused by llm, not llm_trtllm: the error crosses the BLS hop (as the paged_llm_error output)
@@ -133,6 +174,15 @@ def test_malformed_http_generate_is_400_with_the_field(server):
         status, text = http_post(server.http_url, "/v2/models/llm/generate", body)
         assert status == 400, (body, status, text)
         assert field in json.loads(text)["error"]
+
+
+def test_parameter_names_as_values_are_just_values(server):
+    """The model looks for its own request parameters by key: a stop string that spells one is a stop
+    string (it used to turn the request into an abort with an empty final)."""
+    for name in ("paged_llm_abort_forwarded_request", "paged_llm_outputs"):
+        body = {"text_input": "Hi", "max_tokens": 3, "stop": name}
+        status, text = http_post(server.http_url, "/v2/models/llm/generate", body)
+        assert status == 200 and json.loads(text)["text_output"], (name, status, text)
 
 
 def test_llm_trtllm_rejects_unknown_keys_on_http_generate(server):

@@ -291,7 +291,11 @@ def test_tokenizing_huge_prompts_does_not_hold_up_a_tiny_request(server):
 
 # ---------------------------------------------------------------------------------------- faults
 def test_injected_step_fault_fails_in_flight_requests_then_recovers(tmp_path):
-    repository = make_model_repository(tmp_path / "models", {"fault_injection_step": "3"}, models=("llm",))
+    """A model step that raises, and a request whose admission raises what nobody expected (the
+    tokenizer's TypeError on a lone surrogate once escaped execute(), left its stream open, and the
+    next cancellation poll crashed the server): each gets INTERNAL, the server serves on."""
+    parameters = {"fault_injection_step": "3", "fault_injection_bad_word": "kaboom"}
+    repository = make_model_repository(tmp_path / "models", parameters, models=("llm",))
     faulty = start_server(repository, tmp_path / "server.log")
     try:
         results = stream_many(
@@ -309,6 +313,19 @@ def test_injected_step_fault_fails_in_flight_requests_then_recovers(tmp_path):
             faulty.grpc_url, "after the fault", sampling_parameters={"max_tokens": 8, "ignore_eos": True}
         )
         assert not after.errors and len(after.responses[0].as_numpy("output_ids")) == 8
+        admission = stream(
+            faulty.grpc_url, "Hi", sampling_parameters={"max_tokens": 4, "bad_words": ["kaboom"]}
+        )
+        assert admission.finals == 1 and not admission.responses, admission.errors
+        assert "internal error admitting the request (TypeError)" in admission.errors[0], admission.errors
+        assert "TypeError: injected admission fault" in faulty.log()
+        assert finals(faulty, "internal") == 2
+        time.sleep(0.5)  # several cancellation polls: a stream left open would be polled now
+        again = stream(
+            faulty.grpc_url, "and after it", sampling_parameters={"max_tokens": 4, "ignore_eos": True}
+        )
+        assert not again.errors and len(again.responses[0].as_numpy("output_ids")) == 4
+        assert faulty.process.poll() is None and faulty.is_ready()
         wait_idle(faulty)
     finally:
         faulty.stop()

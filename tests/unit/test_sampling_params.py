@@ -26,6 +26,32 @@ def test_null_max_tokens_means_until_max_model_len():
     assert SamplingParams.from_json('{"max_tokens": null}').max_tokens is None
 
 
+def test_a_server_cap_bounds_null_and_default_max_tokens():
+    capped = RequestLimits(max_tokens=100)
+    assert SamplingParams.from_json('{"max_tokens": null}', capped).max_tokens == 100
+    assert SamplingParams.from_json("{}", capped).max_tokens == 16
+    assert SamplingParams.from_json("{}", RequestLimits(max_tokens=8)).max_tokens == 8
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams.from_json('{"max_tokens": 101}', capped)
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ('{"temperature": 1e39}', "temperature"),  # inf in float32: -inf / inf is NaN
+        ('{"temperature": 1' + "0" * 400 + "}", "temperature"),  # float() of it overflows
+        ('{"top_p": "1' + "0" * 400 + '"}', "top_p"),
+        ('{"repetition_penalty": 1e-46}', "repetition_penalty"),  # 0 in float32
+        ('{"repetition_penalty": 1e39}', "repetition_penalty"),
+    ],
+)
+def test_floats_must_fit_the_samplers_float32(payload, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams.from_json(payload)
+    assert info.value.field == field
+    assert SamplingParams.from_json('{"temperature": 3e38, "repetition_penalty": 1e-37}').temperature == 3e38
+
+
 @pytest.mark.parametrize(
     ("payload", "field"),
     [

@@ -164,3 +164,47 @@ def test_paged_llm_outputs_narrows_the_outputs_a_generate_request_gets():
     assert info.value.field == "paged_llm_outputs"
     # A transport parameter, never a sampling parameter.
     assert request_parameter_mapping('{"paged_llm_outputs": "text_output", "top_k": 2}') == {"top_k": 2}
+
+
+def test_the_models_parameters_are_found_by_key_not_by_their_text():
+    """A value that spells a parameter's name is a value (a stop string once turned a request into
+    an abort, and another into a paged_llm_outputs error)."""
+    from paged_llm.serving.triton_codec import has_request_parameter, requested_outputs
+
+    as_value = json.dumps({"stop": "paged_llm_outputs", "note": "paged_llm_abort_forwarded_request"})
+    assert not has_request_parameter(as_value, "paged_llm_outputs")
+    assert not has_request_parameter(as_value, "paged_llm_abort_forwarded_request")
+    assert requested_outputs(["text_output"], as_value) == {"text_output"}
+    assert has_request_parameter(
+        '{"paged_llm_abort_forwarded_request": "x"}', "paged_llm_abort_forwarded_request"
+    )
+    assert not has_request_parameter("", "paged_llm_outputs") and not has_request_parameter(None, "x")
+
+
+def test_lone_surrogates_are_refused_by_field_and_error_text_can_always_be_sent():
+    from paged_llm.errors import wire_text
+    from paged_llm.serving.triton_codec import decode_forwarded_error, encode_forwarded_error
+
+    for sampling_parameters, field in [
+        ('{"bad_words": ["\\ud800"]}', "bad_words"),
+        ('{"stop": ["ok", "x\\udc00"]}', "stop"),
+        ('{"\\udfff": 1}', "sampling_parameters"),
+    ]:
+        with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+            parse_request(
+                {"text_input": text("hi"), "sampling_parameters": text(sampling_parameters)}, None, LIMITS
+            )
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+        parse_request({"text_input": text("hi")}, '{"stop": "\\ud83d"}', LIMITS)
+    assert info.value.field == "stop"
+    # A pair is one character (an emoji here), not an error.
+    parsed = parse_request(
+        {"text_input": text("hi"), "sampling_parameters": text('{"stop": "\\ud83d\\ude00"}')}, None, LIMITS
+    )
+    assert parsed.params.stop == ("\U0001f600",)
+    assert wire_text("key \ud800 here") == "key \\ud800 here"
+    assert decode_forwarded_error(encode_forwarded_error("invalid_arg", "x\ud800")) == (
+        "invalid_arg",
+        "x\\ud800",
+    )

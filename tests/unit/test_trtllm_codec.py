@@ -72,6 +72,25 @@ def test_inputs_the_engine_cannot_honour_are_refused_by_name(name, value, messag
     assert caught.value.field == name
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("end_id", batch(-1, np.int32), "must be in"),
+        ("min_length", batch(-5, np.int32), "must be in"),
+        ("runtime_top_p", batch(1.5, np.float32), "must be in"),
+        ("runtime_top_k", batch(-3, np.int32), "must be -1"),
+        ("random_seed", batch("x", np.object_), "must be"),
+        ("top_p", batch(1.5, np.float32), "must be in"),
+    ],
+)
+def test_sampling_errors_name_the_input_the_client_sent(name, value, message):
+    """Not the llm parameter it becomes (end_id -> stop_token_ids, runtime_top_p -> top_p)."""
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        to_llm_request({"text_input": text("Hi"), name: value})
+    assert caught.value.field == name
+    assert str(caught.value).startswith(f"{name}: ")
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_the_two_response_layouts(stream):
     request = to_llm_request({"text_input": text("Hi"), "stream": batch(stream)})

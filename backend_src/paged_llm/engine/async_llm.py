@@ -61,6 +61,7 @@ class AsyncLLM:
             config, core_mode, watch_pid=watch_pid, share_name=share_name
         )
         self.info = self.client.info
+        self._fault_bad_word = config.fault_injection_bad_word
         self.owns_core = self.client.owns_core
         self.stats = EngineStats()
         self.processor = OutputProcessor(self.tokenizer, self.stats)
@@ -90,6 +91,8 @@ class AsyncLLM:
         otherwise its outputs, and exactly one final, reach `on_outputs`. `session`: a turn of that
         session (`prompt_token_ids` holds only its new tokens; none, with session.end: a close)."""
         self.check_accepting()
+        if self._fault_bad_word is not None and self._fault_bad_word in params.bad_words:
+            raise TypeError("injected admission fault (fault_injection_bad_word)")
         params = with_bad_words_tokenized(params, self.tokenize)
         if session is None or not session.closes_only(prompt_token_ids):
             self.validate(prompt_token_ids, params)
@@ -100,7 +103,7 @@ class AsyncLLM:
             self.client.add_request(
                 EngineCoreRequest(core_id, prompt_token_ids, params, arrival_time, deadline, session)
             )
-        except EngineDeadError:
+        except Exception:  # EngineDeadError, or a bug: the request is not the processor's either
             with self._lock:
                 self.processor.remove_request(request_id)
             raise

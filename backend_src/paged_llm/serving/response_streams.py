@@ -33,6 +33,7 @@ from paged_llm.errors import (
     QueueFullError,
     RequestAbortedError,
     SessionNotFoundError,
+    wire_text,
 )
 from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
 from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
@@ -149,7 +150,7 @@ class ResponseStreams:
             tensor = self._pb.Tensor(FORWARDED_ERROR_OUTPUT, encode_forwarded_error(label, str(error)))
             response = self._pb.InferenceResponse(output_tensors=[tensor])
         else:
-            response = self._pb.InferenceResponse(error=self._pb.TritonError(str(error), code))
+            response = self._pb.InferenceResponse(error=self._pb.TritonError(wire_text(str(error)), code))
         try:
             sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as send_error:  # the client may be gone already

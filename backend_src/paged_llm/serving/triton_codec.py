@@ -15,7 +15,7 @@ import numpy as np
 
 from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.outputs import PositionLogprobs
-from paged_llm.errors import InvalidRequestError
+from paged_llm.errors import InvalidRequestError, wire_text
 from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json
 from paged_llm.serving.auth import AUTHORIZATION_PARAMETER
 
@@ -258,8 +258,16 @@ def request_flag(raw_parameters: str | Mapping[str, Any] | None, name: str) -> b
         return False
 
 
+def has_request_parameter(raw_parameters: str | Mapping[str, Any] | None, name: str) -> bool:
+    """Whether the request has parameter `name` (as a key: the JSON is parsed only when its text
+    holds the name, which a value may too, e.g. a stop string)."""
+    if not raw_parameters or name not in raw_parameters:
+        return False
+    return name in request_parameter_mapping_raw(raw_parameters)
+
+
 def encode_forwarded_error(label: str, message: str) -> np.ndarray:
-    return np.array([f"{label}\t{message}".encode()], dtype=np.object_)
+    return np.array([wire_text(f"{label}\t{message}").encode()], dtype=np.object_)
 
 
 def decode_forwarded_error(array: np.ndarray) -> tuple[str, str]:
@@ -298,7 +306,7 @@ def requested_outputs(
 ) -> frozenset[str] | None:
     """The outputs to build (None: all): the ones the request names, narrowed by OUTPUTS_PARAMETER."""
     names = frozenset(requested_names)
-    if raw_parameters and OUTPUTS_PARAMETER in raw_parameters:
+    if has_request_parameter(raw_parameters, OUTPUTS_PARAMETER):
         value = request_parameter_mapping_raw(raw_parameters).get(OUTPUTS_PARAMETER)
         if not isinstance(value, str):
             raise InvalidRequestError(OUTPUTS_PARAMETER, "must be a string of comma-separated output names")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from paged_llm.errors import InvalidRequestError
+from paged_llm.sampling_params import SamplingParams
 from paged_llm.serving.triton_codec import request_parameter_mapping
 
 # name -> (sampling parameter it becomes, kind)
@@ -41,6 +42,8 @@ _SCALARS: dict[str, tuple[str, str]] = {
     "min_tokens": ("min_tokens", "int"),
     "min_length": ("min_tokens", "int"),
 }
+# Inputs that become an llm sampling parameter of another name.
+_LIST_INPUTS = {"stop_words": "stop", "bad_words": "bad_words", "end_id": "stop_token_ids"}
 # TensorRT-LLM inputs this engine has no use for, and what a request gets when it sets them.
 _UNSUPPORTED_INPUTS = {
     "decoder_text_input": "encoder-decoder models are not supported",
@@ -137,6 +140,21 @@ def split_batch(inputs: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]
     return [{name: array[row : row + 1] for name, array in inputs.items()} for row in range(num_rows)]
 
 
+def _check_sampling(params: dict[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+    """The llm model's range checks, here, so that an error names the input this client sent
+    (`end_id`, `runtime_top_p`), not the llm parameter it became. Server caps (max_tokens_cap, ...)
+    are the llm model's to apply; its errors name the llm parameter."""
+    try:
+        SamplingParams.from_mapping(params)
+    except InvalidRequestError as error:
+        sent = [name for name, (target, _) in _SCALARS.items() if target == error.field and name in inputs]
+        sent += [name for name, target in _LIST_INPUTS.items() if target == error.field and name in inputs]
+        if not sent or sent == [error.field]:
+            raise
+        message = str(error).split(": ", 1)[-1]
+        raise InvalidRequestError(sent[0], message) from None
+
+
 def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
     if "text_input" not in inputs:
         raise InvalidRequestError("text_input", "is required")
@@ -179,6 +197,7 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
             params["bad_words"] = words
     if "end_id" in inputs:
         params["stop_token_ids"] = [_number("end_id", inputs["end_id"], "int")]
+    _check_sampling(params, inputs)
     stream = _flag("stream", inputs.get("stream"))
     exclude = _flag("exclude_input_in_output", inputs.get("exclude_input_in_output"))
     return_log_probs = _flag("return_log_probs", inputs.get("return_log_probs"))

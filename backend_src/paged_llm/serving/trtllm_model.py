@@ -28,7 +28,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from paged_llm.errors import InvalidRequestError
+from paged_llm.errors import InvalidRequestError, wire_text
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
     FORWARDED_ERROR_OUTPUT,
@@ -108,7 +108,13 @@ class TritonPythonModel:
                 inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
                 forwards = [to_llm_request(row) for row in split_batch(inputs)]
             except InvalidRequestError as error:
-                error_response = pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+                error_response = pb_utils.TritonError(wire_text(str(error)), pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error_response), flags=_FINAL)
+                continue
+            except Exception as error:  # a bug of ours: INTERNAL, one line to the client
+                pb_utils.Logger.log_error(f"{self._name}: reading a request failed: {error!r}")
+                message = f"{self._name}: internal error reading the request ({type(error).__name__})"
+                error_response = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
                 sender.send(pb_utils.InferenceResponse(error=error_response), flags=_FINAL)
                 continue
             client = _ClientRequest(request, sender, len(forwards))
@@ -151,7 +157,7 @@ class TritonPythonModel:
                 if FORWARDED_ERROR_OUTPUT in outputs:  # llm's error, as data (see the docstring)
                     label, message = decode_forwarded_error(outputs[FORWARDED_ERROR_OUTPUT])
                     code = getattr(pb_utils.TritonError, _ERROR_CODE_NAMES.get(label, "INTERNAL"))
-                    self._fail(client, pb_utils.TritonError(message, code), forwarded_id)
+                    self._fail(client, pb_utils.TritonError(wire_text(message), code), forwarded_id)
                     return
                 if not outputs:
                     continue  # the empty final response of the llm stream
@@ -169,7 +175,8 @@ class TritonPythonModel:
         except Exception as error:  # never leave the client without a final response
             pb_utils.Logger.log_error(f"{self._name}: forwarding failed: {error!r}")
             try:
-                internal = pb_utils.TritonError(f"{self._name}: {error}", pb_utils.TritonError.INTERNAL)
+                message = wire_text(f"{self._name}: {error}")
+                internal = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
                 self._fail(client, internal, forwarded_id)
             except Exception:
                 pass

@@ -46,6 +46,7 @@ from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
     INPUT_NAMES,
     authorization_of,
+    has_request_parameter,
     is_forwarded,
     parse_request,
     read_inputs,
@@ -206,7 +207,7 @@ class TritonPythonModel:
             errors_as_output = wants_error_output(triton_request_id, raw_parameters)
             if self._api_keys.enabled:
                 self._api_keys.check(authorization_of(raw_parameters))
-            if FORWARDED_ABORT_PARAMETER in raw_parameters:
+            if has_request_parameter(raw_parameters, FORWARDED_ABORT_PARAMETER):
                 self._abort_forwarded(raw_parameters, sender)
                 return
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
@@ -262,20 +263,34 @@ class TritonPythonModel:
         except Exception as error:
             self._internal_error(sender, error, errors_as_output)
             return
-        prompt_text = parsed.prompt_text
-        if prompt_text is None:
-            echo = not parsed.stream and not parsed.exclude_input_in_output
-            prompt_text = self.engine.tokenizer.decode(prompt_ids) if echo else ""
+        try:
+            prompt_text = parsed.prompt_text
+            if prompt_text is None:
+                echo = not parsed.stream and not parsed.exclude_input_in_output
+                prompt_text = self.engine.tokenizer.decode(prompt_ids) if echo else ""
+            accumulator = ResponseAccumulator(
+                parsed, prompt_text, len(prompt_ids), self.config.serving.max_merged_steps
+            )
+        except Exception as error:
+            self._internal_error(sender, error, errors_as_output)
+            return
         request_id = f"{next(self._ids)}"
-        accumulator = ResponseAccumulator(
-            parsed, prompt_text, len(prompt_ids), self.config.serving.max_merged_steps
-        )
         forwarded_id = triton_request_id if is_forwarded(triton_request_id) else ""
         stream = self._streams.open(request_id, sender, accumulator, forwarded_id, errors_as_output)
+        # From here the stream is open: every way out must close it (Triton frees the request's
+        # response factory once execute() raises, and polling a freed one crashes the server).
         try:
             self.engine.add_request(request_id, prompt_ids, parsed.params, deadline, parsed.session)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.fail(stream, error)
+            return
+        except Exception as error:  # a bug of ours (e.g. the tokenizer refusing a bad word)
+            logger.exception("request %s: handing it to the engine failed", request_id)
+            message = f"internal error admitting the request ({type(error).__name__})"
+            self._streams.fail(stream, RuntimeError(message))
+            return
+        if stream.cancelled:  # the poller saw the cancel before the engine knew the request
+            self.engine.abort(request_id, RequestAbortedError("cancelled by the client"))
 
     def _abort_forwarded(self, raw_parameters: str, sender: Any) -> None:
         """llm_trtllm's client cancelled: end the request it forwarded to us (Triton 2.51's BLS
