@@ -66,6 +66,33 @@ def test_a_ten_turn_session_matches_stateless_requests_and_computes_only_new_tok
     assert session_engine.scheduler_stats().kv_usage == 0.0  # the last turn closed the session
 
 
+@pytest.mark.parametrize("core_mode", ["inprocess", "inprocess+async", "process"])
+def test_a_turn_ended_by_a_stop_string_extends_the_history(engines, core_mode):
+    """Up to the token that completed the stop string, as a stop token would: the next turn equals a
+    stateless request on that history and computes little more than its new tokens. (The front end
+    finds stop strings; the core once ended such a turn as aborted and the history lost it. With
+    asynchronous scheduling the core has run a step further by then: that token is dropped.)"""
+    engine = engines(core_mode, block_size_tokens=4)
+    stateless = engines(enable_prefix_caching=False)
+    first, second = user_turns(engine.info.vocab_size, seed=5)[:2]
+    probe = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    _, outputs = run_one(stateless, "probe", first, probe)
+    text = "".join(delta.text for output in outputs for delta in output.sequences)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    got, outputs = run_one(engine, "turn0", first, params, SessionTurn("chat", start=True))
+    [end] = [delta for output in outputs for delta in output.sequences if delta.finish_reason]
+    assert end.finish_reason == "stop" and 0 < len(got) < 24
+    follow_up = greedy(max_tokens=6)
+    expected, _ = run_one(stateless, "full", first + got + second, follow_up)
+    computed_before = engine.scheduler_stats().prompt_tokens_computed
+    got_next, _ = run_one(engine, "turn1", second, follow_up, SessionTurn("chat", end=True))
+    assert got_next == expected
+    computed = engine.scheduler_stats().prompt_tokens_computed - computed_before
+    assert computed <= len(second) + 1 + 4, computed  # at most a block recomputed besides the new tokens
+    assert engine.scheduler_stats().kv_usage == 0.0
+
+
 def test_a_truncated_turn_equals_a_fresh_request_on_the_truncated_history_and_says_so(engines):
     window = 64
     sinks = 4

@@ -376,3 +376,26 @@ def test_decode_token(qwen: Any, sentencepiece_tok: Any) -> None:
     assert decode_token(qwen, world_id) is decode_token(qwen, world_id)  # cached
     assert decode_token(sentencepiece_tok, sentencepiece_tok.convert_tokens_to_ids("▁Hello")) == " Hello"
     assert decode_token(sentencepiece_tok, sentencepiece_tok.convert_tokens_to_ids("<0x41>")) == "A"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_count_only_after_min_tokens(qwen: Any, include: bool) -> None:
+    """As vLLM: text of the first min_tokens tokens is released unsearched (the engine suppresses
+    EOS and stop tokens as long), so "cat" in token 2 does not stop a min_tokens=3 sequence and the
+    "cat" in token 5 does."""
+    text = "The cat sat on the cat mat"
+    assert qwen.convert_ids_to_tokens(encode_raw(qwen, text))[:6] == [
+        "The",
+        "Ġcat",
+        "Ġsat",
+        "Ġon",
+        "Ġthe",
+        "Ġcat",
+    ]
+    _, _, detok = stop_run(qwen, text, ["cat"], min_tokens=3, include_stop_str_in_output=include)
+    assert detok.matched_stop == "cat"
+    assert detok.output_text == ("The cat sat on the cat" if include else "The cat sat on the ")
+    _, tail, detok = stop_run(qwen, "The cat sat", ["cat"], min_tokens=3)
+    assert (detok.output_text, detok.matched_stop, tail) == ("The cat sat", None, "")
+    _, _, detok = stop_run(qwen, text, ["cat"], min_tokens=1)  # token 2 is past min_tokens=1
+    assert (detok.output_text, detok.matched_stop) == ("The ", "cat")

@@ -379,3 +379,74 @@ def test_random_session_programs_keep_every_invariant_and_read_only_their_own_kv
         h.sessions.close(f"s{index}")
     h.check()
     h.assert_all_free()
+
+
+def run_steps(h: Harness, num_steps: int) -> None:
+    for _ in range(num_steps):
+        h.step()
+
+
+def stop_at(h: Harness, request_id: str, num_output_tokens: int) -> None:
+    """What the core does when the front end found a stop string after that many output tokens."""
+    _session_id, seq = h.turn_seqs[request_id]
+    h.sched.truncate_output(seq, num_output_tokens)
+    h.sched.finish_sequences([request_id], SequenceStatus.FINISHED_STOPPED)
+    h._close_finished()
+    h.check()
+
+
+def test_a_turn_stopped_behind_the_core_keeps_what_the_client_got_and_frees_the_rest():
+    """The core ran two steps past the stop string (10 tokens, 9 with KV, block 2 begun): the history
+    keeps 6 + 2 tokens, blocks 0 and 1 (both full, registered), and block 2 goes back to the pool."""
+    h = Harness()
+    h.add_turn("s", "r1", U1, max_tokens=6, start=True)
+    run_steps(h, 4)
+    assert h.sched.kv_cache.get_block_ids("r1") == [0, 1, 2]
+    stop_at(h, "r1", 2)
+    session = h.sessions.get("s")
+    assert session.token_ids == U1 + expected_outputs("r1", 2)
+    assert session.num_kv_tokens == 8 and len(session.block_hashes) == 2
+    assert h.holder_blocks("s") == [0, 1]
+    assert h.sched.kv_cache.num_free_blocks == 32 - 2
+    h.add_turn("s", "r2", U2)
+    assert h.run()[0] == [("r2", 8, 2, True)]  # only the new tokens
+    assert h.holder_blocks("s") == [0, 1, 3]
+    assert h.sessions.close("s")
+    h.assert_all_free()
+
+
+def test_a_stop_inside_a_registered_block_gives_that_block_up():
+    """Stopped after 1 output token (7 tokens): block 1 is in the prefix cache under the hash of
+    tokens 4-7, token 7 now dropped; the next turn writes there, so the history keeps block 0 only
+    and recomputes from token 4 into a fresh block. Block 1 stays a valid cache entry."""
+    h = Harness()
+    h.add_turn("s", "r1", U1, max_tokens=6, start=True)
+    run_steps(h, 4)
+    stop_at(h, "r1", 1)
+    session = h.sessions.get("s")
+    assert session.token_ids == U1 + expected_outputs("r1", 1)
+    assert session.num_kv_tokens == 4 and len(session.block_hashes) == 1
+    assert h.holder_blocks("s") == [0]
+    h.add_turn("s", "r2", U2)
+    assert h.run()[0] == [("r2", 4, 5, True)]
+    assert h.holder_blocks("s") == [0, 3, 4]  # fresh blocks first; 1 and 2 wait in the free queue
+    assert h.sessions.close("s")
+    h.assert_all_free()
+
+
+def test_after_a_fault_a_turn_waiting_for_its_session_recomputes_the_history():
+    """drop_all_kv (a model step failed) also drops the blocks of a busy session whose turn waits to
+    be admitted: the failed step may have written that history's last token."""
+    h = Harness()
+    h.add_turn("s", "r1", U1, start=True)
+    h.run()
+    h.add_turn("s", "r2", U2)  # waiting, not admitted yet
+    assert h.holder_blocks("s") == [0, 1]
+    h.sched.kv_cache.reset_prefix_cache()  # as engine/faults.py does
+    h.sessions.drop_all_kv()
+    h.check()
+    assert h.holder_blocks("s") == [] and h.sessions.get("s").num_kv_tokens == 0
+    assert h.run()[0] == [("r2", 0, 11, True)]  # the whole history again (the fake model's KV is fresh)
+    assert h.sessions.get("s").token_ids == U1 + expected_outputs("r1", 3) + U2 + expected_outputs("r2", 3)
+    assert h.sessions.close("s")
+    h.assert_all_free()

@@ -174,6 +174,26 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         return len(blocks)
 
+    def truncate(self, owner: str, num_tokens: int) -> int:
+        """Keeps `owner`'s blocks for its first `num_tokens` tokens and frees the rest (a sequence
+        cut short: core/scheduler.py truncate_output). A kept block that the prefix cache holds for
+        longer contents is freed too, since whoever takes these blocks next writes into the last one.
+        Returns how many tokens the kept blocks can hold KV for (num_tokens, or down to a block
+        boundary)."""
+        size = self.block_size_tokens
+        blocks = self.seq_to_blocks[owner]
+        num_kept_blocks = self.num_blocks_for_tokens(num_tokens)
+        num_usable_tokens = num_tokens
+        if num_tokens % size and num_kept_blocks <= self.num_cached_blocks[owner]:
+            num_kept_blocks -= 1  # its hash says more tokens than it keeps: never write into it
+            num_usable_tokens = num_kept_blocks * size
+        dropped = blocks[num_kept_blocks:]
+        del blocks[num_kept_blocks:]
+        del self.seq_to_block_ids[owner][num_kept_blocks:]
+        self.num_cached_blocks[owner] = min(self.num_cached_blocks[owner], num_kept_blocks)
+        self.pool.free(reversed(dropped))
+        return num_usable_tokens
+
     def holds(self, owner: str) -> bool:
         return owner in self.seq_to_blocks
 

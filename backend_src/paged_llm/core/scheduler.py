@@ -144,6 +144,22 @@ class Scheduler:
             finished.append(seq)
         return finished
 
+    def truncate_output(self, seq: Sequence, num_output_tokens: int) -> None:
+        """Drops the output tokens after the first `num_output_tokens`, and their KV (a stop string
+        ended a session's turn there while the core had run further: the history keeps only what
+        the client got). Call just before the sequence finishes."""
+        seq.drop_pending_tokens()
+        num_extra = seq.num_output_tokens - num_output_tokens
+        if num_extra <= 0:
+            return
+        del seq.output_token_ids[-num_extra:]
+        del seq.all_token_ids[-num_extra:]
+        del seq.block_hashes[seq.num_tokens // self.kv_cache.block_size_tokens :]
+        num_usable_tokens = seq.num_tokens
+        if self.kv_cache.holds(seq.seq_id):
+            num_usable_tokens = self.kv_cache.truncate(seq.seq_id, seq.num_tokens)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_usable_tokens)
+
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.drop_pending_tokens()
         seq.status = status

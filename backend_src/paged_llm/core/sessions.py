@@ -243,9 +243,11 @@ class SessionManager:
         return False
 
     def drop_all_kv(self) -> None:
-        """Forgets every idle session's KV (after a model fault its contents are not trusted)."""
+        """Forgets the KV every session holds (after a model fault its contents are not trusted):
+        idle sessions, and busy ones whose turn waits to be admitted (the step that failed may have
+        been writing their last turn's final token); a waiting turn then recomputes the history."""
         for session in self._sessions.values():
-            if session.turn_request_id is None:
+            if self.kv_cache.holds(session.holder):
                 self._drop_kv(session)
 
     def _drop_kv(self, session: Session) -> None:

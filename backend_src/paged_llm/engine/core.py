@@ -25,6 +25,7 @@ from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from paged_llm.core.sessions import SessionManager, SessionTurn
 from paged_llm.core.stop_rules import SequenceUpdate
 from paged_llm.engine.core_types import (
+    AbortRequest,
     CoreError,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -237,6 +238,29 @@ class EngineCore:
         )
         self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
         self._close(record, CoreError("aborted", reason))
+
+    def apply_abort(self, abort: AbortRequest) -> None:
+        """What a front end's AbortRequest asks: a stop string's end, or an abort."""
+        if abort.seq_index is not None and abort.num_output_tokens is not None:
+            self.stop_sequence(abort.request_id, abort.seq_index, abort.num_output_tokens)
+        else:
+            self.abort_request(abort.request_id, abort.seq_index, abort.reason)
+
+    def stop_sequence(self, request_id: str, seq_index: int, num_output_tokens: int) -> None:
+        """A stop string ended a sequence after `num_output_tokens` output tokens (the front end
+        found it in the text): it ends as stopped, not aborted, so a session's turn extends the
+        history, with the tokens after that point (steps the core ran meanwhile) dropped."""
+        record = self._requests.get(request_id)
+        if record is None or seq_index >= len(record.sequences):
+            return
+        seq = record.sequences[seq_index]
+        if seq.is_finished:
+            return
+        if seq.keep_kv_owner is not None:
+            self.scheduler.truncate_output(seq, num_output_tokens)
+        self._end_sequences(record, [seq], SequenceStatus.FINISHED_STOPPED)
+        if record.is_finished:
+            self._close(record)
 
     def close(self) -> None:
         """Releases what outlives a garbage collection: the tensor-parallel worker processes."""

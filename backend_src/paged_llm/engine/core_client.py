@@ -114,7 +114,7 @@ class InProcessCoreClient:
 
     def abort_requests(self, aborts: list[AbortRequest]) -> None:
         for abort in aborts:
-            self.core.abort_request(abort.request_id, abort.seq_index, abort.reason)
+            self.core.apply_abort(abort)
 
     def send_utility(self, name: str) -> int:
         from paged_llm.engine.core_loop import call_utility

@@ -86,7 +86,7 @@ def handle_input(core: EngineCore, item: CoreInput) -> None:
         except SessionNotFoundError as error:
             core.reject(item.request_id, CoreError("not_found", str(error).split(": ", 1)[-1], error.field))
     elif isinstance(item, AbortRequest):
-        core.abort_request(item.request_id, item.seq_index, item.reason)
+        core.apply_abort(item)
     elif isinstance(item, UtilityCall):
         core.record_utility_result(item.call_id, call_utility(core, item.name))
     elif isinstance(item, AbortFrontEnd):

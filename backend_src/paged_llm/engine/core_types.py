@@ -53,11 +53,14 @@ class EngineCoreRequest:
 
 @dataclass
 class AbortRequest:
-    """Ends a request (`seq_index` None) or one of its sequences (a stop string matched in it)."""
+    """Ends a request (`seq_index` None) or one of its sequences: a stop string matched in it after
+    `num_output_tokens` output tokens (the sequence stops there, as if a stop token had ended it; the
+    core may have run a step or two further, and a session's history keeps just those tokens)."""
 
     request_id: str
     seq_index: int | None = None
     reason: str = "cancelled"
+    num_output_tokens: int | None = None
 
 
 @dataclass

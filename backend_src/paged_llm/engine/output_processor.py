@@ -102,6 +102,11 @@ class RequestState:
     def finished(self) -> bool:
         return self.error is not None or all(s.finished for s in self.sequences)
 
+    @property
+    def completed(self) -> bool:
+        """Every sequence ended by a stop or its length (not by an abort or a fault)."""
+        return self.error is None and all(s.finish_reason in ("stop", "length") for s in self.sequences)
+
 
 class OutputProcessor:
     """Not thread-safe: the owner serialises calls (engine/async_llm.py holds a lock)."""
@@ -128,6 +133,7 @@ class OutputProcessor:
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
             )
             for _ in range(params.n)
@@ -184,7 +190,8 @@ class OutputProcessor:
             end = ended.pop((core_id, index), None) if is_last_row else None
             stopped_by_token = end is not None and end.finish_reason == "stop" and end.stop_reason == token_id
             if self._apply_token(state, index, token_id, outputs.logprobs.get(row), stopped_by_token, now):
-                aborts.append(AbortRequest(core_id, index, "stop string"))
+                num_output_tokens = state.sequences[index].num_output_tokens
+                aborts.append(AbortRequest(core_id, index, "stop string", num_output_tokens))
             elif end is not None:
                 self._end_sequence(state, index, end.finish_reason, end.stop_reason)
             touched.add(state.request_id)
@@ -202,7 +209,8 @@ class OutputProcessor:
             if state is None:
                 continue
             if finished.error is not None:
-                self._fail(state, error_from_core(finished.error))
+                if not state.completed:  # else a stop string completed it here before the core knew
+                    self._fail(state, error_from_core(finished.error))
                 touched.add(state.request_id)
             elif not state.finished:  # ended with nothing to generate (a session's close)
                 for index in range(len(state.sequences)):

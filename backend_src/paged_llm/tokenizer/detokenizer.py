@@ -276,8 +276,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        # Stop strings are looked for only once more than min_tokens tokens came (as vLLM does, and
+        # as the engine suppresses EOS and stop tokens before that).
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         # Kept for callers/debugging only; see the class docstring for why it is not decode context.
         self.num_prompt_tokens = len(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
@@ -311,9 +316,10 @@ class IncrementalDetokenizer:
             # Contract: the caller stops after a match / finish. Be inert rather than corrupt the text.
             return DetokenizerUpdate(text_delta="", matched_stop=None)
         skipped_ids = self._skipped_ids
+        self._num_tokens += len(new_token_ids)
         self._decoder.add(token_id for token_id in map(int, new_token_ids) if token_id not in skipped_ids)
         stable_text = self._decoder.step()
-        text_delta, matched_stop = self._stop_matcher.feed(stable_text)
+        text_delta, matched_stop = self._stop_matcher.feed(stable_text, self._num_tokens > self._min_tokens)
         self._release(text_delta)
         return DetokenizerUpdate(text_delta=text_delta, matched_stop=matched_stop)
 
@@ -328,7 +334,9 @@ class IncrementalDetokenizer:
         self._finished = True
         if self.matched_stop is not None:
             return ""
-        tail_text, matched_stop = self._stop_matcher.feed(self._decoder.flush())
+        tail_text, matched_stop = self._stop_matcher.feed(
+            self._decoder.flush(), self._num_tokens > self._min_tokens
+        )
         if matched_stop is None:
             tail_text += self._stop_matcher.flush()
         self._release(tail_text)

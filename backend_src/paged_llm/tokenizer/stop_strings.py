@@ -76,11 +76,13 @@ class StopStringMatcher:
     def held_text(self) -> str:
         return self._held_text
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Add stable text; return (text releasable now, matched stop string or None)."""
+    def feed(self, text: str, check: bool = True) -> tuple[str, str | None]:
+        """Add stable text; return (text releasable now, matched stop string or None). With `check`
+        false (the sequence has not reached min_tokens) the text is released unsearched and is no
+        context for a later match: only text from after that point can stop the sequence."""
         if self.matched_stop is not None:
             return "", None
-        if not self.stops:
+        if not self.stops or not check:
             return text, None
         if not text:
             return "", None

@@ -1,0 +1,36 @@
+"""OutputProcessor: what reaches clients when several core steps are applied in one pass."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from paged_llm.engine.core_types import CoreError, EngineCoreOutputs, FinishedRequest
+from paged_llm.engine.output_processor import OutputProcessor
+from paged_llm.engine.stats import EngineStats
+from paged_llm.models.tiny_model import ensure_tiny_model
+from paged_llm.sampling_params import SamplingParams
+
+
+def test_a_request_a_stop_string_completed_stays_completed_when_the_core_then_reports_an_error():
+    """Step N's token completes a stop string here (the core does not know yet); step N+1, applied in
+    the same pass, carries the core's error for the request (its deadline, a fault). The request
+    completed: its one final says stop, not the error, and the core is told where it stopped."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    processor = OutputProcessor(tokenizer, EngineStats())
+    core_id = processor.add_request("r", [10, 11, 12], SamplingParams(max_tokens=8, stop=["zz"]), 0.0)
+    token_ids = tokenizer("a zz", add_special_tokens=False)["input_ids"]
+    step = EngineCoreOutputs(
+        request_ids=[core_id] * len(token_ids), seq_indices=[0] * len(token_ids), new_token_ids=token_ids
+    )
+    touched, aborts = processor.process(step)
+    assert [(a.seq_index, a.reason, a.num_output_tokens) for a in aborts] == [
+        (0, "stop string", len(token_ids))
+    ]
+    error_step = EngineCoreOutputs(
+        finished_requests=[FinishedRequest(core_id, CoreError("aborted", "timed out"))]
+    )
+    more, _ = processor.process(error_step)
+    [final] = processor.collect(touched | more)
+    assert final.finished and final.error is None
+    assert final.sequences[0].finish_reason == "stop" and final.sequences[0].text == "a "
+    assert not processor.has_unfinished_requests()
