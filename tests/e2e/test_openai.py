@@ -177,7 +177,7 @@ def test_completions_and_chat_streaming_and_not_agree_and_count_tokens(served, t
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "more"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "more"}]},
     ]
     chat = client.chat.completions.create(model="llm", messages=messages, max_tokens=10, temperature=0)
     chunks = list(
@@ -191,7 +191,8 @@ def test_completions_and_chat_streaming_and_not_agree_and_count_tokens(served, t
     assert text == chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     rendered = tiny_tokenizer.apply_chat_template(
-        [{**m, "content": "Tell me more"} if isinstance(m["content"], list) else m for m in messages],
+        # the parts joined by a newline, as vLLM joins them
+        [{**m, "content": "Tell me\nmore"} if isinstance(m["content"], list) else m for m in messages],
         tokenize=False,
         add_generation_prompt=True,
     )
@@ -395,6 +396,10 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
      {"model": "llm", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "llm", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
      "tools"),
+    # prompt + max_tokens past the 4,096-token context: refused, as OpenAI and vLLM do (not cut short)
+    ("/v1/completions", {"model": "llm", "prompt": "Hello there", "max_tokens": 4095}, "max_tokens"),
+    ("/v1/chat/completions",
+     {"model": "llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4090}, "max_tokens"),
 ]  # fmt: skip
 
 
@@ -457,6 +462,48 @@ def test_malformed_bodies_get_400_in_openai_shape_and_the_server_keeps_serving(s
     connection.close()
     ok = served.client().completions.create(model="llm", prompt="still serving", max_tokens=3)
     assert ok.usage.completion_tokens == 3
+
+
+def test_nulls_mean_defaults_and_openais_bookkeeping_fields_are_accepted(served):
+    """What the SDK sends for a None it is given, and OpenAI fields that ask nothing of generation;
+    GET /v1/models/{id}; with include_usage every chunk carries usage (null but in the last)."""
+    client = served.client()
+    completion = client.completions.create(
+        model="llm", prompt="Hi", max_tokens=3, n=None, stream=None, echo=None, logprobs=None,
+        extra_body={"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "priority": -1},
+    )  # fmt: skip
+    assert len(completion.choices) == 1 and completion.usage.completion_tokens == 3
+    chat = client.chat.completions.create(
+        model="llm", max_tokens=2, logprobs=None, n=None, stream=None,
+        messages=[{"role": "user", "content": [{"type": "text", "text": t} for t in ("a", "b")]}],
+    )  # fmt: skip
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens == 2
+    assert client.models.retrieve("llm").id == "llm"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
+    status, answer, _ = post(
+        served.base_url, "/v1/completions",
+        {"model": "llm", "prompt": "Hi", "max_tokens": 2, "stream": True,
+         "stream_options": {"include_usage": None}},
+    )  # fmt: skip
+    assert status == 200, answer
+    chunks = list(client.completions.create(model="llm", prompt="Hi", max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert [c.usage is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    events = _sse_json(served.base_url, {"model": "llm", "prompt": "Hi", "max_tokens": 3, "stream": True,
+                                         "stream_options": {"include_usage": True}})  # fmt: skip
+    assert all("usage" in event for event in events) and events[-1]["usage"]["completion_tokens"] == 3
+
+
+def _sse_json(base_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed completion's events as JSON (the raw stream, not the SDK's reading of it)."""
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
 def test_sixty_four_concurrent_streams_all_complete(served):

@@ -452,6 +452,8 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     assert frontend.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
     assert frontend.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
     assert frontend.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
+    assert frontend.CONTEXT_MUST_FIT_PARAMETER == model.CONTEXT_MUST_FIT_PARAMETER
+    assert frontend.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
     assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
     from paged_llm.frontend.triton_backend import _STATUS_OF_LABEL
     from paged_llm.serving.metric_families import FINAL_CODES

@@ -208,3 +208,17 @@ def test_lone_surrogates_are_refused_by_field_and_error_text_can_always_be_sent(
         "invalid_arg",
         "x\\ud800",
     )
+
+
+def test_context_fit_and_special_tokens_are_request_parameters_not_sampling_parameters():
+    plain = parse_request({"text_input": text("hi")}, None, LIMITS)
+    assert plain.add_special_tokens and not plain.context_must_fit  # vllm_backend's behaviour
+    asked = parse_request(
+        {"text_input": text("hi")},
+        '{"add_special_tokens": false, "paged_llm_context_must_fit": true}',
+        LIMITS,
+    )
+    assert not asked.add_special_tokens and asked.context_must_fit
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request({"text_input": text("hi")}, '{"add_special_tokens": "maybe"}', LIMITS)
+    assert info.value.field == "add_special_tokens"

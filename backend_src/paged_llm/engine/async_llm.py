@@ -30,7 +30,7 @@ from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineC
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
-from paged_llm.engine.validation import validate_params, validate_prompt
+from paged_llm.engine.validation import validate_context_fit, validate_params, validate_prompt
 from paged_llm.errors import EngineCoreDiedError, EngineDeadError, RequestAbortedError
 from paged_llm.sampling.bad_words import with_bad_words_tokenized
 from paged_llm.sampling_params import SamplingParams
@@ -130,18 +130,27 @@ class AsyncLLM:
         self._local_aborts.put((request_id, error))
 
     def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt_field: str = "text_input"
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_field: str = "text_input",
+        context_must_fit: bool = False,
     ) -> None:
-        """InvalidRequestError if the request can never be served by this model and pool."""
+        """InvalidRequestError if the request can never be served by this model and pool (or, with
+        `context_must_fit`, if prompt + max_tokens is past max_model_len)."""
         validate_prompt(self.info, prompt_token_ids, prompt_field)
         validate_params(self.info, params)
+        if context_must_fit:
+            validate_context_fit(self.info, len(prompt_token_ids), params)
 
     @property
     def num_unfinished_requests(self) -> int:
         return self.processor.num_unfinished_requests
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    def tokenize(self, prompt: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: as the tokenizer adds them to a text (Llama's BOS; Qwen adds none),
+        what vLLM does to a text prompt; off for rendered chat templates and for bad words."""
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     # ----------------------------------------------------------------------------- output thread
     def _output_loop(self) -> None:

@@ -39,3 +39,17 @@ def validate_params(info: EngineCoreInfo, params: SamplingParams) -> None:
         raise InvalidRequestError(
             "max_tokens", f"{params.max_tokens} exceeds max_model_len {info.max_model_len}"
         )
+
+
+def validate_context_fit(info: EngineCoreInfo, num_prompt_tokens: int, params: SamplingParams) -> None:
+    """For clients that want OpenAI's behaviour (the OpenAI server asks with a request parameter):
+    a prompt plus max_tokens past the context is refused, where the engine would stop at
+    max_model_len with finish_reason "length". vLLM's OpenAI server refuses it in these words."""
+    if params.max_tokens is None or num_prompt_tokens + params.max_tokens <= info.max_model_len:
+        return
+    raise InvalidRequestError(
+        "max_tokens",
+        f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
+        f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the messages, "
+        f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.",
+    )

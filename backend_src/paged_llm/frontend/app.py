@@ -196,19 +196,25 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             metrics.render(_other_workers_metrics()), media_type="text/plain; version=0.0.4"
         )
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def ready_models() -> list[str]:
         try:
-            names = await state["backend"].ready_models()
+            return await state["backend"].ready_models()
         except Exception as error:
             raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
+
+    def model_card(name: str, created: int) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "paged_llm"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
         created = int(time.time())
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "paged_llm"} for name in names
-            ],
-        }
+        return {"object": "list", "data": [model_card(name, created) for name in await ready_models()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model not in await ready_models():
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return model_card(model, int(time.time()))
 
     # -------------------------------------------------------------------------- generation routes
     async def serve(
@@ -272,10 +278,11 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                 body.logprobs is not None,
                 f"{request_id}-{i}",
                 session,
+                body.add_special_tokens if body.add_special_tokens is not None else True,
             )
             for i, prompt in enumerate(prompts)
         ]
-        builder = ResponseBuilder("completion", request_id, body.model)
+        builder = ResponseBuilder("completion", request_id, body.model, body.include_usage)
         generation = Generation(body.n, len(prompts))
         chunks = merge_streams(state["backend"], generation_requests)
         if not body.stream:
@@ -330,9 +337,10 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             body.logprobs,
             request_id,
             session,
+            bool(body.add_special_tokens),  # default off: the template's text holds its own BOS
         )
         logprobs_k = (body.top_logprobs or 0) if body.logprobs else None
-        builder = ResponseBuilder("chat", request_id, body.model)
+        builder = ResponseBuilder("chat", request_id, body.model, body.include_usage)
         generation = Generation(body.n, 1)
         chunks = merge_streams(state["backend"], [generation_request])
         if not body.stream:

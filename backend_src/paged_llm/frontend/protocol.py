@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paged_llm.frontend.errors import OpenAIError, bad_request
 
@@ -34,13 +34,27 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 class _Body(BaseModel):
     # strict: JSON types as OpenAI's API takes them (no "2" for 2, no true for 1; ints do for floats)
     model_config = ConfigDict(extra="forbid", strict=True)
+    # Fields OpenAI types "X or null" whose null means the default (the SDK sends null for a None
+    # it is given): dropped before validation.
+    _null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_that_mean_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls._null_means_default and None in data.values():
+            return {k: v for k, v in data.items() if v is not None or k not in cls._null_means_default}
+        return data
 
 
 class StreamOptions(_Body):
+    _null_means_default = frozenset({"include_usage"})
     include_usage: bool = False
 
 
 class _SamplingFields(_Body):
+    _null_means_default = frozenset(
+        {"n", "stream", "echo", "logprobs", "add_generation_prompt", "continue_final_message"}
+    )
     model: str
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -52,6 +66,14 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None  # accepted and not used (OpenAI: for abuse monitoring)
+    # OpenAI fields that ask nothing of the generation: accepted and not used (nothing is stored)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    priority: int | None = None  # vLLM's: lower runs sooner (the engine's scheduling priority)
+    add_special_tokens: bool | None = None  # vLLM's: null = the route's default (completions yes, chat no)
     logit_bias: dict[str, float] | None = None  # only empty / null: the engine has no logit bias
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
@@ -97,6 +119,7 @@ class _SamplingFields(_Body):
             "bad_words",
             "skip_special_tokens",
             "include_stop_str_in_output",
+            "priority",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -181,7 +204,7 @@ class ChatMessage(BaseModel):
                         f"messages[{index}].content[{part_index}]",
                     )
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM joins a message's text parts
         message = self.model_dump(exclude_none=True)
         message["content"] = content if content is not None else ""
         return message

@@ -124,11 +124,13 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
 class ResponseBuilder:
     """Ids, timestamps and shapes common to both routes."""
 
-    def __init__(self, kind: str, request_id: str, model: str) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool = False) -> None:
         self.kind = kind  # "completion" | "chat"
         self.id = request_id
         self.model = model
         self.created = int(time.time())
+        # stream_options.include_usage: every chunk carries "usage" (null but in the last one), as OpenAI's do
+        self.include_usage = include_usage
         self._prefix: str | None = None
 
     def _event_prefix(self) -> str:
@@ -155,7 +157,15 @@ class ResponseBuilder:
             obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        envelope: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+        }
+        if chunk and self.include_usage:
+            envelope["usage"] = None
+        return envelope
 
     # ------------------------------------------------------------------------------- whole responses
     def completion(

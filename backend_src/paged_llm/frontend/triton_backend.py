@@ -28,6 +28,8 @@ from paged_llm.frontend.errors import OpenAIError
 from paged_llm.frontend.triton_grpc import GrpcStreams, channel_options
 from paged_llm.frontend.triton_http import GenerateStreams
 from paged_llm.frontend.triton_request import (
+    ADD_SPECIAL_TOKENS_PARAMETER,
+    CONTEXT_MUST_FIT_PARAMETER,
     ERROR_OUTPUT,
     ERROR_OUTPUT_PARAMETER,
     PAGED_LLM_OUTPUTS,
@@ -119,6 +121,9 @@ class TritonBackend:
         if await self._is_paged_llm(request.model):
             # Only what the routes read: the model then builds nothing else (no output_ids).
             outputs = (*PAGED_LLM_OUTPUTS, *(("logprobs",) if request.want_logprobs else ()))
+            parameters[CONTEXT_MUST_FIT_PARAMETER] = True
+            if isinstance(request.prompt, str):
+                parameters[ADD_SPECIAL_TOKENS_PARAMETER] = request.add_special_tokens
             totals_on_final = request.stream and not request.want_logprobs
             if totals_on_final:
                 parameters[TOTALS_ON_FINAL_PARAMETER] = True

@@ -20,6 +20,10 @@ ERROR_OUTPUT_PARAMETER = "paged_llm_error_output"  # asks our llm model for ERRO
 # which measurably lowers the stub's cost per response at high concurrency.
 TOTALS_ON_FINAL_PARAMETER = "paged_llm_totals_on_final"
 OUTPUTS_PARAMETER = "paged_llm_outputs"  # comma-separated names of the outputs our llm model builds
+# Prompt + max_tokens past the context is a 400 (OpenAI's rule), not a generation cut short.
+CONTEXT_MUST_FIT_PARAMETER = "paged_llm_context_must_fit"
+# Whether a text prompt gets the tokenizer's special tokens (completions: yes, chat: no, as vLLM does).
+ADD_SPECIAL_TOKENS_PARAMETER = "add_special_tokens"
 # What the routes read of our llm model (logprobs added when asked for).
 PAGED_LLM_OUTPUTS = ("text_output", "num_output_tokens", "finish_reason", "num_input_tokens", ERROR_OUTPUT)
 
@@ -34,6 +38,7 @@ class GenerationRequest:
     request_id: str
     # A session's turn (X-Session-Id etc.): {"session_id": str, "session_start": bool, "session_end": bool}
     session: dict[str, Any] | None = None
+    add_special_tokens: bool = True  # for a text prompt (a chat template's text holds its own)
 
 
 def request_inputs(request: GenerationRequest) -> dict[str, str | list[int] | bool]:

@@ -16,7 +16,7 @@ import numpy as np
 from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError, wire_text
-from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json
+from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json, parse_bool
 from paged_llm.serving.auth import AUTHORIZATION_PARAMETER
 
 RETURN_FLAGS = (
@@ -34,6 +34,12 @@ INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS, *
 # num_output_tokens on the final response only, num_output_tokens then counting the whole request:
 # each streamed response before it is text_output alone (one tensor for the stub to build, not four).
 TOTALS_ON_FINAL_PARAMETER = "paged_llm_totals_on_final"
+# Prompt + max_tokens past max_model_len is INVALID_ARG (OpenAI's and vLLM's OpenAI server's rule),
+# not a generation cut at max_model_len (the engine's, and vllm_backend's). The OpenAI server sets it.
+CONTEXT_MUST_FIT_PARAMETER = "paged_llm_context_must_fit"
+# false: a text prompt is tokenized without the tokenizer's special tokens (a rendered chat template,
+# which holds its own BOS); by default they are added, as vLLM (and so vllm_backend) tokenizes text.
+ADD_SPECIAL_TOKENS_PARAMETER = "add_special_tokens"
 # Comma-separated output names to build: Triton's HTTP generate asks for every output, and a client
 # that wants fewer (the OpenAI server) names them here.
 OUTPUTS_PARAMETER = "paged_llm_outputs"
@@ -54,6 +60,8 @@ class ParsedRequest:
     # never built, so a client that wants only text_output costs the stub one tensor per response.
     requested_outputs: frozenset[str] | None = None  # None: all
     totals_on_final: bool = False  # TOTALS_ON_FINAL_PARAMETER (streaming only)
+    context_must_fit: bool = False  # CONTEXT_MUST_FIT_PARAMETER
+    add_special_tokens: bool = True  # ADD_SPECIAL_TOKENS_PARAMETER (text prompts)
     session: SessionTurn | None = None  # a turn of a session; with session.end and no prompt: a close
 
     @property
@@ -156,6 +164,8 @@ def parse_request(
     stream = flags.get("stream", False)
     return ParsedRequest(
         totals_on_final=stream and request_flag(request_parameters, TOTALS_ON_FINAL_PARAMETER),
+        context_must_fit=request_flag(request_parameters, CONTEXT_MUST_FIT_PARAMETER),
+        add_special_tokens=_add_special_tokens(request_parameters),
         logprobs_requested=logprobs_requested,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
@@ -235,6 +245,8 @@ _IGNORED_REQUEST_PARAMETERS = frozenset(
         ERROR_OUTPUT_PARAMETER,
         TOTALS_ON_FINAL_PARAMETER,
         OUTPUTS_PARAMETER,
+        CONTEXT_MUST_FIT_PARAMETER,
+        ADD_SPECIAL_TOKENS_PARAMETER,
     }
 )
 
@@ -264,6 +276,13 @@ def has_request_parameter(raw_parameters: str | Mapping[str, Any] | None, name: 
     if not raw_parameters or name not in raw_parameters:
         return False
     return name in request_parameter_mapping_raw(raw_parameters)
+
+
+def _add_special_tokens(raw_parameters: str | Mapping[str, Any] | None) -> bool:
+    if not has_request_parameter(raw_parameters, ADD_SPECIAL_TOKENS_PARAMETER):
+        return True
+    value = request_parameter_mapping_raw(raw_parameters)[ADD_SPECIAL_TOKENS_PARAMETER]
+    return parse_bool(ADD_SPECIAL_TOKENS_PARAMETER, value)
 
 
 def encode_forwarded_error(label: str, message: str) -> np.ndarray:

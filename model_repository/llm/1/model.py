@@ -253,10 +253,10 @@ class TritonPythonModel:
             elif parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
-                prompt_ids = self.engine.tokenize(parsed.prompt_text or "")
+                prompt_ids = self.engine.tokenize(parsed.prompt_text or "", parsed.add_special_tokens)
             prompt_field = "input_ids" if parsed.prompt_token_ids is not None else "text_input"
             if not parsed.closes_session_only:
-                self.engine.validate(prompt_ids, parsed.params, prompt_field)
+                self.engine.validate(prompt_ids, parsed.params, prompt_field, parsed.context_must_fit)
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.send_error(sender, error, errors_as_output)
             return
