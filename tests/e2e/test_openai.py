@@ -167,8 +167,8 @@ def test_completions_and_chat_streaming_and_not_agree_and_count_tokens(served, t
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
     assert streamed[-1].usage == whole.usage and not streamed[-1].choices
-    # usage: the engine's own counts (tokenized without special tokens, as the llm model does)
-    assert whole.usage.prompt_tokens == len(tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    # usage: the engine's own counts (a completions prompt with the tokenizer's special tokens, as vLLM)
+    assert whole.usage.prompt_tokens == len(tiny_tokenizer(prompt)["input_ids"])
     assert whole.usage.completion_tokens == len(choice.logprobs.tokens) == 12
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
     assert choice.finish_reason == "length" and "".join(choice.logprobs.tokens) == choice.text
