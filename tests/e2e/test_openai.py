@@ -678,6 +678,40 @@ def grpc_transport(admission, tmp_path_factory: pytest.TempPathFactory) -> Itera
         _stop_group(frontend, signal.SIGTERM)
 
 
+def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission, tmp_path, tiny_model_dir):
+    """As vLLM's OpenAI server by default: a checkpoint whose generation_config.json says temperature 0
+    makes a request that sets no temperature greedy (the engine's own default is 1)."""
+    server, _ = admission
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(tiny_model_dir / name, checkpoint / name)
+    (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    frontend, base_url = _start_frontend(
+        server.grpc_url,
+        tmp_path / "frontend.log",
+        "--health-model",
+        "llm_wait",
+        "--tokenizer",
+        str(checkpoint),
+    )
+    try:
+        client = openai.OpenAI(api_key="unused", base_url=f"{base_url}/v1", max_retries=0)
+        texts = [
+            client.completions.create(model="llm_wait", prompt="defaults", max_tokens=12, **extra)
+            .choices[0]
+            .text
+            for extra in ({}, {}, {"temperature": 0})
+        ]
+        assert texts[0] == texts[1] == texts[2], texts
+        assert (
+            "default sampling parameters from its generation_config.json"
+            in (tmp_path / "frontend.log").read_text()
+        )
+    finally:
+        _stop_group(frontend, signal.SIGTERM)
+
+
 def test_both_transports_stream_the_same_tokens_and_cancel_a_client_that_left(admission, grpc_transport):
     server, http_transport = admission
     labels = {"model": "llm_wait"}

@@ -349,6 +349,21 @@ def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir,
     assert render(first) + answer["content"] + "<|im_end|>" + turn == render([*first, answer, *later])
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_that_does_not_know_the_role(tiny_model_dir):
+    import asyncio
+
+    from paged_llm.frontend.chat_template import ChatTemplates
+
+    templates = ChatTemplates({"llm": tiny_model_dir}, None, backend=None)
+
+    def render(role: str) -> str:
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        return asyncio.run(templates.render("llm", messages, True, False, None))
+
+    assert render("developer") == render("system")
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in render("developer")
+
+
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport, monkeypatch):
     import asyncio
@@ -467,3 +482,16 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     for prompt, session in (("text", None), ([1, 2], {"session_id": "s", "session_end": True})):
         request = frontend.GenerationRequest("llm", prompt, {}, True, True, "r", session)
         assert set(frontend.request_inputs(request)) <= set(model.INPUT_NAMES)
+
+
+def test_generation_config_sampling_defaults_are_read_as_vllm_reads_them(tmp_path):
+    from paged_llm.frontend.chat_template import generation_defaults_of
+
+    assert generation_defaults_of(None) == {} and generation_defaults_of(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "min_p": "x",
+                    "repetition_penalty": True, "eos_token_id": [1, 2]})
+    )  # fmt: skip
+    assert generation_defaults_of(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert generation_defaults_of(tmp_path) == {}

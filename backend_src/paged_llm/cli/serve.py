@@ -203,7 +203,7 @@ def serve(args: argparse.Namespace) -> int:
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
                 *(["--triton-http-url", f"{host}:{ports.http}"] if args.openai_transport == "http" else []),
                 "--health-model", args.served_model_name, "--log-level", args.log_level,
-                "--workers", str(args.openai_workers),
+                "--workers", str(args.openai_workers), "--generation-config", args.generation_config,
             ]  # fmt: skip
             if tokenizer_dir is not None:
                 frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
@@ -308,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=max(1, min(6, (os.cpu_count() or 1) // 2)),
         help="OpenAI server processes (default: half the cores, at most 6: on a 16-core H100 host, 6 kept "
         "the OpenAI path's ITL p50 within 8%% of direct gRPC at 64 streams, 4 did not)",
+    )
+    add(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        default="auto",
+        help="the OpenAI server's defaults for sampling parameters a request leaves unset: the "
+        "checkpoint's generation_config.json (auto, as vLLM) or the engine's (vllm)",
     )
     add(
         "--openai-transport",

@@ -73,6 +73,9 @@ class FrontendSettings:
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # model -> checkpoint dir (chat, echo)
     default_tokenizer_dir: Path | None = None
     max_body_bytes: int = 16 << 20
+    # "auto": sampling parameters a request leaves unset take the checkpoint's generation_config.json
+    # values (vLLM's default); "vllm": the engine's defaults (temperature 1, no top_p / top_k)
+    generation_config: str = "auto"
     # With several worker processes: each writes its figures here every second, and /metrics in
     # any of them answers the sum.
     metrics_dir: Path | None = None
@@ -89,6 +92,7 @@ class FrontendSettings:
                 if self.default_tokenizer_dir
                 else None,
                 "max_body_bytes": self.max_body_bytes,
+                "generation_config": self.generation_config,
                 "metrics_dir": str(self.metrics_dir) if self.metrics_dir else None,
             }
         )
@@ -106,6 +110,7 @@ class FrontendSettings:
             if data["default_tokenizer_dir"]
             else None,
             max_body_bytes=data["max_body_bytes"],
+            generation_config=data.get("generation_config", "auto"),
             metrics_dir=Path(data["metrics_dir"]) if data["metrics_dir"] else None,
         )
 
@@ -265,7 +270,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                 for index in range(body.n):
                     echo_texts[position * body.n + index] = text
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        sampling = body.sampling_parameters()
+        sampling = await with_generation_defaults(body.model, body.sampling_parameters())
         session = session_of(request)
         if session is not None and len(prompts) != 1:
             raise OpenAIError(400, f"a session's turn has one prompt, got {len(prompts)}", "prompt")
@@ -312,6 +317,12 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             chunks, first, generation, builder, body.include_usage, "completions", start, completion_events
         )
 
+    async def with_generation_defaults(model: str, sampling: dict[str, Any]) -> dict[str, Any]:
+        if settings.generation_config == "auto":
+            for name, value in (await state["chat"].generation_defaults(model)).items():
+                sampling.setdefault(name, value)
+        return sampling
+
     async def _chat_completions(request: Request) -> Response:
         start = time.monotonic()
         body: ChatCompletionRequest = parse_body(
@@ -332,7 +343,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         generation_request = GenerationRequest(
             body.model,
             prompt,
-            body.sampling_parameters(),
+            await with_generation_defaults(body.model, body.sampling_parameters()),
             body.stream,
             body.logprobs,
             request_id,

@@ -9,6 +9,7 @@ parameter in its Triton config (the built-in tiny model's name, or an absolute d
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,51 @@ def _after_previous_answer(text: str, eos_token: str | None) -> str:
     return rest
 
 
+# generation_config.json fields that are sampling defaults (vLLM's --generation-config auto reads these)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults_of(directory: Path | None) -> dict[str, float | int]:
+    """The sampling defaults a checkpoint recommends in its generation_config.json (none if absent)."""
+    path = directory / "generation_config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        logger.warning("%s: not read (%s); no default sampling parameters from it", path, error)
+        return {}
+    return {
+        name: config[name]
+        for name in GENERATION_DEFAULT_FIELDS
+        if isinstance(config.get(name), int | float) and not isinstance(config.get(name), bool)
+    }
+
+
 class ChatTemplates:
+    """What the OpenAI server reads of a model's checkpoint: its tokenizer and chat template, and
+    the sampling defaults of its generation_config.json."""
+
     def __init__(self, tokenizer_dirs: dict[str, Path], default_dir: Path | None, backend: Any) -> None:
         self._dirs = dict(tokenizer_dirs)
         self._default_dir = default_dir
         self._backend = backend
         self._tokenizers: dict[str, Any] = {}
+        self._generation_defaults: dict[str, dict[str, float | int]] = {}
         self._lock = asyncio.Lock()
+
+    async def generation_defaults(self, model: str) -> dict[str, float | int]:
+        """Sampling parameters a request leaves unset take these (as vLLM's OpenAI server does by
+        default); read once per model."""
+        if model not in self._generation_defaults:
+            defaults = generation_defaults_of(await self._find_dir(model))
+            if defaults:
+                logger.warning(
+                    "model %s: default sampling parameters from its generation_config.json: %s "
+                    "(--generation-config vllm ignores them)", model, defaults,
+                )  # fmt: skip
+            self._generation_defaults[model] = defaults
+        return self._generation_defaults[model]
 
     async def _find_dir(self, model: str) -> Path | None:
         if model in self._dirs:
@@ -95,6 +134,11 @@ class ChatTemplates:
         tokenizer = await self.tokenizer(model)
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(f"model {model!r} has no chat template; use /v1/completions", "model")
+        template = tokenizer.chat_template
+        if isinstance(template, str) and "developer" not in template:
+            # OpenAI's newer name for system instructions; a template that does not know it (Qwen's,
+            # Llama's) would drop the message without a word
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         if after_an_answer:
             messages = [{"role": "assistant", "content": _PREVIOUS_ANSWER}, *messages]
         try:

@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="server processes on the port, each with its own SO_REUSEPORT socket so that connections "
         "spread evenly (one Python process streams about 8k SSE events/s; /metrics sums them all)",
     )
+    parser.add_argument(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        default="auto",
+        help="auto: sampling parameters a request leaves unset take the checkpoint's "
+        "generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty), as "
+        "vLLM's OpenAI server does by default; vllm: the engine's defaults",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dirs=per_model,
         default_tokenizer_dir=default,
         max_body_bytes=args.max_body_bytes,
+        generation_config=args.generation_config,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
