@@ -253,7 +253,10 @@ class TritonPythonModel:
             elif parsed.prompt_token_ids is not None:
                 prompt_ids = parsed.prompt_token_ids
             else:
-                prompt_ids = self.engine.tokenize(parsed.prompt_text or "", parsed.add_special_tokens)
+                # A session's later turn continues the text of the turns before: no second BOS.
+                later_turn = parsed.session is not None and not parsed.session.start
+                add_special_tokens = parsed.add_special_tokens and not later_turn
+                prompt_ids = self.engine.tokenize(parsed.prompt_text or "", add_special_tokens)
             prompt_field = "input_ids" if parsed.prompt_token_ids is not None else "text_input"
             if not parsed.closes_session_only:
                 self.engine.validate(prompt_ids, parsed.params, prompt_field, parsed.context_must_fit)
