@@ -28,7 +28,8 @@ MAX_BAD_WORD_CHARS = 256
 # The sampler computes in float32: a value past its range would become inf or 0 there, and
 # -inf / inf (a suppressed logit) is NaN, which wins every argmax.
 FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# A positive logit is divided by the repetition penalty: below this, ordinary logits reach inf.
+MIN_REPETITION_PENALTY = 1e-6
 # A \uD800-\uDFFF escape: JSON allows it alone, Unicode does not (such text cannot be encoded).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # Filled by the engine's front end (it has the tokenizer), never sent by clients.
@@ -178,8 +179,9 @@ class SamplingParams:
                 allowed = ", ".join(sorted(known))
                 raise InvalidRequestError(key, f"unknown sampling parameter (allowed: {allowed})")
             if raw is None and key == "max_tokens":
-                # As in vLLM: until max_model_len; a server cap (max_tokens_cap) still bounds it.
-                values[key] = limits.max_tokens
+                # As in vLLM: until max_model_len (the engine core bounds it by max_tokens_cap too,
+                # once it knows the prompt with a session's history: EngineCore.add_request).
+                values[key] = None
                 continue
             if raw is None and key in _NULLABLE:
                 continue  # null means "use the default", as in vLLM
@@ -208,10 +210,11 @@ class SamplingParams:
         if self.top_k < -1:
             raise InvalidRequestError("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
-        if not FLOAT32_MIN_NORMAL <= self.repetition_penalty <= FLOAT32_MAX:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= FLOAT32_MAX:
             raise InvalidRequestError(
                 "repetition_penalty",
-                f"must be > 0 (1 = off) and within float32's range, got {self.repetition_penalty}",
+                f"must be in [{MIN_REPETITION_PENALTY}, {FLOAT32_MAX:.4g}] (1 = off), "
+                f"got {self.repetition_penalty}",
             )
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)

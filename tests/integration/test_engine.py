@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
 from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.errors import InvalidRequestError, QueueFullError, RequestAbortedError
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import RequestLimits, SamplingParams
 from tests.integration.conftest import make_engine, run_to_completion
 
 
@@ -177,6 +178,23 @@ def test_queue_max_wait_ends_a_request_that_never_started_but_not_a_running_one(
     assert finals["running"].error is None
     assert finals["running"].sequences[0].finish_reason == "length"
     assert engine.core.kv_cache.usage == 0
+
+
+def test_max_tokens_cap_bounds_a_request_that_asks_until_max_model_len(tiny_model_dir, prompts):
+    """max_tokens null (what the OpenAI server sends for a chat without max_tokens) runs to the
+    context's end, within max_tokens_cap: the core applies the cap once it knows the prompt."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=64),
+        cache=CacheConfig(num_blocks=256),
+        limits=RequestLimits(max_tokens=5),
+    )
+    engine = LLMEngine(config, show_progress=False)
+    until_the_end = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    [[capped]] = run_to_completion(engine, [prompts[1]], until_the_end)
+    assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
+    uncapped = LLMEngine(replace(config, limits=RequestLimits()), show_progress=False)
+    [[whole]] = run_to_completion(uncapped, [prompts[1]], until_the_end)
+    assert len(whole.token_ids) == 64 - len(prompts[1]) and whole.finish_reason == "length"
 
 
 def test_injected_step_fault_fails_in_flight_requests_and_engine_recovers(tiny_model_dir, prompts):

@@ -495,3 +495,29 @@ def test_generation_config_sampling_defaults_are_read_as_vllm_reads_them(tmp_pat
     assert generation_defaults_of(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     (tmp_path / "generation_config.json").write_text("{not json")
     assert generation_defaults_of(tmp_path) == {}
+
+
+def test_generation_defaults_are_asked_again_while_triton_does_not_answer(tiny_model_dir, tmp_path):
+    """A worker that asked while Triton was not answering must not keep "no defaults" for good."""
+    import asyncio
+    import shutil
+
+    from paged_llm.frontend.chat_template import ChatTemplates
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_model_dir, checkpoint)
+    (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+
+    class Backend:
+        def __init__(self) -> None:
+            self.answers = [RuntimeError("not reachable"), {"model": str(checkpoint)}]
+
+        async def model_parameters(self, model):
+            answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    templates = ChatTemplates({}, None, backend=Backend())
+    assert asyncio.run(templates.generation_defaults("llm")) == {}
+    assert asyncio.run(templates.generation_defaults("llm")) == {"temperature": 0.6}

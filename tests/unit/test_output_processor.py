@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from transformers import AutoTokenizer
 
 from paged_llm.engine.core_types import CoreError, EngineCoreOutputs, FinishedRequest
@@ -11,13 +12,16 @@ from paged_llm.models.tiny_model import ensure_tiny_model
 from paged_llm.sampling_params import SamplingParams
 
 
-def test_a_request_a_stop_string_completed_stays_completed_when_the_core_then_reports_an_error():
+@pytest.mark.parametrize("in_session", [False, True])
+def test_a_request_a_stop_string_completed_stays_completed_when_the_core_then_reports_an_error(in_session):
     """Step N's token completes a stop string here (the core does not know yet); step N+1, applied in
     the same pass, carries the core's error for the request (its deadline, a fault). The request
-    completed: its one final says stop, not the error, and the core is told where it stopped."""
+    completed: its one final says stop, not the error, and the core is told where it stopped; but a
+    session's turn, which the core then did not add to the history, ends with the error."""
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     processor = OutputProcessor(tokenizer, EngineStats())
-    core_id = processor.add_request("r", [10, 11, 12], SamplingParams(max_tokens=8, stop=["zz"]), 0.0)
+    params = SamplingParams(max_tokens=8, stop=["zz"])
+    core_id = processor.add_request("r", [10, 11, 12], params, 0.0, in_session=in_session)
     token_ids = tokenizer("a zz", add_special_tokens=False)["input_ids"]
     step = EngineCoreOutputs(
         request_ids=[core_id] * len(token_ids), seq_indices=[0] * len(token_ids), new_token_ids=token_ids
@@ -31,6 +35,9 @@ def test_a_request_a_stop_string_completed_stays_completed_when_the_core_then_re
     )
     more, _ = processor.process(error_step)
     [final] = processor.collect(touched | more)
-    assert final.finished and final.error is None
-    assert final.sequences[0].finish_reason == "stop" and final.sequences[0].text == "a "
+    assert final.finished and final.sequences[0].text == "a "
+    if in_session:  # the core ended the turn with its error: the history did not take it, say so
+        assert "timed out" in str(final.error)
+    else:
+        assert final.error is None and final.sequences[0].finish_reason == "stop"
     assert not processor.has_unfinished_requests()

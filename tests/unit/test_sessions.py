@@ -450,3 +450,40 @@ def test_after_a_fault_a_turn_waiting_for_its_session_recomputes_the_history():
     assert h.sessions.get("s").token_ids == U1 + expected_outputs("r1", 3) + U2 + expected_outputs("r2", 3)
     assert h.sessions.close("s")
     h.assert_all_free()
+
+
+def test_a_stop_that_empties_a_short_first_turns_blocks_leaves_the_holder_nothing():
+    """A 2-token first turn stopped after 1 output token while the core had 6 tokens (block 0 full
+    and registered): the kept 3 tokens' block is given up, so the session holds no table at all
+    (an empty one made the next turn's hand-over assert and killed the core)."""
+    h = Harness()
+    h.add_turn("s", "r1", [11, 12], max_tokens=6, start=True)
+    run_steps(h, 4)
+    stop_at(h, "r1", 1)
+    assert not h.sched.kv_cache.holds(h.sessions.get("s").holder)
+    assert h.sessions.get("s").num_kv_tokens == 0
+    h.add_turn("s", "r2", U2)
+    assert h.run()[0] == [("r2", 0, 5, True)]  # the 3-token history again, and the 2 new tokens
+    assert h.holder_blocks("s") == [2, 3]  # fresh blocks; 0 (still a cache entry) and 1 wait
+    assert h.sessions.close("s")
+    h.assert_all_free()
+
+
+def test_a_stop_found_after_the_core_ended_the_turn_cuts_the_history_there():
+    """The core ended turn 1 by its length (6 output tokens) before the front end's stop string (at
+    output token 2) reached it: the history is cut to 6 + 2 tokens, block 2 given back."""
+    h = Harness()
+    h.add_turn("s", "r1", U1, max_tokens=6, start=True)
+    h.run()
+    assert h.holder_blocks("s") == [0, 1, 2] and h.sessions.get("s").num_kv_tokens == 11
+    h.sessions.stop_last_turn("r1", 2)
+    h.check()
+    session = h.sessions.get("s")
+    assert session.token_ids == U1 + expected_outputs("r1", 2)
+    assert session.num_kv_tokens == 8 and len(session.block_hashes) == 2
+    assert h.holder_blocks("s") == [0, 1]
+    h.add_turn("s", "r2", U2)
+    h.sessions.stop_last_turn("r1", 0)  # one for the turn before, once the next began: nothing
+    assert h.run()[0] == [("r2", 8, 2, True)]
+    assert h.sessions.close("s")
+    h.assert_all_free()

@@ -187,6 +187,9 @@ class KVCacheManager:
         if num_tokens % size and num_kept_blocks <= self.num_cached_blocks[owner]:
             num_kept_blocks -= 1  # its hash says more tokens than it keeps: never write into it
             num_usable_tokens = num_kept_blocks * size
+        if num_kept_blocks == 0:  # nothing left: the owner holds nothing (not an empty table)
+            self.free_owner(owner)
+            return 0
         dropped = blocks[num_kept_blocks:]
         del blocks[num_kept_blocks:]
         del self.seq_to_block_ids[owner][num_kept_blocks:]

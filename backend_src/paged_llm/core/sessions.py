@@ -60,6 +60,9 @@ class Session:
     # turn's sequence starts from them and hashes only its new blocks (re-hashing a 4,400-token
     # history every turn was O(history) on the way to the first token).
     block_hashes: list[bytes] = field(default_factory=list)
+    # (request id, prompt tokens) of the turn that last extended token_ids, until the next begins:
+    # a stop string the front end finds in it after the core ended it cuts the history there
+    last_turn: tuple[str, int] | None = None
 
     @property
     def holder(self) -> str:
@@ -166,6 +169,7 @@ class SessionManager:
             self.num_truncated_total += 1
         session.turn_request_id = request_id
         session.closing = turn.end
+        session.last_turn = None
         self._touch(session)
         return PreparedTurn(prompt, num_dropped)
 
@@ -192,6 +196,7 @@ class SessionManager:
         if seq is not None and seq.held_kv_owner is None:  # admitted: it took what it says
             self.reused_tokens_total += seq.num_held_kv_tokens
         if completed and seq is not None:
+            session.last_turn = (seq.seq_id, seq.num_prompt_tokens)
             session.token_ids = list(seq.all_token_ids)
             session.block_hashes = seq.block_hashes  # the sequence is done: it appends no more
             session.num_kv_tokens = (
@@ -241,6 +246,26 @@ class SessionManager:
             self.num_evicted_total += 1
             return True
         return False
+
+    def stop_last_turn(self, request_id: str, num_output_tokens: int) -> None:
+        """A stop string ended turn `request_id` after `num_output_tokens` output tokens, and the
+        core had already ended it further on (EOS or its length, a step or more ahead of the front
+        end): the history keeps the tokens up to the stop, as when the stop arrives in time."""
+        session = next(
+            (s for s in self._sessions.values() if s.last_turn and s.last_turn[0] == request_id), None
+        )
+        if session is None or session.last_turn is None:
+            return
+        num_tokens = session.last_turn[1] + num_output_tokens
+        if len(session.token_ids) <= num_tokens:
+            return
+        del session.token_ids[num_tokens:]
+        del session.block_hashes[num_tokens // self.kv_cache.block_size_tokens :]
+        if self.kv_cache.holds(session.holder):
+            num_usable_tokens = self.kv_cache.truncate(session.holder, num_tokens)
+            session.num_kv_tokens = min(session.num_kv_tokens, num_usable_tokens)
+        else:
+            session.num_kv_tokens = 0
 
     def drop_all_kv(self) -> None:
         """Forgets the KV every session holds (after a model fault its contents are not trusted):

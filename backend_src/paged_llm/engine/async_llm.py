@@ -98,7 +98,9 @@ class AsyncLLM:
             self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic()
         with self._lock:
-            core_id = self.processor.add_request(request_id, prompt_token_ids, params, arrival_time)
+            core_id = self.processor.add_request(
+                request_id, prompt_token_ids, params, arrival_time, in_session=session is not None
+            )
         try:
             self.client.add_request(
                 EngineCoreRequest(core_id, prompt_token_ids, params, arrival_time, deadline, session)

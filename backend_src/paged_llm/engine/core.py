@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
@@ -165,6 +165,9 @@ class EngineCore:
             prompt = turn.prompt_token_ids
             if turn.num_dropped_tokens:
                 self._outputs.history_truncated[request.request_id] = turn.num_dropped_tokens
+        cap = self.config.limits.max_tokens
+        if params.max_tokens is None and cap is not None:  # "until max_model_len", within the server cap
+            params = replace(params, max_tokens=max(1, min(cap, self.info.max_model_len - len(prompt))))
         sequences = [
             Sequence(
                 seq_id=request.request_id if params.n == 1 else f"{request.request_id}#{index}",
@@ -251,7 +254,10 @@ class EngineCore:
         found it in the text): it ends as stopped, not aborted, so a session's turn extends the
         history, with the tokens after that point (steps the core ran meanwhile) dropped."""
         record = self._requests.get(request_id)
-        if record is None or seq_index >= len(record.sequences):
+        if record is None:  # the core ended it already (EOS, its length): a session cuts its history
+            self.sessions.stop_last_turn(request_id, num_output_tokens)
+            return
+        if seq_index >= len(record.sequences):
             return
         seq = record.sequences[seq_index]
         if seq.is_finished:

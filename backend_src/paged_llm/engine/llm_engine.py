@@ -75,7 +75,7 @@ class LLMEngine:
         validate_params(self.info, params)
         if arrival_time is None:
             arrival_time = time.monotonic()
-        core_id = self.processor.add_request(request_id, prompt, params, arrival_time)
+        core_id = self.processor.add_request(request_id, prompt, params, arrival_time, session is not None)
         try:
             self.client.add_request(
                 EngineCoreRequest(core_id, prompt, params, arrival_time, deadline, session)

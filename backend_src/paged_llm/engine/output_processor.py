@@ -97,6 +97,7 @@ class RequestState:
     first_token_time: float | None = None
     error: BaseException | None = None  # the request failed (or was aborted) with this
     history_truncated_tokens: int | None = None  # its session dropped these; reported on one output
+    in_session: bool = False  # a session's turn: whether it extended the history is the core's to say
 
     @property
     def finished(self) -> bool:
@@ -120,7 +121,12 @@ class OutputProcessor:
         self.core_id_prefix = ""  # a core shared by several front ends routes outputs by it
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        in_session: bool = False,
     ) -> str:
         """Registers a request; returns the id to give the engine core."""
         if request_id in self.requests:
@@ -145,6 +151,7 @@ class OutputProcessor:
             len(prompt_token_ids),
             sequences,
             arrival_time,
+            in_session=in_session,
         )
         self.requests[request_id] = state
         self._by_core_id[state.core_request_id] = state
@@ -209,7 +216,10 @@ class OutputProcessor:
             if state is None:
                 continue
             if finished.error is not None:
-                if not state.completed:  # else a stop string completed it here before the core knew
+                # A stop string completed it here before the core knew: the error (its deadline, a
+                # fault) came too late to matter, but for a session's turn, which the core then did
+                # not add to the history: the client must know that.
+                if not state.completed or state.in_session:
                     self._fail(state, error_from_core(finished.error))
                 touched.add(state.request_id)
             elif not state.finished:  # ended with nothing to generate (a session's close)

@@ -64,6 +64,7 @@ class ChatTemplates:
         self._backend = backend
         self._tokenizers: dict[str, Any] = {}
         self._generation_defaults: dict[str, dict[str, float | int]] = {}
+        self._unanswered: set[str] = set()  # models whose config Triton did not answer when asked
         self._lock = asyncio.Lock()
 
     async def generation_defaults(self, model: str) -> dict[str, float | int]:
@@ -71,6 +72,8 @@ class ChatTemplates:
         default); read once per model."""
         if model not in self._generation_defaults:
             defaults = generation_defaults_of(await self._find_dir(model))
+            if model in self._unanswered:  # not known yet: this request goes without, the next asks
+                return defaults
             if defaults:
                 logger.warning(
                     "model %s: default sampling parameters from its generation_config.json: %s "
@@ -88,7 +91,9 @@ class ChatTemplates:
             parameters = await self._backend.model_parameters(model)
         except Exception as error:
             logger.info("no model config for %s: %s", model, error)
+            self._unanswered.add(model)  # Triton did not answer: worth asking again
             return None
+        self._unanswered.discard(model)
         name = parameters.get("model", "")
         from paged_llm.models.builtin import TINY_MODEL_NAME, resolve_model_dir
 
