@@ -120,16 +120,21 @@ async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> Re
     return record
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
 async def _one_openai_request(session: Any, base_url: str, model: str, job: Job) -> RequestRecord:
     """The same job through the OpenAI server: /v1/completions, streamed (SSE), prompt as token ids.
     Each SSE event is one Triton response; tokens per response are spread evenly (as --text-only)."""
     body = {"model": model, "prompt": job.prompt_token_ids, "max_tokens": job.num_output_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    # Serialized before the clock starts, as the gRPC client's inputs are built before it.
+    data = json.dumps(body).encode()
     record = RequestRecord(job.index, time.monotonic())
     num_tokens = 0
     try:
-        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+        async with session.post(f"{base_url}/v1/completions", data=data, headers=_JSON) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return record

@@ -42,12 +42,12 @@ for spec in numpy==1.26.4 python-rapidjson==1.20 py-spy==0.4.1; do
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
     -d "$OUT/wheels" "$spec"
 done
-if [ ! -f "$OUT/frontend_wheels/.complete" ]; then
+if [ ! -f "$OUT/frontend_wheels/.complete" ] || ! ls "$OUT/frontend_wheels/" | grep -q "^orjson-"; then
   mkdir -p "$OUT/frontend_wheels"
   .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$OUT/frontend_wheels" \
-    fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 aiohttp==3.14.5
+    fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 aiohttp==3.14.5 orjson==3.13.0
   touch "$OUT/frontend_wheels/.complete"
 fi
 du -sh "$OUT"/* "$OUT"/wheels/* >&2

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from paged_llm.frontend import fast_json
 from paged_llm.frontend.errors import OpenAIError, bad_request
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the llm model takes INT32 ids
@@ -166,7 +167,8 @@ class CompletionRequest(_SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
+        # (validated: a list whose first item is an int is a list of token ids)
+        if not prompt or type(prompt[0]) is int:
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
@@ -258,7 +260,7 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_body(raw: bytes, model: type[_Body]) -> Any:
     """The request body as `model`, or a 400 OpenAIError naming the offending field."""
     try:
-        data = json.loads(raw, parse_constant=_refuse_constant)
+        data = fast_json.loads(raw, parse_constant=_refuse_constant)
         # A lone surrogate ("\ud800") parses but cannot be encoded again: refuse it here, not
         # with a 500 when a prompt or an error message is encoded later. Only a \uD800-\uDFFF
         # escape or a surrogate's encoded bytes make one, so most UTF-8 bodies skip the re-encoding

@@ -50,7 +50,7 @@ from paged_llm.serving.triton_codec import (
     is_forwarded,
     parse_request,
     read_inputs,
-    request_parameter_mapping,
+    request_parameter_mapping_raw,
     requested_outputs,
     wants_error_output,
 )
@@ -203,17 +203,19 @@ class TritonPythonModel:
         errors_as_output = False
         try:
             triton_request_id = request.request_id()
-            raw_parameters = request.parameters()
-            errors_as_output = wants_error_output(triton_request_id, raw_parameters)
+            errors_as_output = is_forwarded(triton_request_id)
+            # Parsed once here (Triton hands them over as JSON text): every helper takes the dict.
+            parameters = request_parameter_mapping_raw(request.parameters())
+            errors_as_output = wants_error_output(triton_request_id, parameters)
             if self._api_keys.enabled:
-                self._api_keys.check(authorization_of(raw_parameters))
-            if has_request_parameter(raw_parameters, FORWARDED_ABORT_PARAMETER):
-                self._abort_forwarded(raw_parameters, sender)
+                self._api_keys.check(authorization_of(parameters))
+            if has_request_parameter(parameters, FORWARDED_ABORT_PARAMETER):
+                self._abort_forwarded(parameters, sender)
                 return
             inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
-            parsed = parse_request(inputs, raw_parameters, self.config.limits)
+            parsed = parse_request(inputs, parameters, self.config.limits)
             parsed = replace(
-                parsed, requested_outputs=requested_outputs(request.requested_output_names(), raw_parameters)
+                parsed, requested_outputs=requested_outputs(request.requested_output_names(), parameters)
             )
             timeout_us = request.timeout()
         except InvalidRequestError as error:
@@ -295,10 +297,10 @@ class TritonPythonModel:
         if stream.cancelled:  # the poller saw the cancel before the engine knew the request
             self.engine.abort(request_id, RequestAbortedError("cancelled by the client"))
 
-    def _abort_forwarded(self, raw_parameters: str, sender: Any) -> None:
+    def _abort_forwarded(self, parameters: dict[str, Any], sender: Any) -> None:
         """llm_trtllm's client cancelled: end the request it forwarded to us (Triton 2.51's BLS
         cannot cancel a request it sent). Answered with an empty FINAL, found or not."""
-        target = str(request_parameter_mapping(raw_parameters).get(FORWARDED_ABORT_PARAMETER, ""))
+        target = str(parameters.get(FORWARDED_ABORT_PARAMETER, ""))
         stream = self._streams.find_by_triton_request_id(target) if target else None
         if stream is not None:
             self.engine.abort(stream.request_id, RequestAbortedError("cancelled by the client (llm_trtllm)"))
