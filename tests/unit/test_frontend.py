@@ -284,11 +284,15 @@ def test_api_keys_refuse_empty_and_separator_characters():
 
 
 def test_a_closing_streaming_response_closes_its_generator_and_reports_a_client_that_left():
+    """Three ways a stream ends: sent to the end (200), a write that fails, and the client's
+    disconnect seen by the request's DisconnectWatch while the stream waits for its next chunk
+    (499 both). The generator is closed every time, and the watch's cancellation stays inside the
+    response: the task that served it runs on normally afterwards."""
     import asyncio
 
-    from starlette.requests import ClientDisconnect
+    from starlette.requests import Request
 
-    from paged_llm.frontend.edge import ClosingStreamingResponse
+    from paged_llm.frontend.edge import ClosingStreamingResponse, DisconnectWatch, LastChunk
 
     closed: list[str] = []
     statuses: list[int] = []
@@ -297,33 +301,44 @@ def test_a_closing_streaming_response_closes_its_generator_and_reports_a_client_
         try:
             for i in range(100):
                 yield f"data: {i}\n\n".encode()
-                await asyncio.sleep(0)
+                await asyncio.sleep(0.001)
+            yield LastChunk(b"data: [DONE]\n\n")
         finally:
             closed.append("closed")
 
-    async def run(disconnect_after: int | None) -> None:
-        sent = []
+    async def run(fail_write_after: int | None = None, disconnect_after: int | None = None) -> list[dict]:
+        sent: list[dict] = []
+        gone = asyncio.Event()
 
         async def send(message):
             sent.append(message)
-            if disconnect_after is not None and len(sent) > disconnect_after:
+            if fail_write_after is not None and len(sent) > fail_write_after:
                 raise OSError("the client went away")
+            if disconnect_after is not None and len(sent) > disconnect_after:
+                gone.set()
+            if message.get("more_body") is False:
+                gone.set()  # as uvicorn: once the response is complete, receive() says disconnect
+            await asyncio.sleep(0)  # a write may wait (flow control): other tasks run meanwhile
 
         async def receive():
-            await asyncio.sleep(3600)
+            await gone.wait()
+            return {"type": "http.disconnect"}
 
-        response = ClosingStreamingResponse(body(), media_type="text/event-stream")
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+        watch = DisconnectWatch(Request(scope, receive, send))
+        response = ClosingStreamingResponse(body(), watch, media_type="text/event-stream")
         response.on_close = statuses.append
-        try:
-            await response(
-                {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET", "path": "/"}, receive, send
-            )
-        except ClientDisconnect:  # what Starlette raises for a send that failed
-            pass
+        await response(scope, receive, send)
+        await asyncio.sleep(0.01)  # no cancellation left over for the task that served the request
+        return sent
 
-    asyncio.run(run(disconnect_after=3))
-    asyncio.run(run(disconnect_after=None))
-    assert closed == ["closed", "closed"] and statuses == [499, 200]
+    sent = asyncio.run(run())
+    assert sent[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+    assert len(sent) == 102
+    asyncio.run(run(fail_write_after=3))
+    sent = asyncio.run(run(disconnect_after=5))
+    assert len(sent) < 20  # the stream stopped soon after the disconnect
+    assert closed == ["closed"] * 3 and statuses == [200, 499, 499]
 
 
 @pytest.mark.parametrize("system", [False, True])

@@ -33,6 +33,7 @@ from paged_llm.frontend.edge import (
     ApiKeyMiddleware,
     ClientDisconnected,
     ClosingStreamingResponse,
+    DisconnectWatch,
     LastChunk,
     read_body,
     until_disconnect,
@@ -231,12 +232,14 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         try:
             response = await handler(request)
         except OpenAIError as error:
+            DisconnectWatch.stop_of(request)
             metrics.finished(route, error.status_code, time.monotonic() - start)
             raise
         except ClientDisconnected:
             metrics.finished(route, 499, time.monotonic() - start)  # nginx's "client closed request"
             return Response(status_code=499)
         except BaseException:
+            DisconnectWatch.stop_of(request)
             metrics.finished(route, 500, time.monotonic() - start)
             raise
         if isinstance(response, ClosingStreamingResponse):
@@ -290,13 +293,15 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         builder = ResponseBuilder("completion", request_id, body.model, body.include_usage)
         generation = Generation(body.n, len(prompts))
         chunks = merge_streams(state["backend"], generation_requests)
+        watch = DisconnectWatch(request)
         if not body.stream:
-            await until_disconnect(request, _drain(chunks, generation, start))
+            await until_disconnect(watch, _drain(chunks, generation, start))
+            watch.stop()
             metrics.tokens(*_counts(generation))
             return JSONResponse(
                 builder.completion(generation.choices, echo_texts, body.logprobs, generation.usage())
             )
-        first = await until_disconnect(request, _next(chunks))
+        first = await until_disconnect(watch, _next(chunks))
         logprob_builders = [CompletionLogprobs(body.logprobs or 0) for _ in generation.choices]
 
         def completion_events(position: int, chunk: GenerationChunk) -> Iterator[bytes]:
@@ -314,7 +319,15 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                 yield sse(builder.completion_chunk(choice.index, text, logprobs, delta.finish_reason))
 
         return _sse_response(
-            chunks, first, generation, builder, body.include_usage, "completions", start, completion_events
+            chunks,
+            first,
+            generation,
+            builder,
+            body.include_usage,
+            "completions",
+            start,
+            completion_events,
+            watch,
         )
 
     async def with_generation_defaults(model: str, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -354,11 +367,13 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         builder = ResponseBuilder("chat", request_id, body.model, body.include_usage)
         generation = Generation(body.n, 1)
         chunks = merge_streams(state["backend"], [generation_request])
+        watch = DisconnectWatch(request)
         if not body.stream:
-            await until_disconnect(request, _drain(chunks, generation, start))
+            await until_disconnect(watch, _drain(chunks, generation, start))
+            watch.stop()
             metrics.tokens(*_counts(generation))
             return JSONResponse(builder.chat(generation.choices, logprobs_k, generation.usage()))
-        first = await until_disconnect(request, _next(chunks))
+        first = await until_disconnect(watch, _next(chunks))
 
         def chat_events(position: int, chunk: GenerationChunk) -> Iterator[bytes]:
             for choice, delta in generation.absorb(position, chunk):
@@ -383,6 +398,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             "chat_completions",
             start,
             chat_events,
+            watch,
             roles,
         )
 
@@ -395,6 +411,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         route: str,
         start: float,
         events_of: Callable[[int, GenerationChunk], Iterator[bytes]],
+        watch: DisconnectWatch,
         prelude: list[bytes] | None = None,
     ) -> StreamingResponse:
         """The SSE stream of a request whose first chunk arrived: `prelude`, the events of each
@@ -424,7 +441,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                 pending.append(SSE_DONE)
                 yield LastChunk(b"".join(pending))
 
-        return ClosingStreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), watch, media_type="text/event-stream")
 
     async def _drain(
         chunks: AsyncIterator[tuple[int, GenerationChunk]], generation: Generation, start: float

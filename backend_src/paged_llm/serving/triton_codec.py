@@ -137,7 +137,7 @@ def parse_request(
         ids = inputs["input_ids"]
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidRequestError("input_ids", f"must be INT32 token ids, got {ids.dtype}")
-        prompt_ids = [int(t) for t in ids.reshape(-1)]
+        prompt_ids = ids.reshape(-1).tolist()  # (Python ints; ~5x faster than a comprehension)
         if not prompt_ids:
             raise InvalidRequestError("input_ids", "the prompt is empty")
     flags = {name: _as_bool(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
