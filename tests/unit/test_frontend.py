@@ -341,6 +341,42 @@ def test_a_closing_streaming_response_closes_its_generator_and_reports_a_client_
     assert closed == ["closed"] * 3 and statuses == [200, 499, 499]
 
 
+def test_a_disconnect_whose_cancellation_was_swallowed_still_ends_the_request():
+    """asyncio.wait_for before Python 3.12 can drop a cancellation that arrives as its inner
+    awaitable completes: the client's disconnect must still end the request."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from paged_llm.frontend.edge import ClientDisconnected, DisconnectWatch, until_disconnect
+
+    async def swallowing() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "finished anyway"
+        return "slept"
+
+    async def main() -> None:
+        async def receive():
+            await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        watch = DisconnectWatch(
+            Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive, send)
+        )
+        with pytest.raises(ClientDisconnected):
+            await until_disconnect(watch, swallowing())
+        await asyncio.sleep(0.01)  # the task runs on: no cancellation left over
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("system", [False, True])
 def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir, system):
     """The text of a later turn of a chat session, appended to what the server holds (the first

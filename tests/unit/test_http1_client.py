@@ -55,8 +55,8 @@ class _Server:
                 if not await self.handler(reader, writer, head, body):
                     return
         finally:
-            self.connection_ended.set()
             writer.close()
+            self.connection_ended.set()
 
 
 def _chunked_head(status: str = "200 OK") -> bytes:
@@ -127,7 +127,7 @@ def test_an_error_status_with_a_content_length_body() -> None:
     asyncio.run(main())
 
 
-def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
+def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
     async def answer_once(reader, writer, head, body) -> bool:
         writer.write(_chunked_head() + _chunk(b"data: {}\n\n") + b"0\r\n\r\n")
         await writer.drain()
@@ -140,10 +140,90 @@ def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
                 response = await client.post_streamed("/x", b"{}")
                 assert await response.read() == b"data: {}\n\n"
                 response.release()
-                await server.connection_ended.wait()  # the idle connection is gone now
+                await server.connection_ended.wait()
                 server.connection_ended.clear()
+                for _ in range(5000):  # until the client has seen the close (its event loop ran)
+                    if all(connection.closed for connection in client._idle):
+                        break
+                    await asyncio.sleep(0.001)
             assert server.num_connections == 3
             assert len(server.requests) == 3  # each sent once where it was answered
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_a_large_response_left_unread_does_not_stall_the_next_request() -> None:
+    """A body past the pause threshold arrives while nobody reads (reading is paused); the
+    response is released unread, yet its connection serves the next request."""
+    big = b"data: " + b"x" * (1100 * 1024) + b"\n\n"
+
+    async def answer(reader, writer, head, body) -> bool:
+        if body == b"big":
+            writer.write(_chunked_head() + _chunk(big) + b"0\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def main() -> None:
+        async with _Server(answer) as server:
+            client = Http1Client("127.0.0.1", server.port)
+            response = await client.post_streamed("/x", b"big")
+            for _ in range(200):  # until the whole body arrived unread
+                if response._connection is not None and response._connection.complete:
+                    break
+                await asyncio.sleep(0.01)
+            response.release()
+            second = await asyncio.wait_for(client.post_streamed("/x", b"small"), 10)
+            assert await second.read() == b"ok"
+            second.release()
+            assert server.num_connections == 1
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_an_interim_response_is_skipped() -> None:
+    async def answer(reader, writer, head, body) -> bool:
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        writer.write(_chunked_head() + _chunk(b"data: {}\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def main() -> None:
+        async with _Server(answer) as server:
+            client = Http1Client("127.0.0.1", server.port)
+            response = await client.post_streamed("/x", b"{}")
+            assert response.status == 200
+            assert await response.read() == b"data: {}\n\n"
+            response.release()
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_is_never_sent_twice() -> None:
+    """Triton answers a generate_stream request only with its first response: a connection that
+    breaks before then may have delivered the request, so it fails and is not sent again."""
+
+    async def read_then_drop(reader, writer, head, body) -> bool:
+        if body == b"first":
+            writer.write(_chunked_head() + _chunk(b"data: {}\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            return True
+        await asyncio.sleep(0.2)  # "queued and prefilling", then the connection breaks
+        return False
+
+    async def main() -> None:
+        async with _Server(read_then_drop) as server:
+            client = Http1Client("127.0.0.1", server.port)
+            response = await client.post_streamed("/x", b"first")
+            await response.read()
+            response.release()
+            with pytest.raises(ConnectionError):
+                await client.post_streamed("/x", b"second")  # on the kept connection
+            assert [request.endswith(b"second") for request in server.requests] == [False, True]
             client.close()
 
     asyncio.run(main())

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -55,6 +55,7 @@ from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
 from paged_llm.parent_death import process_is_alive
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 try:
     __version__ = importlib.metadata.version("paged_llm")
 except importlib.metadata.PackageNotFoundError:  # running from a checkout that was not installed
@@ -295,13 +296,13 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         chunks = merge_streams(state["backend"], generation_requests)
         watch = DisconnectWatch(request)
         if not body.stream:
-            await until_disconnect(watch, _drain(chunks, generation, start))
+            await _closing_on_disconnect(chunks, until_disconnect(watch, _drain(chunks, generation, start)))
             watch.stop()
             metrics.tokens(*_counts(generation))
             return JSONResponse(
                 builder.completion(generation.choices, echo_texts, body.logprobs, generation.usage())
             )
-        first = await until_disconnect(watch, _next(chunks))
+        first = await _first_chunk(watch, chunks)
         logprob_builders = [CompletionLogprobs(body.logprobs or 0) for _ in generation.choices]
 
         def completion_events(position: int, chunk: GenerationChunk) -> Iterator[bytes]:
@@ -369,11 +370,11 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         chunks = merge_streams(state["backend"], [generation_request])
         watch = DisconnectWatch(request)
         if not body.stream:
-            await until_disconnect(watch, _drain(chunks, generation, start))
+            await _closing_on_disconnect(chunks, until_disconnect(watch, _drain(chunks, generation, start)))
             watch.stop()
             metrics.tokens(*_counts(generation))
             return JSONResponse(builder.chat(generation.choices, logprobs_k, generation.usage()))
-        first = await until_disconnect(watch, _next(chunks))
+        first = await _first_chunk(watch, chunks)
 
         def chat_events(position: int, chunk: GenerationChunk) -> Iterator[bytes]:
             for choice, delta in generation.absorb(position, chunk):
@@ -486,6 +487,21 @@ def session_of(request: Request) -> dict[str, Any] | None:
             )
         return None
     return {"session_id": session_id, **flags}
+
+
+async def _first_chunk(
+    watch: DisconnectWatch, chunks: AsyncIterator[tuple[int, GenerationChunk]]
+) -> tuple[int, GenerationChunk] | None:
+    return await _closing_on_disconnect(chunks, until_disconnect(watch, _next(chunks)))
+
+
+async def _closing_on_disconnect(chunks: AsyncIterator[Any], awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result; if the client left, `chunks` (the Triton streams) closed first."""
+    try:
+        return await awaitable
+    except ClientDisconnected:
+        await chunks.aclose()  # type: ignore[attr-defined]
+        raise
 
 
 async def _next(chunks: AsyncIterator[tuple[int, GenerationChunk]]) -> tuple[int, GenerationChunk] | None:

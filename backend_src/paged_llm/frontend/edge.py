@@ -116,9 +116,11 @@ class DisconnectWatch:
 
 
 async def until_disconnect(watch: DisconnectWatch, awaitable: Awaitable[T]) -> T:
-    """`awaitable`'s result, or ClientDisconnected if the client left first (the watch stopped then)."""
+    """`awaitable`'s result, or ClientDisconnected if the client left first (the watch stopped then).
+    Also when the awaitable returned although the watch cancelled it: asyncio.wait_for before
+    Python 3.12 drops a cancellation that arrives as its inner awaitable completes."""
     try:
-        return await awaitable
+        result = await awaitable
     except asyncio.CancelledError:
         if watch.absorb():
             raise ClientDisconnected() from None
@@ -127,6 +129,9 @@ async def until_disconnect(watch: DisconnectWatch, awaitable: Awaitable[T]) -> T
     except BaseException:
         watch.stop()
         raise
+    if watch.absorb():
+        raise ClientDisconnected()
+    return result
 
 
 class LastChunk(bytes):
@@ -155,6 +160,9 @@ class ClosingStreamingResponse(StreamingResponse):
             )
             ended = False
             async for chunk in self.body_iterator:
+                if self.watch.disconnected:  # (a cancellation that something swallowed)
+                    self.watch.absorb()
+                    return
                 ended = isinstance(chunk, LastChunk)
                 if ended:
                     # (Before the last write: once the response is complete, the server answers

@@ -8,16 +8,18 @@ request several milliseconds behind its first. This client writes a request in o
 chunked transfer included).
 
 One request at a time per connection, no pipelining; idle connections are kept (most recently
-used first). A response read to its end hands its connection back; closing it earlier closes the
-connection, which is how Triton learns that the client went away. A request on a reused
-connection that the server had closed meanwhile (no byte of a response came back) is sent once
-more on a new connection.
+used first, for at most _IDLE_S, at most _MAX_IDLE of them). A response read to its end hands its
+connection back; closing it earlier closes the connection, which is how Triton learns that the
+client went away. A POST is never sent twice (Triton writes a status line only with the first
+response, so "no answer yet" does not mean "not received"): a connection the server closed while
+idle is skipped when that was seen, and otherwise fails its request, as aiohttp's would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +28,8 @@ import httptools
 
 _PAUSE_READING_BYTES = 1 << 20  # body bytes waiting for the reader before the socket is paused
 _CONNECT_TIMEOUT_S = 5.0
+_IDLE_S = 30.0  # an idle connection older than this is closed, not reused
+_MAX_IDLE = 1024
 
 
 class ConnectFailed(ConnectionError):
@@ -48,7 +52,9 @@ class _Connection(asyncio.Protocol):
         self._body: deque[bytes] = deque()
         self._num_buffered_bytes = 0
         self._paused = False
+        self._interim = False
         self._waiter: asyncio.Future[None] | None = None
+        self.idle_since = 0.0  # (time.monotonic(), when it went back to the pool)
 
     # ------------------------------------------------------------------------------ asyncio side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -83,7 +89,11 @@ class _Connection(asyncio.Protocol):
 
     # ---------------------------------------------------------------------------- parser callbacks
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim response (100 Continue): the real one follows
+            self._interim = True
+            return
+        self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         self.headers_done = True
         self._wake()
@@ -97,6 +107,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self._wake()
 
@@ -108,8 +121,8 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.headers_done = self.complete = self.received_any = False
         self.error = None
-        self._body.clear()
-        self._num_buffered_bytes = 0
+        self._interim = False
+        self.discard_body()
         self._parser = httptools.HttpResponseParser(self)
         self.transport.write(request)
 
@@ -127,12 +140,16 @@ class _Connection(asyncio.Protocol):
 
     def take_body(self) -> bytes:
         data = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        self.discard_body()
+        return data
+
+    def discard_body(self) -> None:
+        """Drops what the reader did not take, and reads on if reading was paused for it."""
         self._body.clear()
         self._num_buffered_bytes = 0
-        if self._paused and self.transport is not None:
+        if self._paused and self.transport is not None and not self.closed:
             self.transport.resume_reading()
-            self._paused = False
-        return data
+        self._paused = False
 
     def has_body(self) -> bool:
         return bool(self._body)
@@ -182,7 +199,8 @@ class StreamedResponse:
         if connection is None:
             return
         if connection.complete and connection.keep_alive and not connection.closed:
-            self._client._idle.append(connection)
+            connection.discard_body()  # (a reader that stopped early may have left some, paused)
+            self._client._keep(connection)
         else:
             connection.close()
 
@@ -193,7 +211,8 @@ class Http1Client:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self._host_header = f"Host: {host}:{port}\r\n".encode()
+        authority = f"[{host}]" if ":" in host else host  # an IPv6 literal
+        self._host_header = f"Host: {authority}:{port}\r\n".encode()
         self._idle: list[_Connection] = []  # most recently used last
 
     async def post_streamed(
@@ -215,21 +234,28 @@ class Http1Client:
                 body,
             )
         )
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.closed:
-                continue
-            connection.send(request)
-            try:
-                return await self._headers(connection)
-            except ConnectionError:
-                if connection.received_any:
-                    raise
-                # The server had closed this idle connection before our request reached it.
-                connection.close()
-        connection = await self._connect()
+        connection = self._idle_connection() or await self._connect()
         connection.send(request)
         return await self._headers(connection)
+
+    def _idle_connection(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.closed and now - connection.idle_since < _IDLE_S:
+                return connection
+            connection.close()
+        return None
+
+    def _keep(self, connection: _Connection) -> None:
+        now = time.monotonic()
+        connection.idle_since = now
+        self._idle.append(connection)
+        # The oldest are at the front: drop the ones the server closed or that waited too long.
+        while self._idle and (
+            len(self._idle) > _MAX_IDLE or self._idle[0].closed or now - self._idle[0].idle_since >= _IDLE_S
+        ):
+            self._idle.pop(0).close()
 
     async def _headers(self, connection: _Connection) -> StreamedResponse:
         try:
@@ -246,7 +272,7 @@ class Http1Client:
             _transport, connection = await asyncio.wait_for(
                 loop.create_connection(_Connection, self.host, self.port), _CONNECT_TIMEOUT_S
             )
-        except OSError as error:  # (TimeoutError included)
+        except (OSError, asyncio.TimeoutError) as error:  # noqa: UP041 (Python 3.10's differs)
             reason = str(error) or type(error).__name__
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {reason}") from None
         return connection

@@ -150,9 +150,9 @@ class GrpcStreams:
         Ends without a final response only when Triton closed the stream early."""
         proto = build_request(request, outputs, parameters)
         if self._channel.get_state() != grpc.ChannelConnectivity.READY:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RECONNECT_WAIT_S):
-                    await self._channel.channel_ready()
+            # (wait_for, not asyncio.timeout: the Docker image's Python is 3.10)
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(self._channel.channel_ready(), RECONNECT_WAIT_S)
         # The stream's one request is written and the writing side closed on this task: no request
         # iterator and no task of gRPC's to consume it (tritonclient's stream_infer has both).
         call = self._stream_infer(metadata=self._metadata)

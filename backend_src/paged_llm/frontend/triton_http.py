@@ -118,8 +118,8 @@ class GenerateStreams:
             response = await self._client.post_streamed(path, body)
         except ConnectFailed as error:
             raise TritonUnreachable(str(error), reached=False) from None
-        except ConnectionError as error:
-            raise TritonUnreachable(f"{type(error).__name__}: {error}", reached=True) from None
+        except ConnectionError as error:  # before the status line: Triton did not answer
+            raise TritonUnreachable(f"{type(error).__name__}: {error}", reached=False) from None
         try:
             if response.status != 200:
                 raise StreamRefused(_error_message(await response.read()))
