@@ -230,18 +230,10 @@ class ServingConfig:
     # run with numpy < 2 (Triton 2.51's stub reads every tensor wrong under numpy 2); the core does
     # not touch Triton, so it can run in the host's own environment, e.g. a GPU host's torch venv.
     engine_python: str = ""
-    # Comma-separated SHA-256 hex digests of the API keys inference requests must carry (forwarded
-    # `authorization: Bearer KEY` header, serving/auth.py); empty: no key needed.
-    api_key_sha256: str = ""
 
     def __post_init__(self) -> None:
         if self.engine_mode not in ("process", "thread"):
             raise ConfigError(f"engine_mode must be process or thread, got {self.engine_mode!r}")
-        for digest in filter(None, (d.strip() for d in self.api_key_sha256.split(","))):
-            if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
-                raise ConfigError(
-                    f"api_key_sha256 must list 64-digit hex SHA-256 digests, got {digest[:12]!r}..."
-                )
         if self.max_merged_steps < 1:
             raise ConfigError(f"max_merged_steps must be >= 1, got {self.max_merged_steps}")
         if not 0 <= self.response_send_threads <= 64:
@@ -290,6 +282,12 @@ class EngineConfig:
                     top[key] = _coerce(raw_key, value, "int | None")
                 elif key == "fault_injection_bad_word":
                     top[key] = value
+                elif key == "api_key_sha256":  # Triton serves config.pbtxt to anyone
+                    raise ConfigError(
+                        "parameter 'api_key_sha256' in config.pbtxt is not read: a digest there is "
+                        "readable by anyone; give the keys to `paged-llm serve --api-key` (the model "
+                        "then reads a salted verifier from its environment, serving/auth.py)"
+                    )
                 else:
                     raise ConfigError(f"unknown parameter {raw_key!r} in config.pbtxt")
         try:

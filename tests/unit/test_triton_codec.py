@@ -88,18 +88,9 @@ def test_error_output_is_asked_for_by_a_parameter_or_a_forwarded_id_and_is_no_sa
     assert request_parameter_mapping('{"paged_llm_error_output": true, "max_tokens": 3}') == {"max_tokens": 3}
 
 
-def test_api_key_check_takes_a_forwarded_bearer_header_of_a_known_key():
-    from paged_llm.serving.auth import ApiKeyCheck, key_digest
+def test_a_forwarded_authorization_header_is_found_and_is_no_sampling_parameter():
     from paged_llm.serving.triton_codec import authorization_of
 
-    check = ApiKeyCheck(f"{key_digest('one')},{key_digest('two')}")
-    assert check.enabled and not ApiKeyCheck("").enabled
-    for header in ("Bearer one", "bearer two"):
-        check.check(header)
-    for header in (None, "", "Bearer three", "one", "Basic one"):
-        with pytest.raises(InvalidRequestError, match="authorization: missing or wrong API key"):
-            check.check(header)
-    ApiKeyCheck("").check(None)  # no keys configured: anything goes
     assert authorization_of('{"Authorization": "Bearer one", "max_tokens": 2}') == "Bearer one"
     assert authorization_of("") is None
     # a forwarded header is neither a sampling parameter nor an unknown one

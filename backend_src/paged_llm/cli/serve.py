@@ -29,7 +29,7 @@ from pathlib import Path
 from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
-from paged_llm.serving.auth import key_digest
+from paged_llm.serving.auth import API_KEY_VERIFIER_ENV, make_verifier
 from paged_llm.tools.launch import (
     ServerPorts,
     busy_ports,
@@ -175,8 +175,11 @@ def serve(args: argparse.Namespace) -> int:
     keys = list(api_keys(args.api_key))
     args.has_keys = bool(keys)
     extra_server_args: list[str] = []
-    if keys:  # the same keys guard inference on Triton's ports (serving/auth.py)
-        args.engine_arg = [*args.engine_arg, f"api_key_sha256={','.join(key_digest(k) for k in keys)}"]
+    # The keys reach the OpenAI server alone; the llm model gets a salted verifier (serving/auth.py).
+    triton_env = server_env()
+    triton_env.pop(API_KEY_ENV, None)
+    if keys:  # the same keys guard inference on Triton's ports
+        triton_env[API_KEY_VERIFIER_ENV] = make_verifier(keys)  # a fresh salt at each launch
         extra_server_args = [
             "--grpc-header-forward-pattern=authorization",
             "--http-header-forward-pattern=[Aa]uthorization",
@@ -192,7 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S, extra_server_args)
-    children = _Children(subprocess.Popen(command, env=server_env()))
+    children = _Children(subprocess.Popen(command, env=triton_env))
     try:  # whatever goes wrong here, the children go too (a GPU left held is the worst case)
         ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
         if _wait_until(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_llm.paths import paged_llm_home, repo_root
+from paged_llm.tools import private_files
 from paged_llm.tools.supervise import run_supervised
 
 
@@ -181,8 +182,11 @@ def server_command(
     exit_timeout_secs: int = 30,
     extra_args: list[str] | None = None,
 ) -> list[str]:
-    """The tritonserver command line; binds every endpoint to `address` (loopback by default)."""
+    """The tritonserver command line; binds every endpoint to `address` (loopback by default). It
+    runs through private_files.py: what the server's processes create is theirs alone (umask 077,
+    the Python backend's shared memory 0600)."""
     return [
+        *private_files.command_prefix(),
         str(pytriton_dir() / "bin" / "tritonserver"),
         f"--model-repository={model_repository}",
         f"--backend-directory={prepare_backend_dir()}",

@@ -148,7 +148,9 @@ def start_server(
     exits."""
     ports = ports or ServerPorts(*free_ports(3))
     command = server_command(model_repository, ports, exit_timeout_secs=3, extra_args=extra_args)
-    log_file = open(log_path, "w")  # the server process writes it for as long as it runs
+    # The server process writes it for as long as it runs; its user's alone, like the server's files.
+    log_file = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+    os.fchmod(log_file.fileno(), 0o600)  # a log left by an earlier run keeps its mode otherwise
     process = subprocess.Popen(
         command,
         env=server_env(),

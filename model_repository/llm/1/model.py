@@ -119,7 +119,7 @@ class TritonPythonModel:
         )
         model_dir = resolve_model_dir(config.model.model, Path(args["model_repository"]))
         self.config = replace(config, model=replace(config.model, model=str(model_dir)))
-        self._api_keys = ApiKeyCheck(self.config.serving.api_key_sha256)
+        self._api_keys = ApiKeyCheck.from_environment()  # set by `paged-llm serve --api-key`
         if self.config.serving.gil_switch_interval_s:
             sys.setswitchinterval(self.config.serving.gil_switch_interval_s)
         self._ids = itertools.count()
