@@ -34,7 +34,6 @@ from paged_llm.frontend.edge import (
     ClientDisconnected,
     ClosingStreamingResponse,
     DisconnectWatch,
-    LastChunk,
     read_body,
     until_disconnect,
 )
@@ -44,12 +43,12 @@ from paged_llm.frontend.metrics import FrontendMetrics
 from paged_llm.frontend.model_list import ModelList
 from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.frontend.responses import (
-    SSE_DONE,
     CompletionLogprobs,
     ResponseBuilder,
     chat_logprobs,
     sse,
 )
+from paged_llm.frontend.sse_stream import sse_body
 from paged_llm.frontend.triton_backend import TritonBackend
 from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
 from paged_llm.parent_death import process_is_alive
@@ -415,34 +414,22 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         watch: DisconnectWatch,
         prelude: list[bytes] | None = None,
     ) -> StreamingResponse:
-        """The SSE stream of a request whose first chunk arrived: `prelude`, the events of each
-        chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`. Events that are
-        ready together go out in one write: a chunk's events (the first chunk's with the prelude),
-        and the final chunk's with what follows it and the end of the body (LastChunk)."""
+        """The SSE stream of a request whose first chunk arrived (sse_stream.py): `prelude`, the
+        events of each chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`."""
         single_stream = generation.num_prompts == 1  # (else a final chunk may not be the last)
 
-        async def events() -> AsyncIterator[bytes]:
-            async with aclosing(chunks):
-                pending = list(prelude or [])
-                try:
-                    item = first
-                    while item is not None:
-                        position, chunk = item
-                        _note_first_token(chunk, start, route, generation)
-                        pending.extend(events_of(position, chunk))
-                        if pending and not (chunk.is_final and single_stream):
-                            yield b"".join(pending)
-                            pending.clear()
-                        item = await _next(chunks)
-                except OpenAIError as error:
-                    pending.append(sse(error.body()))
-                metrics.tokens(*_counts(generation))
-                if include_usage:
-                    pending.append(sse(builder.usage_chunk(generation.usage())))
-                pending.append(SSE_DONE)
-                yield LastChunk(b"".join(pending))
+        def events(item: tuple[int, GenerationChunk]) -> Iterator[bytes]:
+            _note_first_token(item[1], start, route, generation)
+            return events_of(*item)
 
-        return ClosingStreamingResponse(events(), watch, media_type="text/event-stream")
+        def epilogue() -> list[bytes]:
+            metrics.tokens(*_counts(generation))
+            return [sse(builder.usage_chunk(generation.usage()))] if include_usage else []
+
+        body = sse_body(
+            chunks, first, events, lambda item: item[1].is_final and single_stream, epilogue, prelude
+        )
+        return ClosingStreamingResponse(body, watch, media_type="text/event-stream")
 
     async def _drain(
         chunks: AsyncIterator[tuple[int, GenerationChunk]], generation: Generation, start: float
