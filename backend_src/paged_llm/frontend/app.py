@@ -37,7 +37,7 @@ from paged_llm.frontend.edge import (
     read_body,
     until_disconnect,
 )
-from paged_llm.frontend.errors import OpenAIError
+from paged_llm.frontend.errors import INTERNAL_ERROR, OpenAIError
 from paged_llm.frontend.generation import Generation, merge_streams
 from paged_llm.frontend.metrics import FrontendMetrics
 from paged_llm.frontend.model_list import ModelList
@@ -181,6 +181,11 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code
         )
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, _error: Exception) -> JSONResponse:
+        # A bug of ours: OpenAI's shape, no Python text (Starlette logs the traceback after this).
+        return JSONResponse(INTERNAL_ERROR.body(), status_code=500)
+
     # ------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health() -> Response:
@@ -205,8 +210,9 @@ def create_app(settings: FrontendSettings) -> FastAPI:
     async def ready_models() -> list[str]:
         try:
             return await state["backend"].ready_models()
-        except Exception as error:
-            raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
+        except Exception as error:  # (its text names the client library's status codes: the log's)
+            logger.warning("listing tritonserver's models failed: %s", error)
+            raise OpenAIError(503, "tritonserver is not reachable") from None
 
     def model_card(name: str, created: int) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "paged_llm"}
