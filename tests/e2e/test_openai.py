@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -839,6 +840,55 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
         status, text = completion(streamed)
         assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
         assert wait_for(lambda: _get(f"{base_url}/health")[0] == 200, timeout_s=30)
+    finally:
+        if frontend is not None:
+            _stop_group(frontend, signal.SIGTERM)
+        server.stop()
+
+
+def _cold_tokenizer_load_s(tiny_model_dir: Path) -> float:
+    """What the first chat request of a cold worker would pay here and now: importing transformers
+    and loading the tiny model's tokenizer in a fresh process (3-6 s on the 2-core VM)."""
+    code = (
+        "import sys, time; start = time.monotonic(); from transformers import AutoTokenizer; "
+        "AutoTokenizer.from_pretrained(sys.argv[1]).apply_chat_template("
+        "[{'role': 'user', 'content': 'x'}], tokenize=False); print(time.monotonic() - start)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split()[-1])
+
+
+def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir):
+    """Each OpenAI worker loads the tokenizer and renders the chat template before it listens
+    (issue 41 row 9): the log says so for both workers, and right after /health first says 200 a
+    chat request on a fresh connection takes less than half of what a cold load costs here."""
+    cold_s = _cold_tokenizer_load_s(tiny_model_dir)
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    server = start_server(repository, tmp_path / "server.log")
+    log_path = tmp_path / "frontend.log"
+    frontend = None
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        frontend, base_url = _start_frontend(
+            server.grpc_url, log_path, "--triton-http-url", server.http_url, "--workers", "2",
+            "--log-level", "info",
+        )  # fmt: skip
+        start = time.monotonic()
+        status, answer, _ = post(base_url, "/v1/chat/completions", chat, None)
+        first_s = time.monotonic() - start
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+        assert "OpenAI server worker" in log_path.read_text()  # the one that answered warmed first
+        assert first_s < cold_s / 2, (first_s, cold_s)
+
+        def warm_workers() -> int:
+            return len(re.findall(r"OpenAI server worker \d+ warm in", log_path.read_text()))
+
+        assert wait_for(lambda: warm_workers() == 2, timeout_s=120), log_path.read_text()[-3000:]
+        for _ in range(6):  # fresh connections: the kernel spreads them over both workers' sockets
+            start = time.monotonic()
+            assert post(base_url, "/v1/chat/completions", chat, None)[0] == 200
+            assert time.monotonic() - start < cold_s / 2
     finally:
         if frontend is not None:
             _stop_group(frontend, signal.SIGTERM)

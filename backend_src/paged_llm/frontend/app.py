@@ -61,6 +61,10 @@ except importlib.metadata.PackageNotFoundError:  # running from a checkout that 
     __version__ = "0+unknown"
 _MODELS_CACHE_S = 2.0
 _METRICS_PUBLISH_S = 1.0
+# How long a worker's start-up waits for its first warm-up (it listens only after it), and how
+# often a warm-up that found tritonserver not answering is tried again meanwhile /health says 503.
+WARM_UP_WAIT_S = 120.0
+WARM_UP_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,13 +133,38 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         state["models"] = ModelList(backend.ready_models, _MODELS_CACHE_S)
         state["chat"] = ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, backend)
         publisher = asyncio.create_task(_publish_metrics()) if settings.metrics_dir else None
+        # Warm before listening: uvicorn opens the socket after this start-up, so no request (and,
+        # with several workers, no connection the kernel would hand this one) meets a cold worker.
+        warming = asyncio.create_task(_warm_up())
+        await asyncio.wait([warming], timeout=WARM_UP_WAIT_S)
         try:
             yield
         finally:
+            warming.cancel()
             if publisher is not None:
                 publisher.cancel()
                 _write_metrics()
             await backend.close()
+
+    async def _warm_up() -> None:
+        """Pays what a model's first request would (state["warm"] once done): the tokenizer and
+        chat template loaded and the template rendered once, the generation_config defaults read,
+        the model list and configs asked of tritonserver. Tried again while tritonserver does not
+        answer (/health says 503 meanwhile)."""
+        models = list(dict.fromkeys([settings.health_model, *settings.tokenizer_dirs]))
+        started = time.monotonic()
+        while True:
+            try:
+                if await state["chat"].warm_up(models, state["models"]):
+                    break
+            except Exception:  # a bug of ours: /health stays 503 and says so in the log
+                logger.exception("warming up the OpenAI server failed")
+            await asyncio.sleep(WARM_UP_RETRY_S)
+        state["warm"] = True
+        logger.info(
+            "OpenAI server worker %d warm in %.1f s (tokenizer, chat template and sampling defaults of %s)",
+            os.getpid(), time.monotonic() - started, ", ".join(models),
+        )  # fmt: skip
 
     def _write_metrics() -> None:
         assert settings.metrics_dir is not None
@@ -189,6 +218,8 @@ def create_app(settings: FrontendSettings) -> FastAPI:
     # ------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health() -> Response:
+        if not state.get("warm"):  # the first request would pay for loading the tokenizer
+            return JSONResponse({"status": "warming"}, status_code=503, headers={"Retry-After": "1"})
         if await state["backend"].is_ready(settings.health_model):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": "1"})

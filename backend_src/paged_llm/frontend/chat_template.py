@@ -192,6 +192,25 @@ class ChatTemplates:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         return text
 
+    async def warm_up(self, models: list[str], model_list: Any) -> bool:
+        """Loads and renders once what the first request of each of `models` would (tokenizer,
+        chat template, generation_config defaults; `model_list`'s index and configs of
+        tritonserver). False while tritonserver does not answer (worth trying again); a model
+        without a tokenizer or chat template is warm as it is (its requests get their 400)."""
+        try:
+            await model_list.refresh()
+        except OpenAIError:
+            return False
+        for model in models:
+            await self.generation_defaults(model)
+            if model in self._unanswered:
+                return False
+            try:
+                await self.render(model, [{"role": "user", "content": "warm-up"}], True, False, None)
+            except OpenAIError as error:
+                logger.info("model %s: no chat prompts to warm up (%s)", model, error.message)
+        return True
+
     async def decode(self, model: str, token_ids: list[int]) -> str:
         tokenizer = await self.tokenizer(model)
         return tokenizer.decode(token_ids)
