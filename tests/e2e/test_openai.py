@@ -893,3 +893,103 @@ def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir
         if frontend is not None:
             _stop_group(frontend, signal.SIGTERM)
         server.stop()
+
+
+def test_streams_cut_by_a_killed_llm_stub_end_with_an_error_event_and_done(tmp_path):
+    """kill -9 of the `llm` stub under `paged-llm serve` with streams in flight on both routes
+    (issue 41 row 7): every stream ends with an error event in OpenAI's shape and `data: [DONE]`,
+    as the openai SDK (an APIError, not a connection error) and a raw reader (the body's end)
+    see it, and no client hangs."""
+    import threading
+
+    import httpx2
+
+    port, http_port, grpc_port, metrics_port = free_ports(4)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.cli", "serve", "--port", str(port),
+             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+             "--metrics-port", str(metrics_port), "--model-repository-dir", str(tmp_path / "models")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    long = {"max_tokens": 3500, "ignore_eos": True}
+    streaming = threading.Semaphore(0)  # one release per stream that read its first event
+    outcomes: dict[str, Any] = {}
+
+    def sdk_stream(name: str, route: str) -> None:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            if route == "chat":
+                stream = client.chat.completions.create(
+                    model="llm", messages=[{"role": "user", "content": "go"}], stream=True, extra_body=long
+                )
+            else:
+                stream = client.completions.create(model="llm", prompt="go", stream=True, extra_body=long)
+            for index, _chunk in enumerate(stream):
+                if index == 0:
+                    streaming.release()
+            outcomes[name] = "ended without an error"
+        except BaseException as error:
+            outcomes[name] = error
+
+    def raw_stream(name: str, path: str, body: dict[str, Any]) -> None:
+        lines: list[str] = []
+        try:
+            with httpx2.stream("POST", f"{base_url}{path}", json={**body, **long}, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line and not lines:
+                        streaming.release()
+                    if line:
+                        lines.append(line)
+            outcomes[name] = lines
+        except BaseException as error:
+            outcomes[name] = error
+
+    streams = [
+        threading.Thread(target=sdk_stream, args=("sdk chat", "chat")),
+        threading.Thread(target=sdk_stream, args=("sdk completions", "completions")),
+        threading.Thread(
+            target=raw_stream,
+            args=(
+                "raw chat",
+                "/v1/chat/completions",
+                {"model": "llm", "messages": [{"role": "user", "content": "go"}], "stream": True},
+            ),
+        ),
+        threading.Thread(
+            target=raw_stream,
+            args=("raw completions", "/v1/completions", {"model": "llm", "prompt": "go", "stream": True}),
+        ),
+    ]
+    try:
+        _wait_healthy(base_url, process, log_path)
+        for thread in streams:
+            thread.start()
+        for _ in streams:  # every stream is past its first byte
+            assert streaming.acquire(timeout=120), (outcomes, log_path.read_text()[-3000:])
+        [stub] = [
+            p
+            for p in psutil.Process(process.pid).children(recursive=True)
+            if p.name().startswith("triton_python_b") and "llm_0_0" in p.cmdline()
+        ]
+        stub.kill()
+        for thread in streams:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in streams), (outcomes, log_path.read_text()[-3000:])
+        for name in ("sdk chat", "sdk completions"):
+            error = outcomes[name]
+            assert isinstance(error, openai.APIError) and not isinstance(error, openai.APIConnectionError), (
+                name, error,
+            )  # fmt: skip
+        for name in ("raw chat", "raw completions"):
+            lines = outcomes[name]
+            assert isinstance(lines, list), (name, lines)  # (not a read of a body cut off mid-way)
+            assert lines[-1] == "data: [DONE]", (name, lines[-3:])
+            error = json.loads(lines[-2].removeprefix("data: "))["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    finally:
+        _stop_group(process, signal.SIGINT)
+        for thread in streams:
+            thread.join(timeout=30)
