@@ -993,3 +993,25 @@ def test_streams_cut_by_a_killed_llm_stub_end_with_an_error_event_and_done(tmp_p
         _stop_group(process, signal.SIGINT)
         for thread in streams:
             thread.join(timeout=30)
+
+
+def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_path):
+    """Warming up needs tritonserver (the model's config names its checkpoint): without one the
+    worker does not wait for it to open its socket; /health says 503 warming meanwhile."""
+    port, dead_port = free_ports(2)
+    log_path = tmp_path / "frontend.log"
+    with open(log_path, "w") as log:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", f"127.0.0.1:{dead_port}",
+             "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        assert wait_for(lambda: _get(f"http://127.0.0.1:{port}/health")[0] != 0, timeout_s=120), (
+            log_path.read_text()[-2000:]
+        )
+        status, body, headers = _get(f"http://127.0.0.1:{port}/health")
+        assert status == 503 and json.loads(body) == {"status": "warming"}
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+    finally:
+        _stop_group(frontend, signal.SIGTERM)

@@ -61,8 +61,8 @@ except importlib.metadata.PackageNotFoundError:  # running from a checkout that 
     __version__ = "0+unknown"
 _MODELS_CACHE_S = 2.0
 _METRICS_PUBLISH_S = 1.0
-# How long a worker's start-up waits for its first warm-up (it listens only after it), and how
-# often a warm-up that found tritonserver not answering is tried again meanwhile /health says 503.
+# How long a worker's start-up waits for its first warm-up attempt (it listens only after it), and
+# how often a warm-up that found tritonserver not answering is tried again (/health says 503 meanwhile).
 WARM_UP_WAIT_S = 120.0
 WARM_UP_RETRY_S = 1.0
 
@@ -135,8 +135,12 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         publisher = asyncio.create_task(_publish_metrics()) if settings.metrics_dir else None
         # Warm before listening: uvicorn opens the socket after this start-up, so no request (and,
         # with several workers, no connection the kernel would hand this one) meets a cold worker.
-        warming = asyncio.create_task(_warm_up())
-        await asyncio.wait([warming], timeout=WARM_UP_WAIT_S)
+        first_attempt = asyncio.Event()
+        warming = asyncio.create_task(_warm_up(first_attempt))
+        try:
+            await asyncio.wait_for(first_attempt.wait(), WARM_UP_WAIT_S)
+        except TimeoutError:
+            logger.warning("warming up takes more than %.0f s: listening meanwhile", WARM_UP_WAIT_S)
         try:
             yield
         finally:
@@ -146,7 +150,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                 _write_metrics()
             await backend.close()
 
-    async def _warm_up() -> None:
+    async def _warm_up(first_attempt: asyncio.Event) -> None:
         """Pays what a model's first request would (state["warm"] once done): the tokenizer and
         chat template loaded and the template rendered once, the generation_config defaults read,
         the model list and configs asked of tritonserver. Tried again while tritonserver does not
@@ -159,8 +163,10 @@ def create_app(settings: FrontendSettings) -> FastAPI:
                     break
             except Exception:  # a bug of ours: /health stays 503 and says so in the log
                 logger.exception("warming up the OpenAI server failed")
+            first_attempt.set()  # (tritonserver not answering yet: listen, say 503 and try again)
             await asyncio.sleep(WARM_UP_RETRY_S)
         state["warm"] = True
+        first_attempt.set()
         logger.info(
             "OpenAI server worker %d warm in %.1f s (tokenizer, chat template and sampling defaults of %s)",
             os.getpid(), time.monotonic() - started, ", ".join(models),
