@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -843,3 +844,174 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
         if frontend is not None:
             _stop_group(frontend, signal.SIGTERM)
         server.stop()
+
+
+def _cold_tokenizer_load_s(tiny_model_dir: Path) -> float:
+    """What the first chat request of a cold worker would pay here and now: importing transformers
+    and loading the tiny model's tokenizer in a fresh process (3-6 s on the 2-core VM)."""
+    code = (
+        "import sys, time; start = time.monotonic(); from transformers import AutoTokenizer; "
+        "AutoTokenizer.from_pretrained(sys.argv[1]).apply_chat_template("
+        "[{'role': 'user', 'content': 'x'}], tokenize=False); print(time.monotonic() - start)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split()[-1])
+
+
+def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir):
+    """Each OpenAI worker loads the tokenizer and renders the chat template before it listens
+    (issue 41 row 9): the log says so for both workers, and right after /health first says 200 a
+    chat request on a fresh connection takes less than half of what a cold load costs here."""
+    cold_s = _cold_tokenizer_load_s(tiny_model_dir)
+    repository = make_model_repository(tmp_path / "models", models=("llm",))
+    server = start_server(repository, tmp_path / "server.log")
+    log_path = tmp_path / "frontend.log"
+    frontend = None
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        frontend, base_url = _start_frontend(
+            server.grpc_url, log_path, "--triton-http-url", server.http_url, "--workers", "2",
+            "--log-level", "info",
+        )  # fmt: skip
+        start = time.monotonic()
+        status, answer, _ = post(base_url, "/v1/chat/completions", chat, None)
+        first_s = time.monotonic() - start
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+        assert "OpenAI server worker" in log_path.read_text()  # the one that answered warmed first
+        assert first_s < cold_s / 2, (first_s, cold_s)
+
+        def warm_workers() -> int:
+            return len(re.findall(r"OpenAI server worker \d+ warm in", log_path.read_text()))
+
+        assert wait_for(lambda: warm_workers() == 2, timeout_s=120), log_path.read_text()[-3000:]
+        for _ in range(6):  # fresh connections: the kernel spreads them over both workers' sockets
+            start = time.monotonic()
+            assert post(base_url, "/v1/chat/completions", chat, None)[0] == 200
+            assert time.monotonic() - start < cold_s / 2
+    finally:
+        if frontend is not None:
+            _stop_group(frontend, signal.SIGTERM)
+        server.stop()
+
+
+def test_streams_cut_by_a_killed_llm_stub_end_with_an_error_event_and_done(tmp_path):
+    """kill -9 of the `llm` stub under `paged-llm serve` with streams in flight on both routes
+    (issue 41 row 7): every stream ends with an error event in OpenAI's shape and `data: [DONE]`,
+    as the openai SDK (an APIError, not a connection error) and a raw reader (the body's end)
+    see it, and no client hangs."""
+    import threading
+
+    import httpx2
+
+    port, http_port, grpc_port, metrics_port = free_ports(4)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.cli", "serve", "--port", str(port),
+             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+             "--metrics-port", str(metrics_port), "--model-repository-dir", str(tmp_path / "models")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    long = {"max_tokens": 3500, "ignore_eos": True}
+    streaming = threading.Semaphore(0)  # one release per stream that read its first event
+    outcomes: dict[str, Any] = {}
+
+    def sdk_stream(name: str, route: str) -> None:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            if route == "chat":
+                stream = client.chat.completions.create(
+                    model="llm", messages=[{"role": "user", "content": "go"}], stream=True, extra_body=long
+                )
+            else:
+                stream = client.completions.create(model="llm", prompt="go", stream=True, extra_body=long)
+            for index, _chunk in enumerate(stream):
+                if index == 0:
+                    streaming.release()
+            outcomes[name] = "ended without an error"
+        except BaseException as error:
+            outcomes[name] = error
+
+    def raw_stream(name: str, path: str, body: dict[str, Any]) -> None:
+        lines: list[str] = []
+        try:
+            with httpx2.stream("POST", f"{base_url}{path}", json={**body, **long}, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line and not lines:
+                        streaming.release()
+                    if line:
+                        lines.append(line)
+            outcomes[name] = lines
+        except BaseException as error:
+            outcomes[name] = error
+
+    streams = [
+        threading.Thread(target=sdk_stream, args=("sdk chat", "chat")),
+        threading.Thread(target=sdk_stream, args=("sdk completions", "completions")),
+        threading.Thread(
+            target=raw_stream,
+            args=(
+                "raw chat",
+                "/v1/chat/completions",
+                {"model": "llm", "messages": [{"role": "user", "content": "go"}], "stream": True},
+            ),
+        ),
+        threading.Thread(
+            target=raw_stream,
+            args=("raw completions", "/v1/completions", {"model": "llm", "prompt": "go", "stream": True}),
+        ),
+    ]
+    try:
+        _wait_healthy(base_url, process, log_path)
+        for thread in streams:
+            thread.start()
+        for _ in streams:  # every stream is past its first byte
+            assert streaming.acquire(timeout=120), (outcomes, log_path.read_text()[-3000:])
+        [stub] = [
+            p
+            for p in psutil.Process(process.pid).children(recursive=True)
+            if p.name().startswith("triton_python_b") and "llm_0_0" in p.cmdline()
+        ]
+        stub.kill()
+        for thread in streams:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in streams), (outcomes, log_path.read_text()[-3000:])
+        for name in ("sdk chat", "sdk completions"):
+            error = outcomes[name]
+            assert isinstance(error, openai.APIError) and not isinstance(error, openai.APIConnectionError), (
+                name, error,
+            )  # fmt: skip
+        for name in ("raw chat", "raw completions"):
+            lines = outcomes[name]
+            assert isinstance(lines, list), (name, lines)  # (not a read of a body cut off mid-way)
+            assert lines[-1] == "data: [DONE]", (name, lines[-3:])
+            error = json.loads(lines[-2].removeprefix("data: "))["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    finally:
+        _stop_group(process, signal.SIGINT)
+        for thread in streams:
+            thread.join(timeout=30)
+
+
+def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_path):
+    """Warming up needs tritonserver (the model's config names its checkpoint): without one the
+    worker does not wait for it to open its socket; /health says 503 warming meanwhile."""
+    port, dead_port = free_ports(2)
+    log_path = tmp_path / "frontend.log"
+    with open(log_path, "w") as log:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", f"127.0.0.1:{dead_port}",
+             "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        assert wait_for(lambda: _get(f"http://127.0.0.1:{port}/health")[0] != 0, timeout_s=120), (
+            log_path.read_text()[-2000:]
+        )
+        status, body, headers = _get(f"http://127.0.0.1:{port}/health")
+        assert status == 503 and json.loads(body) == {"status": "warming"}
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+    finally:
+        _stop_group(frontend, signal.SIGTERM)

@@ -58,7 +58,7 @@ def fail_step(
         # The id may belong to a newer request by now (aborted, then reused): match the object.
         if owner is not None and owner[0].sequences[owner[1]] is item.seq:
             records[id(owner[0])] = owner[0]
-    message = f"the model step failed: {type(error).__name__}: {error}".splitlines()[0]
+    message = f"the model step failed: {error}".splitlines()[0]  # (the log has its type and traceback)
     for record in records.values():
         core._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ERROR)
         core._close(record, CoreError("internal", message))

@@ -34,22 +34,21 @@ from paged_llm.frontend.edge import (
     ClientDisconnected,
     ClosingStreamingResponse,
     DisconnectWatch,
-    LastChunk,
     read_body,
     until_disconnect,
 )
-from paged_llm.frontend.errors import OpenAIError
+from paged_llm.frontend.errors import INTERNAL_ERROR, OpenAIError
 from paged_llm.frontend.generation import Generation, merge_streams
 from paged_llm.frontend.metrics import FrontendMetrics
 from paged_llm.frontend.model_list import ModelList
 from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.frontend.responses import (
-    SSE_DONE,
     CompletionLogprobs,
     ResponseBuilder,
     chat_logprobs,
     sse,
 )
+from paged_llm.frontend.sse_stream import sse_body
 from paged_llm.frontend.triton_backend import TritonBackend
 from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
 from paged_llm.parent_death import process_is_alive
@@ -62,6 +61,10 @@ except importlib.metadata.PackageNotFoundError:  # running from a checkout that 
     __version__ = "0+unknown"
 _MODELS_CACHE_S = 2.0
 _METRICS_PUBLISH_S = 1.0
+# How long a worker's start-up waits for its first warm-up attempt (it listens only after it), and
+# how often a warm-up that found tritonserver not answering is tried again (/health says 503 meanwhile).
+WARM_UP_WAIT_S = 120.0
+WARM_UP_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,44 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         state["models"] = ModelList(backend.ready_models, _MODELS_CACHE_S)
         state["chat"] = ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, backend)
         publisher = asyncio.create_task(_publish_metrics()) if settings.metrics_dir else None
+        # Warm before listening: uvicorn opens the socket after this start-up, so no request (and,
+        # with several workers, no connection the kernel would hand this one) meets a cold worker.
+        first_attempt = asyncio.Event()
+        warming = asyncio.create_task(_warm_up(first_attempt))
+        try:
+            await asyncio.wait_for(first_attempt.wait(), WARM_UP_WAIT_S)
+        except TimeoutError:
+            logger.warning("warming up takes more than %.0f s: listening meanwhile", WARM_UP_WAIT_S)
         try:
             yield
         finally:
+            warming.cancel()
             if publisher is not None:
                 publisher.cancel()
                 _write_metrics()
             await backend.close()
+
+    async def _warm_up(first_attempt: asyncio.Event) -> None:
+        """Pays what a model's first request would (state["warm"] once done): the tokenizer and
+        chat template loaded and the template rendered once, the generation_config defaults read,
+        the model list and configs asked of tritonserver. Tried again while tritonserver does not
+        answer (/health says 503 meanwhile)."""
+        models = list(dict.fromkeys([settings.health_model, *settings.tokenizer_dirs]))
+        started = time.monotonic()
+        while True:
+            try:
+                if await state["chat"].warm_up(models, state["models"]):
+                    break
+            except Exception:  # a bug of ours: /health stays 503 and says so in the log
+                logger.exception("warming up the OpenAI server failed")
+            first_attempt.set()  # (tritonserver not answering yet: listen, say 503 and try again)
+            await asyncio.sleep(WARM_UP_RETRY_S)
+        state["warm"] = True
+        first_attempt.set()
+        logger.info(
+            "OpenAI server worker %d warm in %.1f s (tokenizer, chat template and sampling defaults of %s)",
+            os.getpid(), time.monotonic() - started, ", ".join(models),
+        )  # fmt: skip
 
     def _write_metrics() -> None:
         assert settings.metrics_dir is not None
@@ -182,9 +216,16 @@ def create_app(settings: FrontendSettings) -> FastAPI:
             OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code
         )
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, _error: Exception) -> JSONResponse:
+        # A bug of ours: OpenAI's shape, no Python text (Starlette logs the traceback after this).
+        return JSONResponse(INTERNAL_ERROR.body(), status_code=500)
+
     # ------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health() -> Response:
+        if not state.get("warm"):  # the first request would pay for loading the tokenizer
+            return JSONResponse({"status": "warming"}, status_code=503, headers={"Retry-After": "1"})
         if await state["backend"].is_ready(settings.health_model):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": "1"})
@@ -206,8 +247,9 @@ def create_app(settings: FrontendSettings) -> FastAPI:
     async def ready_models() -> list[str]:
         try:
             return await state["backend"].ready_models()
-        except Exception as error:
-            raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
+        except Exception as error:  # (its text names the client library's status codes: the log's)
+            logger.warning("listing tritonserver's models failed: %s", error)
+            raise OpenAIError(503, "tritonserver is not reachable") from None
 
     def model_card(name: str, created: int) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "paged_llm"}
@@ -415,34 +457,22 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         watch: DisconnectWatch,
         prelude: list[bytes] | None = None,
     ) -> StreamingResponse:
-        """The SSE stream of a request whose first chunk arrived: `prelude`, the events of each
-        chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`. Events that are
-        ready together go out in one write: a chunk's events (the first chunk's with the prelude),
-        and the final chunk's with what follows it and the end of the body (LastChunk)."""
+        """The SSE stream of a request whose first chunk arrived (sse_stream.py): `prelude`, the
+        events of each chunk, an error event if it fails, the usage chunk if asked, `data: [DONE]`."""
         single_stream = generation.num_prompts == 1  # (else a final chunk may not be the last)
 
-        async def events() -> AsyncIterator[bytes]:
-            async with aclosing(chunks):
-                pending = list(prelude or [])
-                try:
-                    item = first
-                    while item is not None:
-                        position, chunk = item
-                        _note_first_token(chunk, start, route, generation)
-                        pending.extend(events_of(position, chunk))
-                        if pending and not (chunk.is_final and single_stream):
-                            yield b"".join(pending)
-                            pending.clear()
-                        item = await _next(chunks)
-                except OpenAIError as error:
-                    pending.append(sse(error.body()))
-                metrics.tokens(*_counts(generation))
-                if include_usage:
-                    pending.append(sse(builder.usage_chunk(generation.usage())))
-                pending.append(SSE_DONE)
-                yield LastChunk(b"".join(pending))
+        def events(item: tuple[int, GenerationChunk]) -> Iterator[bytes]:
+            _note_first_token(item[1], start, route, generation)
+            return events_of(*item)
 
-        return ClosingStreamingResponse(events(), watch, media_type="text/event-stream")
+        def epilogue() -> list[bytes]:
+            metrics.tokens(*_counts(generation))
+            return [sse(builder.usage_chunk(generation.usage()))] if include_usage else []
+
+        body = sse_body(
+            chunks, first, events, lambda item: item[1].is_final and single_stream, epilogue, prelude
+        )
+        return ClosingStreamingResponse(body, watch, media_type="text/event-stream")
 
     async def _drain(
         chunks: AsyncIterator[tuple[int, GenerationChunk]], generation: Generation, start: float

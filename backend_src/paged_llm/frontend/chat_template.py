@@ -54,6 +54,27 @@ def generation_defaults_of(directory: Path | None) -> dict[str, float | int]:
     }
 
 
+def _render_error(error: Exception, has_template_kwargs: bool) -> OpenAIError:
+    """The 400 of a template that did not render: the template's own words (its raise_exception(),
+    a message it could not read), or the field that most likely made it fail; never the text of
+    a Python error inside Jinja or transformers (it names their functions and types)."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    if isinstance(error, TemplateError) and not isinstance(error, TemplateSyntaxError):
+        return bad_request(f"the chat template rejected the messages: {error}", "messages")
+    logger.info("the chat template did not render: %r", error)
+    if isinstance(error, TypeError) and has_template_kwargs:
+        return bad_request(
+            "the chat template could not be rendered with these chat_template_kwargs (a value of the "
+            "wrong type, or a key the template does not take)",
+            "chat_template_kwargs",
+        )
+    return bad_request(
+        "the chat template could not render these messages (a message field of a type it does not take?)",
+        "messages",
+    )
+
+
 class ChatTemplates:
     """What the OpenAI server reads of a model's checkpoint: its tokenizer and chat template, and
     the sampling defaults of its generation_config.json."""
@@ -117,9 +138,15 @@ class ChatTemplates:
                     )
                 from transformers import AutoTokenizer
 
-                self._tokenizers[model] = await asyncio.to_thread(
-                    AutoTokenizer.from_pretrained, str(directory)
-                )
+                try:
+                    self._tokenizers[model] = await asyncio.to_thread(
+                        AutoTokenizer.from_pretrained, str(directory)
+                    )
+                except Exception:
+                    logger.exception("model %s: loading the tokenizer in %s failed", model, directory)
+                    raise OpenAIError(
+                        500, f"the tokenizer of model {model!r} could not be loaded (the server log says why)"
+                    ) from None
             return self._tokenizers[model]
 
     async def render(
@@ -157,13 +184,32 @@ class ChatTemplates:
             )
         except OpenAIError:
             raise
-        except Exception as error:  # the template's raise_exception(), or a kwarg it rejects
-            raise bad_request(f"the chat template rejected the messages: {error}", "messages") from None
+        except Exception as error:
+            raise _render_error(error, bool(template_kwargs)) from None
         if after_an_answer and isinstance(text, str):
             text = _after_previous_answer(text, getattr(tokenizer, "eos_token", None))
         if not isinstance(text, str) or not text:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         return text
+
+    async def warm_up(self, models: list[str], model_list: Any) -> bool:
+        """Loads and renders once what the first request of each of `models` would (tokenizer,
+        chat template, generation_config defaults; `model_list`'s index and configs of
+        tritonserver). False while tritonserver does not answer (worth trying again); a model
+        without a tokenizer or chat template is warm as it is (its requests get their 400)."""
+        try:
+            await model_list.refresh()
+        except OpenAIError:
+            return False
+        for model in models:
+            await self.generation_defaults(model)
+            if model in self._unanswered:
+                return False
+            try:
+                await self.render(model, [{"role": "user", "content": "warm-up"}], True, False, None)
+            except OpenAIError as error:
+                logger.info("model %s: no chat prompts to warm up (%s)", model, error.message)
+        return True
 
     async def decode(self, model: str, token_ids: list[int]) -> str:
         tokenizer = await self.tokenizer(model)

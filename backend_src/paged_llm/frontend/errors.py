@@ -43,5 +43,8 @@ class OpenAIError(Exception):
         }
 
 
+INTERNAL_ERROR = OpenAIError(500, "internal server error (the server log says why)")
+
+
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param)

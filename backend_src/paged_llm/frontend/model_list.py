@@ -42,8 +42,9 @@ class ModelList:
         fetch = self._start()
         try:
             await asyncio.shield(fetch)  # a caller that goes away leaves it running
-        except Exception as error:
-            raise OpenAIError(503, f"tritonserver is not reachable: {error}") from None
+        except Exception as error:  # (its text names the client library's status codes: the log's)
+            logger.info("listing tritonserver's models failed: %s", error)
+            raise OpenAIError(503, "tritonserver is not reachable") from None
         except asyncio.CancelledError:
             if fetch.cancelled():  # the fetch itself (e.g. the channel closing), not this caller
                 raise OpenAIError(503, "tritonserver is not reachable: the request was cancelled") from None

@@ -23,12 +23,14 @@ from paged_llm.frontend.errors import OpenAIError, bad_request
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the llm model takes INT32 ids
 MAX_PROMPTS = 2048  # OpenAI's limit on a completions prompt list
 MAX_CHOICES = 2048  # prompts x n of one request
-# apply_chat_template's own parameters: chat_template_kwargs may not set them (a client-supplied
-# template would run arbitrary Jinja loops in the server)
-_RESERVED_TEMPLATE_KWARGS = frozenset(
+# What the server passes to the chat template itself (apply_chat_template's parameters, and the
+# names it renders the template with): chat_template_kwargs may not set them (a client-supplied
+# template would run arbitrary Jinja loops in the server; the others collide with the server's).
+RESERVED_TEMPLATE_KWARGS = frozenset(
     {"chat_template", "tokenize", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-     "return_assistant_tokens_mask", "conversation"}
+     "return_assistant_tokens_mask", "conversation", "conversations", "messages", "sanitize_control_tokens",
+     "self"}
 )  # fmt: skip
 
 
@@ -242,9 +244,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("only response_format type text is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {reserved[0]}", "chat_template_kwargs")
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets these "
+                f"(reserved keys: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})",
+                "chat_template_kwargs",
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.frontend.app import FrontendSettings, create_app
-from paged_llm.frontend.workers import run_workers
+from paged_llm.frontend.workers import LOG_FORMAT, run_workers
 from paged_llm.tools.launch import port_bind_error
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         generation_config=args.generation_config,
     )
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     import uvicorn
 
     options = {

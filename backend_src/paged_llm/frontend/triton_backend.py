@@ -63,6 +63,8 @@ class BackendError(OpenAIError):
 def classify_error_message(message: str) -> BackendError:
     """A model's error that came as a message only (not from our llm model)."""
     lowered = message.lower()
+    if "stub process" in lowered and "not healthy" in lowered:  # Triton 2.51: the model's stub died
+        return BackendError(503, "the model is not healthy (its backend process stopped); retry later")
     if "unknown model" in lowered or "is not found" in lowered:
         return BackendError(404, message, "model", "model_not_found")
     if "unavailable" in lowered or "queue is full" in lowered or "retry later" in lowered:
@@ -149,9 +151,12 @@ class TritonBackend:
         except StreamRefused as error:
             raise classify_error_message(error.message) from None
         except TritonUnreachable as error:
+            # (What the connection said is the log's: it names the client library's exceptions.)
             if not error.reached:
-                raise BackendError(503, f"cannot reach tritonserver at {transport.url}: {error}") from None
-            raise BackendError(503, f"tritonserver stream failed: {error}") from None
+                logger.warning("cannot reach tritonserver at %s: %s", transport.url, error)
+                raise BackendError(503, f"cannot reach tritonserver at {transport.url}") from None
+            logger.warning("the stream from tritonserver at %s broke: %s", transport.url, error)
+            raise BackendError(503, "the stream from tritonserver broke before its final response") from None
         if final_expected and not final_seen:
             raise BackendError(500, "tritonserver closed the stream before the final response")
 

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _STOP_WAIT_S = 8.0  # uvicorn's graceful shutdown of 3 s, plus its own exit
 _MAX_RESTARTS = 5  # within _RESTART_WINDOW_S: then the workers are failing, not crashing once
 _RESTART_WINDOW_S = 60.0
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -51,6 +52,8 @@ def _worker_main(app_factory: str, host: str, port: int, options: dict[str, Any]
         stop_with_parent()
     if os.getppid() == 1:  # the parent died before the line above
         return
+    # (a spawned process starts with logging unconfigured: the parent's basicConfig is not inherited)
+    logging.basicConfig(level=str(options.get("log_level", "warning")).upper(), format=LOG_FORMAT)
     import uvicorn
 
     sock = listening_socket(host, port)

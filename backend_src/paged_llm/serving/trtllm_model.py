@@ -113,7 +113,7 @@ class TritonPythonModel:
                 continue
             except Exception as error:  # a bug of ours: INTERNAL, one line to the client
                 pb_utils.Logger.log_error(f"{self._name}: reading a request failed: {error!r}")
-                message = f"{self._name}: internal error reading the request ({type(error).__name__})"
+                message = f"{self._name}: internal error reading the request (the server log says why)"
                 error_response = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
                 sender.send(pb_utils.InferenceResponse(error=error_response), flags=_FINAL)
                 continue

@@ -289,9 +289,9 @@ class TritonPythonModel:
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.fail(stream, error)
             return
-        except Exception as error:  # a bug of ours (e.g. the tokenizer refusing a bad word)
+        except Exception:  # a bug of ours (e.g. the tokenizer refusing a bad word)
             logger.exception("request %s: handing it to the engine failed", request_id)
-            message = f"internal error admitting the request ({type(error).__name__})"
+            message = "internal error admitting the request (the server log says why)"
             self._streams.fail(stream, RuntimeError(message))
             return
         if stream.cancelled:  # the poller saw the cancel before the engine knew the request
@@ -309,7 +309,7 @@ class TritonPythonModel:
     def _internal_error(self, sender: Any, error: Exception, as_output: bool = False) -> None:
         logger.exception("reading a request failed")
         self._streams.send_error(
-            sender, RuntimeError(f"internal error reading the request ({type(error).__name__})"), as_output
+            sender, RuntimeError("internal error reading the request (the server log says why)"), as_output
         )
 
     def _on_outputs(self, outputs: list[Any]) -> None:
