@@ -44,6 +44,7 @@ from paged_llm.serving.server_watch import (
 )
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
+    HEALTH_PROBE_REQUEST_ID,
     INPUT_NAMES,
     authorization_of,
     has_request_parameter,
@@ -209,6 +210,9 @@ class TritonPythonModel:
             errors_as_output = wants_error_output(triton_request_id, parameters)
             if self._api_keys.enabled:
                 self._api_keys.check(authorization_of(parameters))
+            if triton_request_id == HEALTH_PROBE_REQUEST_ID:
+                self._answer_health_probe(sender, errors_as_output)
+                return
             if has_request_parameter(parameters, FORWARDED_ABORT_PARAMETER):
                 self._abort_forwarded(parameters, sender)
                 return
@@ -296,6 +300,14 @@ class TritonPythonModel:
             return
         if stream.cancelled:  # the poller saw the cancel before the engine knew the request
             self.engine.abort(request_id, RequestAbortedError("cancelled by the client"))
+
+    def _answer_health_probe(self, sender: Any, errors_as_output: bool) -> None:
+        engine_error = None
+        try:
+            self.engine.check_accepting()
+        except EngineDeadError as error:
+            engine_error = error
+        self._streams.answer_health_probe(sender, engine_error, errors_as_output)
 
     def _abort_forwarded(self, parameters: dict[str, Any], sender: Any) -> None:
         """llm_trtllm's client cancelled: end the request it forwarded to us (Triton 2.51's BLS
