@@ -35,6 +35,7 @@ from paged_llm.errors import (
     SessionNotFoundError,
     wire_text,
 )
+from paged_llm.serving.cancel_pacing import CancelPollPacing
 from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
 from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
@@ -94,6 +95,7 @@ class ResponseStreams:
         self._abort = abort
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
+        self._cancel_pacing = CancelPollPacing()
         self._send_queues: list[queue.SimpleQueue[_Outgoing | None]] = [
             queue.SimpleQueue() for _ in range(num_send_threads)
         ]
@@ -285,7 +287,8 @@ class ResponseStreams:
 
     # ------------------------------------------------------------------------------ housekeeping
     def poll_cancellations(self) -> float:
-        """Asks every open stream whether its client cancelled; returns the seconds it took."""
+        """Asks every open stream whether its client cancelled; returns the seconds until the next
+        poll should start (serving/cancel_pacing.py)."""
         start = time.monotonic()
         num_checks = 0
         with self._lock:
@@ -308,4 +311,4 @@ class ResponseStreams:
                 self._abort(stream.request_id, RequestAbortedError("cancelled by the client"))
         elapsed = time.monotonic() - start
         self._stats.on_cancellation_poll(num_checks, elapsed)
-        return elapsed
+        return self._cancel_pacing.next_interval_s(elapsed, num_checks, len(self._streams))
