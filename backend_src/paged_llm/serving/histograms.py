@@ -1,15 +1,16 @@
-"""Histograms kept in the backend and exported as Prometheus counter series, and their bucket helpers.
+"""Histograms exported as Prometheus histograms (Triton's histogram metric family), and their bucket
+helpers.
 
-Every metric operation of the Python backend is a round trip to the server process, so a histogram is
-accumulated here and `flush()` exports it in Prometheus' histogram layout as counter series:
-`<name>_bucket{le=...}` (cumulative), `<name>_sum` and `<name>_count`. `histogram_quantile()` works on
-them, at a cost per update of one call per bucket that changed, not one per observation.
+Triton renders a `MetricFamily.HISTOGRAM` as one `# TYPE <name> histogram` family: its
+`<name>_bucket{le=...}` series cumulative and in bucket order ending with `le="+Inf"`, then
+`<name>_sum` and `<name>_count`, which is what `histogram_quantile()` and vllm_backend's tests read.
+Every `observe()` is a round trip to the server process, so the observations of a metrics update are
+buffered here (`observe_many`) and sent together by the thread doing the update.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -25,49 +26,22 @@ def buckets_1_2_5(upper: int) -> list[int]:
         exponent += 1
 
 
-class CounterHistogram:
-    """A Prometheus histogram accumulated here; `flush()` exports what was observed since the last
-    flush as increments of cumulative `_bucket{le}`, `_sum` and `_count` counter series."""
+class Histogram:
+    """One labelled series of a Triton histogram family (the family is kept alive with it)."""
 
     def __init__(
         self, pb_utils: Any, name: str, description: str, buckets: list[float], labels: dict
     ) -> None:
-        counter = pb_utils.MetricFamily.COUNTER
-        self.families = [
-            pb_utils.MetricFamily(
-                name=f"{name}_bucket", description=f"{description} (cumulative buckets)", kind=counter
-            ),
-            pb_utils.MetricFamily(name=f"{name}_sum", description=f"{description} (sum)", kind=counter),
-            pb_utils.MetricFamily(name=f"{name}_count", description=f"{description} (count)", kind=counter),
-        ]
-        self.bounds = [float(b) for b in buckets] + [math.inf]
-        self._buckets = [
-            self.families[0].Metric(labels={**labels, "le": _format_bound(b)}) for b in self.bounds
-        ]
-        self._sum = self.families[1].Metric(labels=labels)
-        self._count = self.families[2].Metric(labels=labels)
-        self._pending = [0] * len(self.bounds)  # per bucket, not cumulative
-        self._pending_sum = 0.0
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"{name}: histogram buckets must be strictly increasing, got {buckets}")
+        family = pb_utils.MetricFamily(
+            name=name, description=description, kind=pb_utils.MetricFamily.HISTOGRAM
+        )
+        self.families = [family]  # must outlive its metric (the backend checks)
+        self.bounds = bounds  # Triton adds +Inf
+        self._metric = family.Metric(labels=labels, buckets=bounds)
 
-    def observe_many(self, values: list[float]) -> None:
+    def observe_many(self, values: Iterable[float]) -> None:
         for value in values:
-            self._pending[bisect.bisect_left(self.bounds, value)] += 1
-            self._pending_sum += value
-
-    def flush(self) -> None:
-        cumulative = 0
-        for metric, count in zip(self._buckets, self._pending):
-            cumulative += count
-            if cumulative:
-                metric.increment(cumulative)
-        if cumulative:
-            self._sum.increment(self._pending_sum)
-            self._count.increment(cumulative)
-        self._pending = [0] * len(self.bounds)
-        self._pending_sum = 0.0
-
-
-def _format_bound(bound: float) -> str:
-    if math.isinf(bound):
-        return "+Inf"
-    return str(int(bound)) if bound == int(bound) else repr(bound)
+            self._metric.observe(float(value))

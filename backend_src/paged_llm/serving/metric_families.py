@@ -1,5 +1,5 @@
 """Every metric family this backend exports, declared once against `pb_utils` (see serving/metrics.py
-for how and when they are updated).
+for how and when they are updated). Histograms are Triton histogram families (serving/histograms.py).
 
 | metric | kind | meaning |
 |---|---|---|
@@ -57,7 +57,7 @@ from __future__ import annotations
 from typing import Any
 
 from paged_llm.gc_pauses import LONG_PAUSE_S
-from paged_llm.serving.histograms import CounterHistogram, buckets_1_2_5
+from paged_llm.serving.histograms import Histogram, buckets_1_2_5
 
 _TTFT_BUCKETS = [
     0.001,
@@ -158,8 +158,8 @@ class MetricFamilies:
             self.families.append(fam)
             return {v: fam.Metric(labels={**labels, label: v}) for v in values}
 
-        def histogram(name: str, description: str, buckets: list[float]) -> CounterHistogram:
-            made = CounterHistogram(pb_utils, name, description, buckets, labels)
+        def histogram(name: str, description: str, buckets: list[float]) -> Histogram:
+            made = Histogram(pb_utils, name, description, buckets, labels)
             self.families.extend(made.families)
             return made
 

@@ -1,18 +1,23 @@
 """Engine statistics -> Prometheus metrics on Triton's /metrics endpoint.
 
 Triton's Python backend exposes custom metrics through `pb_utils.MetricFamily`; model.py passes the
-`pb_utils` module in, so this module has no import-time dependency on Triton. `update()` runs on the
-housekeeping thread every ~0.5 s and costs a bounded number of calls whatever the load, because every
-metric operation of the Python backend is a round trip to the server process (measured on a 2-core
-machine: 25-45 us each, on the same channel as the responses):
+`pb_utils` module in, so this module has no import-time dependency on Triton. Every metric operation
+of the Python backend is a round trip to the server process (measured on a 2-core machine: 25-45 us
+each, on the same channel as the responses), so updates cost calls for what changed only:
 
-* counters advance by what changed since the previous update;
-* gauges move by `increment(delta)`: `set()` holds the GIL while it waits for the server (Triton
-  2.51), `increment` releases it;
-* histograms are kept here and exported in Prometheus' histogram layout as counter series,
-  `<name>_bucket{le=...}` (cumulative), `<name>_sum` and `<name>_count`, so `histogram_quantile()`
-  works on them, at a cost per update of one call per bucket that changed, not one per observation
-  (per-token latencies would otherwise add tens of thousands of round trips per second).
+* `update_requests()`: the request figures (token counters, outcomes, every histogram). Called by
+  ResponseStreams before a request's FINAL response is sent, so a client that reads /metrics after
+  its last response sees its request counted; and by the housekeeping refresh, for tokens of
+  requests still running. Counters advance by what changed since the previous update; the
+  observations buffered since then go out as histogram observations.
+* `update()`: every ~0.5 s on the housekeeping thread: the engine state (gauges, prefix cache,
+  preemptions, sessions, GC, cancellation polling), then `update_requests()`. Gauges move by
+  `increment(delta)`: `set()` holds the GIL while it waits for the server (Triton 2.51), `increment`
+  releases it.
+
+A pb_utils Metric is not thread-safe (each call reuses the metric's own shared-memory message: two
+threads incrementing the same counter at once crashed tritonserver 2.51), so each group of metrics
+has its own lock, and a request finishing never waits for a whole engine-state refresh.
 
 The metrics themselves (names, kinds, buckets, vllm_backend's series): serving/metric_families.py.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from paged_llm.engine.stats import EngineStats
+from paged_llm.engine.stats import EngineStats, StatsSnapshot
 from paged_llm.serving.metric_families import MetricFamilies
 
 
@@ -42,16 +47,13 @@ class TritonMetrics:
         self._stats = stats
         self._reports_engine_state = reports_engine_state
         self._lock = threading.Lock()
+        self._requests_lock = threading.Lock()
         self._finals_lock = threading.Lock()
         labels = {"model": model_name, "version": model_version}
         self._metrics = MetricFamilies(pb_utils, labels, max_model_len)
         self._last: dict[str, float] = {}
 
     def count_final(self, code: str) -> None:
-        # A pb_utils Metric is not thread-safe (each call reuses the metric's own shared-memory
-        # message): two threads incrementing the same counter at once crashed tritonserver 2.51
-        # (SIGSEGV in the server's metric update). Its own lock, not update()'s, so that a request
-        # finishing never waits for a whole metrics refresh.
         with self._finals_lock:
             self._metrics.finals[code].increment(1)
 
@@ -59,51 +61,50 @@ class TritonMetrics:
         with self._lock:
             snapshot = self._stats.snapshot()
             if self._reports_engine_state:
-                self._metrics.running.set(snapshot.num_running)
-                self._metrics.waiting.set(snapshot.num_waiting)
-                self._metrics.kv_usage.set(snapshot.kv_usage)
-                queried, hits = snapshot.prefix_cache_queried_tokens, snapshot.prefix_cache_hit_tokens
-                self._metrics.prefix_ratio.set(hits / queried if queried else 0.0)
-                self._advance("prefix_queries", self._metrics.prefix_queries, queried)
-                self._advance("prefix_hits", self._metrics.prefix_hits, hits)
-                self._advance("preemptions", self._metrics.preemptions, snapshot.num_preemptions_total)
-                self._advance(
-                    "prompt_computed", self._metrics.prompt_computed, snapshot.prompt_tokens_computed
-                )
-                for field_name, counter in self._metrics.spec_counters.items():
-                    self._advance(field_name, counter, getattr(snapshot, field_name))
-                if snapshot.spec_num_drafts:
-                    accepted = snapshot.spec_num_accepted_tokens
-                    self._metrics.spec_acceptance.set(accepted / max(snapshot.spec_num_draft_tokens, 1))
-                    self._metrics.spec_mean_length.set(1.0 + accepted / snapshot.spec_num_drafts)
-                if snapshot.sessions is not None:
-                    self._metrics.sessions_open.set(snapshot.sessions.num_open)
-                    for field_name, counter in self._metrics.session_counters.items():
-                        self._advance(
-                            f"session:{field_name}", counter, getattr(snapshot.sessions, field_name)
-                        )
-                engine_gc = snapshot.engine_gc
-                self._advance("gc_collections", self._metrics.gc_collections, engine_gc.num_collections)
-                self._advance("gc_seconds", self._metrics.gc_seconds, engine_gc.pause_s_total)
-                self._advance("gc_long_pauses", self._metrics.gc_long_pauses, engine_gc.num_long_pauses)
-            self._advance("prompt_tokens", self._metrics.prompt_tokens, snapshot.num_prompt_tokens_total)
-            self._advance(
-                "generation_tokens", self._metrics.generation_tokens, snapshot.num_generation_tokens_total
-            )
-            self._advance(
-                "vllm_prompt_tokens", self._metrics.vllm_prompt_tokens, snapshot.num_prompt_tokens_total
-            )
-            self._advance(
-                "vllm_generation_tokens",
-                self._metrics.vllm_generation_tokens,
-                snapshot.num_generation_tokens_total,
-            )
-            for outcome, counter in self._metrics.outcomes.items():
-                self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
+                self._update_engine_state(snapshot)
             self._advance("cancel_checks", self._metrics.cancel_checks, snapshot.num_cancellation_checks)
             self._advance(
                 "cancel_seconds", self._metrics.cancel_check_seconds, snapshot.cancellation_check_seconds
             )
+        self.update_requests()
+
+    def _update_engine_state(self, snapshot: StatsSnapshot) -> None:
+        self._metrics.running.set(snapshot.num_running)
+        self._metrics.waiting.set(snapshot.num_waiting)
+        self._metrics.kv_usage.set(snapshot.kv_usage)
+        queried, hits = snapshot.prefix_cache_queried_tokens, snapshot.prefix_cache_hit_tokens
+        self._metrics.prefix_ratio.set(hits / queried if queried else 0.0)
+        self._advance("prefix_queries", self._metrics.prefix_queries, queried)
+        self._advance("prefix_hits", self._metrics.prefix_hits, hits)
+        self._advance("preemptions", self._metrics.preemptions, snapshot.num_preemptions_total)
+        self._advance("prompt_computed", self._metrics.prompt_computed, snapshot.prompt_tokens_computed)
+        for field_name, counter in self._metrics.spec_counters.items():
+            self._advance(field_name, counter, getattr(snapshot, field_name))
+        if snapshot.spec_num_drafts:
+            accepted = snapshot.spec_num_accepted_tokens
+            self._metrics.spec_acceptance.set(accepted / max(snapshot.spec_num_draft_tokens, 1))
+            self._metrics.spec_mean_length.set(1.0 + accepted / snapshot.spec_num_drafts)
+        if snapshot.sessions is not None:
+            self._metrics.sessions_open.set(snapshot.sessions.num_open)
+            for field_name, counter in self._metrics.session_counters.items():
+                self._advance(f"session:{field_name}", counter, getattr(snapshot.sessions, field_name))
+        engine_gc = snapshot.engine_gc
+        self._advance("gc_collections", self._metrics.gc_collections, engine_gc.num_collections)
+        self._advance("gc_seconds", self._metrics.gc_seconds, engine_gc.pause_s_total)
+        self._advance("gc_long_pauses", self._metrics.gc_long_pauses, engine_gc.num_long_pauses)
+
+    def update_requests(self) -> None:
+        """The request figures as of now (see the module docstring); any thread."""
+        with self._requests_lock:
+            snapshot = self._stats.snapshot()
+            prompt_tokens = snapshot.num_prompt_tokens_total
+            generation_tokens = snapshot.num_generation_tokens_total
+            self._advance("prompt_tokens", self._metrics.prompt_tokens, prompt_tokens)
+            self._advance("generation_tokens", self._metrics.generation_tokens, generation_tokens)
+            self._advance("vllm_prompt_tokens", self._metrics.vllm_prompt_tokens, prompt_tokens)
+            self._advance("vllm_generation_tokens", self._metrics.vllm_generation_tokens, generation_tokens)
+            for outcome, counter in self._metrics.outcomes.items():
+                self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
             observations = self._stats.drain_observations()
             for histogram, values in (
                 (self._metrics.ttft, observations.time_to_first_token_s),
@@ -112,13 +113,11 @@ class TritonMetrics:
                 (self._metrics.tokens_per_response, observations.tokens_per_response),
             ):
                 histogram.observe_many(values)
-                histogram.flush()
             for histogram, field_name in (
                 *self._metrics.vllm_histograms,
                 *self._metrics.vllm_request_histograms,
             ):
                 histogram.observe_many(getattr(observations, field_name))
-                histogram.flush()
 
     def _advance(self, key: str, counter: Any, total: float) -> None:
         delta = total - self._last.get(key, 0)

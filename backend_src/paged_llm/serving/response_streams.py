@@ -35,6 +35,7 @@ from paged_llm.errors import (
     SessionNotFoundError,
     wire_text,
 )
+from paged_llm.serving.cancel_pacing import CancelPollPacing
 from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
 from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
@@ -94,6 +95,7 @@ class ResponseStreams:
         self._abort = abort
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
+        self._cancel_pacing = CancelPollPacing()
         self._send_queues: list[queue.SimpleQueue[_Outgoing | None]] = [
             queue.SimpleQueue() for _ in range(num_send_threads)
         ]
@@ -139,13 +141,16 @@ class ResponseStreams:
             self._close(stream)
         self._transmit(_Outgoing(stream, None, 0, 0, error))
 
-    def send_error(self, sender: Any, error: BaseException, as_output: bool = False) -> bool:
+    def send_error(
+        self, sender: Any, error: BaseException, as_output: bool = False, counted: bool = True
+    ) -> bool:
         """An error as the request's FINAL response (for a sender that has no Stream, too). To
         llm_trtllm and clients that ask (`as_output`) it goes as an ordinary response holding
         FORWARDED_ERROR_OUTPUT: Triton 2.51's BLS loses an error response that follows data, and its
         gRPC stream loses the status code (triton_codec.py)."""
         code, label = error_code(self._pb, error)
-        self._metrics.count_final(label)
+        if counted:
+            self._metrics.count_final(label)
         if as_output:
             tensor = self._pb.Tensor(FORWARDED_ERROR_OUTPUT, encode_forwarded_error(label, str(error)))
             response = self._pb.InferenceResponse(output_tensors=[tensor])
@@ -157,6 +162,19 @@ class ResponseStreams:
             logger.info("could not send an error response: %s", send_error)
             return False
         return True
+
+    def answer_health_probe(self, sender: Any, engine_error: BaseException | None, as_output: bool) -> None:
+        """/health's probe: the engine's state as the FINAL (no tokens, or the error that refuses
+        requests now), no inference; counted in none of our request metrics (Triton's own
+        nv_inference_* count it like any request)."""
+        if engine_error is not None:
+            self.send_error(sender, engine_error, as_output, counted=False)
+            return
+        try:
+            response = self._pb.InferenceResponse(output_tensors=[])
+            sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as send_error:  # the prober may be gone already
+            logger.info("could not answer a health probe: %s", send_error)
 
     @property
     def num_open(self) -> int:
@@ -218,6 +236,10 @@ class ResponseStreams:
     def _transmit(self, outgoing: _Outgoing) -> bool:
         """The round trip to the server (it releases the GIL); False if the client is gone."""
         stream = outgoing.stream
+        if outgoing.flags or outgoing.error is not None:
+            # The request's counters and histograms first: a client that reads /metrics once it
+            # has its last response finds the request counted.
+            self._metrics.update_requests()
         if outgoing.error is not None:
             sent = self.send_error(stream.sender, outgoing.error, stream.errors_as_output)
             if sent and stream.cancelled and isinstance(outgoing.error, RequestAbortedError):
@@ -265,7 +287,8 @@ class ResponseStreams:
 
     # ------------------------------------------------------------------------------ housekeeping
     def poll_cancellations(self) -> float:
-        """Asks every open stream whether its client cancelled; returns the seconds it took."""
+        """Asks every open stream whether its client cancelled; returns the seconds until the next
+        poll should start (serving/cancel_pacing.py)."""
         start = time.monotonic()
         num_checks = 0
         with self._lock:
@@ -288,4 +311,4 @@ class ResponseStreams:
                 self._abort(stream.request_id, RequestAbortedError("cancelled by the client"))
         elapsed = time.monotonic() - start
         self._stats.on_cancellation_poll(num_checks, elapsed)
-        return elapsed
+        return self._cancel_pacing.next_interval_s(elapsed, num_checks, len(self._streams))

@@ -5,7 +5,7 @@ validates each request (errors answered at once) and hands it to AsyncLLM, whose
 its own process (`engine_mode: process`, the default) and owns the device. AsyncLLM's output thread
 detokenizes and hands RequestOutputs to ResponseStreams, which sends them from that thread: one
 response per engine step while it keeps up, merged steps when it falls behind, and exactly one
-FINAL. A housekeeping thread polls cancellation, refreshes metrics and watches the server.
+FINAL. A thread polls cancellation; a housekeeping thread refreshes metrics and watches the server.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from paged_llm.serving.server_watch import (
 )
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
+    HEALTH_PROBE_REQUEST_ID,
     INPUT_NAMES,
     authorization_of,
     has_request_parameter,
@@ -55,10 +56,7 @@ from paged_llm.serving.triton_codec import (
     wants_error_output,
 )
 
-_HOUSEKEEPING_INTERVAL_S = 0.05
-_MIN_CANCEL_POLL_INTERVAL_S = 0.05  # each in-flight request is asked at most this often
-_CANCEL_POLL_DUTY = 0.05  # cancellation polling may take at most this share of one thread's time
-_METRICS_INTERVAL_S = 0.5
+_METRICS_INTERVAL_S = 0.5  # gauges and engine state (request figures go with each FINAL)
 _UNLOAD_POLL_INTERVAL_S = 0.5
 _INLINE_TOKENIZE_CHARS = 16384  # longer text prompts are tokenized on a worker thread
 _TOKENIZE_THREADS = 2
@@ -181,6 +179,10 @@ class TritonPythonModel:
             target=self._housekeeping_loop, name="paged_llm-housekeeping", daemon=True
         )
         self._housekeeping.start()
+        self._cancel_poller = threading.Thread(
+            target=self._cancel_poll_loop, name="paged_llm-cancel-poll", daemon=True
+        )
+        self._cancel_poller.start()
         self._unload_watch_thread = threading.Thread(
             target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True
         )
@@ -209,6 +211,9 @@ class TritonPythonModel:
             errors_as_output = wants_error_output(triton_request_id, parameters)
             if self._api_keys.enabled:
                 self._api_keys.check(authorization_of(parameters))
+            if triton_request_id == HEALTH_PROBE_REQUEST_ID:
+                self._answer_health_probe(sender, errors_as_output)
+                return
             if has_request_parameter(parameters, FORWARDED_ABORT_PARAMETER):
                 self._abort_forwarded(parameters, sender)
                 return
@@ -246,7 +251,7 @@ class TritonPythonModel:
     ) -> None:
         """Tokenize, validate, and hand the request to the engine (or answer it with its error).
         No is_cancelled() here: it is a round trip to the server (0.1-0.4 ms on the GPU hosts), which
-        256 requests arriving at once would pay one after the other; the housekeeping thread's
+        256 requests arriving at once would pay one after the other; the cancel-poll thread's
         cancellation polling finds a request its client already gave up on."""
         try:
             self.engine.check_accepting()  # before tokenizing: no work for a request to be refused
@@ -297,6 +302,14 @@ class TritonPythonModel:
         if stream.cancelled:  # the poller saw the cancel before the engine knew the request
             self.engine.abort(request_id, RequestAbortedError("cancelled by the client"))
 
+    def _answer_health_probe(self, sender: Any, errors_as_output: bool) -> None:
+        engine_error = None
+        try:
+            self.engine.check_accepting()
+        except EngineDeadError as error:
+            engine_error = error
+        self._streams.answer_health_probe(sender, engine_error, errors_as_output)
+
     def _abort_forwarded(self, parameters: dict[str, Any], sender: Any) -> None:
         """llm_trtllm's client cancelled: end the request it forwarded to us (Triton 2.51's BLS
         cannot cancel a request it sent). Answered with an empty FINAL, found or not."""
@@ -319,20 +332,18 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------------------- housekeeping thread
     def _housekeeping_loop(self) -> None:
-        next_cancel_poll = next_metrics = time.monotonic()
-        while not self._stopping.wait(_HOUSEKEEPING_INTERVAL_S):
-            now = time.monotonic()
-            if now >= next_cancel_poll:
-                poll_s = self._streams.poll_cancellations()
-                # Each is_cancelled() is a round trip to the server process: at hundreds of streams,
-                # back off so that polling stays under _CANCEL_POLL_DUTY of this thread's time.
-                interval_s = max(_MIN_CANCEL_POLL_INTERVAL_S, poll_s / _CANCEL_POLL_DUTY)
-                next_cancel_poll = time.monotonic() + interval_s
-            if now >= next_metrics:
-                self.metrics.update()
-                next_metrics = now + _METRICS_INTERVAL_S
-                self._check_server_shutdown()
         self.metrics.update()
+        while not self._stopping.wait(_METRICS_INTERVAL_S):
+            self.metrics.update()
+            self._check_server_shutdown()
+        self.metrics.update()
+
+    def _cancel_poll_loop(self) -> None:
+        """A thread of its own: neither a metrics refresh nor a server probe (up to 0.4 s on a
+        busy server) delays noticing a cancelled request."""
+        interval_s = 0.0
+        while not self._stopping.wait(interval_s):
+            interval_s = self._streams.poll_cancellations()
 
     def _check_server_shutdown(self) -> None:
         """The server closed its endpoints (SIGINT/SIGTERM): its clients are gone, and it cannot
@@ -390,6 +401,7 @@ class TritonPythonModel:
         self._streams.stop()
         self._stopping.set()
         self._housekeeping.join(timeout=10.0)
+        self._cancel_poller.join(timeout=10.0)
         # No thread of ours may run on while the stub tears its interpreter down (ServerDeathWatch).
         # The unload watch may be inside a readiness request (5 s to connect, 5 s to read).
         self._unload_watch_thread.join(timeout=12.0)
