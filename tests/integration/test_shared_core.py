@@ -20,7 +20,13 @@ from paged_llm.engine.share_files import ShareFiles
 from paged_llm.errors import EngineDeadError, RequestAbortedError
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import make_engine, run_to_completion
-from tests.integration.peers import NOBODY_UID, evil_frame, run_in_child, send_and_wait_for_close
+from tests.integration.peers import (
+    NOBODY_UID,
+    evil_frame,
+    run_in_child,
+    send_and_wait_for_close,
+    wait_until,
+)
 
 
 class Collector:
@@ -173,3 +179,18 @@ def test_a_peer_without_the_secret_or_not_of_the_server_is_refused_and_the_core_
     assert run_in_child(lambda: send_and_wait_for_close(files.socket, with_secret)) == "closed"
     assert not marker.exists()
     assert_both_serve(front_ends, prompts, "after refused peers")
+
+
+def test_the_secret_of_a_killed_core_does_not_outlive_it(front_ends, share_name):
+    first = front_ends[0]
+    files = ShareFiles.for_name(share_name)
+    killed_secret = files.read_secret()
+
+    def gone_or_replaced() -> bool:
+        try:
+            return files.read_secret() != killed_secret  # a core started since has its own
+        except FileNotFoundError:
+            return True
+
+    first.client.process.kill()  # SIGKILL: the core removes nothing itself
+    assert wait_until(gone_or_replaced)

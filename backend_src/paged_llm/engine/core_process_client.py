@@ -39,7 +39,7 @@ from paged_llm.engine.core_types import (
     UtilityCall,
 )
 from paged_llm.engine.ipc import FramedSocket
-from paged_llm.engine.share_files import ShareFiles, ShareFilesError, remove_stale_shares
+from paged_llm.engine.share_files import ShareFiles, ShareFilesError, remove_if_unused, remove_stale_shares
 from paged_llm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -206,6 +206,8 @@ class ProcessCoreClient(_LinkedCoreClient):
         self.death_reason = f"the engine core process (pid {self.process.pid}) {describe_exit(returncode)}"
         if returncode != 0:
             logger.error("%s", self.death_reason)
+        if self._share is not None:  # a killed core could not remove them itself
+            remove_if_unused(self._share.files)
         self._exited.set()
         try:
             self._link.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on the link

@@ -159,16 +159,20 @@ class ShareFiles:
         return secret
 
 
+def remove_if_unused(files: ShareFiles) -> None:
+    """The share's files, if no process holds its lock (its core is gone, none started since)."""
+    try:
+        fd = files.try_lock()
+    except OSError:
+        return
+    if fd is not None:
+        try:
+            files.remove()
+        finally:
+            os.close(fd)
+
+
 def remove_stale_shares(directory: Path) -> None:
     """Files of shares whose core is gone without removing them (killed): their lock is free."""
     for lock in directory.glob("*.lock"):
-        files = ShareFiles(lock.with_suffix(""))
-        try:
-            fd = files.try_lock()
-        except OSError:
-            continue
-        if fd is not None:
-            try:
-                files.remove()
-            finally:
-                os.close(fd)
+        remove_if_unused(ShareFiles(lock.with_suffix("")))
