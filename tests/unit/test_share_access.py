@@ -18,6 +18,7 @@ from paged_llm.engine.share_files import (
     ShareFilesError,
     private_dir,
     remove_stale_shares,
+    runtime_dir,
 )
 
 OWNER_PID, SERVER_PID, UID = 100, 50, 1000
@@ -141,3 +142,25 @@ def test_a_long_runtime_dir_is_refused_with_a_hint(tmp_path):
     deep.mkdir()
     with pytest.raises(ShareFilesError, match="PAGED_LLM_RUNTIME_DIR"):
         ShareFiles.for_name("1234/llm/1/0", private_dir(deep))
+
+
+def test_a_parent_that_others_could_rename_in_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ShareFilesError, match="writable by other users and not sticky"):
+        private_dir(shared)
+    shared.chmod(0o1777)  # like /tmp
+    assert private_dir(shared).parent == shared
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
+def test_another_users_runtime_dir_is_not_used(tmp_path, monkeypatch):
+    theirs = tmp_path / "run-user-65534"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.delenv("PAGED_LLM_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(theirs))
+    assert runtime_dir() == Path(tempfile.gettempdir())
+    monkeypatch.setenv("PAGED_LLM_RUNTIME_DIR", str(tmp_path))
+    assert runtime_dir() == tmp_path

@@ -34,17 +34,39 @@ class ShareFilesError(RuntimeError):
 
 
 def runtime_dir() -> Path:
+    """The first of $PAGED_LLM_RUNTIME_DIR, $XDG_RUNTIME_DIR that is a safe parent (a root's shell
+    may have inherited a user's XDG_RUNTIME_DIR), else the temporary directory."""
     for variable in ("PAGED_LLM_RUNTIME_DIR", "XDG_RUNTIME_DIR"):
         configured = os.environ.get(variable)
-        if configured and os.path.isdir(configured):
+        if configured and safe_parent_refusal(Path(configured)) is None:
             return Path(configured)
     return Path(tempfile.gettempdir())
+
+
+def safe_parent_refusal(path: Path) -> str | None:
+    """Why `path` cannot hold our private directory, or None: whoever may rename entries in it (its
+    owner; any user where it is writable by others and not sticky) could swap ours for theirs."""
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        return f"{path}: {error.strerror}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a directory"
+    if info.st_uid not in (0, os.geteuid()):
+        return f"{path} belongs to uid {info.st_uid}"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return f"{path} is writable by other users and not sticky"
+    return None
 
 
 def private_dir(base: Path | None = None) -> Path:
     """`base/paged_llm-<uid>`, created 0700; refused unless it is a directory (not a link) of ours
     that nobody else can enter: someone who made it first could read and replace what is in it."""
-    path = (base or runtime_dir()) / f"paged_llm-{os.geteuid()}"
+    base = base or runtime_dir()
+    refusal = safe_parent_refusal(base)
+    if refusal is not None:
+        raise ShareFilesError(f"cannot keep the shared engine core's socket there: {refusal}")
+    path = base / f"paged_llm-{os.geteuid()}"
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     check_private(path, stat.S_IFDIR)
