@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
+from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, ServingConfig
 from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.engine.attach_gate import hello
-from paged_llm.engine.core_process_client import AttachedCoreClient, ProcessCoreClient
+from paged_llm.engine.core_process_client import AttachedCoreClient, ProcessCoreClient, connect_engine_core
 from paged_llm.engine.share_files import ShareFiles
 from paged_llm.errors import EngineDeadError, RequestAbortedError
 from paged_llm.sampling_params import SamplingParams
@@ -194,3 +194,20 @@ def test_the_secret_of_a_killed_core_does_not_outlive_it(front_ends, share_name)
 
     first.client.process.kill()  # SIGKILL: the core removes nothing itself
     assert wait_until(gone_or_replaced)
+
+
+def test_a_shared_core_that_fails_to_start_leaves_no_share_files(tmp_path, share_name, tiny_model_dir):
+    failing = {
+        "could not start the engine core process": EngineConfig(
+            model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
+            serving=ServingConfig(engine_python=str(tmp_path / "no-such-python")),
+        ),
+        "no-such-model": EngineConfig(
+            model=ModelConfig(model=str(tmp_path / "no-such-model"), dtype="float32")
+        ),
+    }
+    files = ShareFiles.for_name(share_name)
+    for expected, config in failing.items():
+        with pytest.raises(Exception, match=expected):
+            connect_engine_core(config, None, share_name)
+        assert not files.lock.exists() and not files.secret.exists() and not files.socket.exists()

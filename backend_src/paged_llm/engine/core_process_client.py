@@ -347,14 +347,11 @@ def connect_engine_core(
         lock_fd = files.try_lock()
         if lock_fd is not None:
             try:
-                listener = _listen(files)
-                try:
-                    remove_stale_shares(files.prefix.parent)
-                    return ProcessCoreClient(config, watch_pid, CoreShare(listener, lock_fd, files))
-                finally:
-                    listener.close()  # the core process holds its own copies of both
-            finally:
+                return _start_shared_core(config, watch_pid, files, lock_fd)
+            except BaseException:
                 os.close(lock_fd)
+                remove_if_unused(files)  # the core did not start: nothing of it may stay
+                raise
         try:
             client = AttachedCoreClient(files)
         except (FileNotFoundError, ConnectionError) as error:  # starting, or just gone: retry
@@ -366,6 +363,19 @@ def connect_engine_core(
             continue
         logger.info("attached to the shared engine core %r as front end %d", share_name, client.front_end_id)
         return client
+
+
+def _start_shared_core(
+    config: EngineConfig, watch_pid: int | None, files: ShareFiles, lock_fd: int
+) -> ProcessCoreClient:
+    listener = _listen(files)
+    try:
+        remove_stale_shares(files.prefix.parent)
+        client = ProcessCoreClient(config, watch_pid, CoreShare(listener, lock_fd, files))
+    finally:
+        listener.close()  # the core process holds its own copy
+    os.close(lock_fd)  # and of this one: the share's lock now lives as long as the core
+    return client
 
 
 def _listen(files: ShareFiles) -> socket.socket:
