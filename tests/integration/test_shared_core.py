@@ -1,21 +1,32 @@
 """Several front ends (AsyncLLMs, as several Triton instances of one model) sharing one engine core
-process (engine/front_ends.py): routing, detaching, and the core's owner stopping."""
+process (engine/front_ends.py): routing, detaching, the core's owner stopping, and who may attach
+(engine/attach_gate.py, engine/share_files.py)."""
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from paged_llm.config import CacheConfig, EngineConfig, ModelConfig
+from paged_llm.config import CacheConfig, EngineConfig, ModelConfig, ServingConfig
 from paged_llm.engine.async_llm import AsyncLLM
-from paged_llm.engine.core_process_client import AttachedCoreClient, ProcessCoreClient
+from paged_llm.engine.attach_gate import hello
+from paged_llm.engine.core_process_client import AttachedCoreClient, ProcessCoreClient, connect_engine_core
+from paged_llm.engine.share_files import ShareFiles
 from paged_llm.errors import EngineDeadError, RequestAbortedError
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import make_engine, run_to_completion
+from tests.integration.peers import (
+    NOBODY_UID,
+    evil_frame,
+    run_in_child,
+    send_and_wait_for_close,
+    wait_until,
+)
 
 
 class Collector:
@@ -51,11 +62,16 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 @pytest.fixture
-def front_ends(tiny_model_dir) -> Iterator[tuple[AsyncLLM, Collector, AsyncLLM, Collector]]:
+def share_name() -> str:
+    return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def front_ends(tiny_model_dir, share_name) -> Iterator[tuple[AsyncLLM, Collector, AsyncLLM, Collector]]:
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_model_dir), dtype="float32"), cache=CacheConfig(num_blocks=512)
     )
-    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = share_name
     first_outputs, second_outputs = Collector(), Collector()
     first = AsyncLLM(config, first_outputs, core_mode="process", share_name=name)
     try:
@@ -125,3 +141,73 @@ def test_the_owner_stopping_ends_the_attached_front_ends_requests(front_ends, pr
     assert "shared engine core closed" in (second.dead_reason or "")
     with pytest.raises(EngineDeadError):
         second.add_request("late", prompts[1], greedy(2))
+
+
+def assert_both_serve(front_ends, prompts, request_id: str) -> None:
+    first, first_outputs, second, second_outputs = front_ends
+    for engine, outputs in ((first, first_outputs), (second, second_outputs)):
+        engine.add_request(request_id, prompts[0], greedy(3))
+        assert outputs.wait_final(request_id).error is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a peer as another uid needs root")
+def test_a_foreign_uid_cannot_reach_the_shared_core_and_its_frame_is_never_unpickled(
+    front_ends, share_name, prompts, tmp_path
+):
+    files = ShareFiles.for_name(share_name)
+    directory = files.prefix.parent.stat()
+    assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.geteuid()
+    assert stat.S_ISSOCK(files.socket.stat().st_mode)
+    marker = tmp_path / "unpickled"
+    attack = evil_frame(marker)
+    assert run_in_child(lambda: send_and_wait_for_close(files.socket, attack), uid=NOBODY_UID) == (
+        "PermissionError"
+    )
+    assert not marker.exists()
+    assert_both_serve(front_ends, prompts, "after a foreign peer")
+
+
+def test_a_peer_without_the_secret_or_not_of_the_server_is_refused_and_the_core_keeps_serving(
+    front_ends, share_name, prompts, tmp_path
+):
+    files = ShareFiles.for_name(share_name)
+    marker = tmp_path / "unpickled"
+    # From the process that started the core, which the peer check lets pass: the secret decides.
+    assert send_and_wait_for_close(files.socket, evil_frame(marker)) == "closed"
+    # Our uid and the secret, but not the core's owner nor a child of a server (none here).
+    with_secret = hello(files.read_secret()) + evil_frame(marker)
+    assert run_in_child(lambda: send_and_wait_for_close(files.socket, with_secret)) == "closed"
+    assert not marker.exists()
+    assert_both_serve(front_ends, prompts, "after refused peers")
+
+
+def test_the_secret_of_a_killed_core_does_not_outlive_it(front_ends, share_name):
+    first = front_ends[0]
+    files = ShareFiles.for_name(share_name)
+    killed_secret = files.read_secret()
+
+    def gone_or_replaced() -> bool:
+        try:
+            return files.read_secret() != killed_secret  # a core started since has its own
+        except FileNotFoundError:
+            return True
+
+    first.client.process.kill()  # SIGKILL: the core removes nothing itself
+    assert wait_until(gone_or_replaced)
+
+
+def test_a_shared_core_that_fails_to_start_leaves_no_share_files(tmp_path, share_name, tiny_model_dir):
+    failing = {
+        "could not start the engine core process": EngineConfig(
+            model=ModelConfig(model=str(tiny_model_dir), dtype="float32"),
+            serving=ServingConfig(engine_python=str(tmp_path / "no-such-python")),
+        ),
+        "no-such-model": EngineConfig(
+            model=ModelConfig(model=str(tmp_path / "no-such-model"), dtype="float32")
+        ),
+    }
+    files = ShareFiles.for_name(share_name)
+    for expected, config in failing.items():
+        with pytest.raises(Exception, match=expected):
+            connect_engine_core(config, None, share_name)
+        assert not files.lock.exists() and not files.secret.exists() and not files.socket.exists()

@@ -10,8 +10,10 @@ EngineCoreInfo (or CoreStartupFailed) and runs the busy loop, which never waits 
 The loop sends each step's outputs itself, without blocking (a thread handing frames over would
 contend with it for the GIL every step); only what does not fit in the socket buffer, because the
 front end is behind, goes to the writer thread, and later frames queue behind it in order. With
-`--listen-fd`, further front ends (other Triton instances of the model) attach on that socket and
-share the core (engine/front_ends.py).
+`--listen-fd` (and `--share-files`, `--lock-fd`: engine/share_files.py), further front ends (other
+Triton instances of the model) attach on that socket and share the core (engine/front_ends.py),
+once its gate let them in (engine/attach_gate.py); the core holds the share's lock while it lives
+and removes the share's files when it exits.
 
 It never outlives its parent: the kernel sends it SIGKILL when the parent dies (PR_SET_PDEATHSIG),
 a watchdog thread also compares getppid(), and EOF on the socket (the parent closed it or died)
@@ -34,16 +36,29 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from paged_llm.config import ConfigError
+from paged_llm.engine.attach_gate import AttachGate
 from paged_llm.engine.core_loop import run_busy_loop
 from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, Shutdown
 from paged_llm.engine.front_ends import FrontEnds
 from paged_llm.engine.ipc import FramedSocket
+from paged_llm.engine.share_files import ShareFiles
 from paged_llm.parent_death import parent_death_signal, process_is_alive
 
 logger = logging.getLogger("paged_llm.core")
 EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
+_share_files: ShareFiles | None = None  # removed on every exit that runs code (not on SIGKILL)
+
+
+def _exit(code: int) -> None:
+    if _share_files is not None:
+        try:
+            _share_files.remove()  # while this process still holds the share's lock
+        except OSError:
+            pass
+    os._exit(code)
 
 
 def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
@@ -51,14 +66,14 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
     if set_signal is not None:  # elsewhere than Linux the watchdog thread below still notices
         set_signal()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+        _exit(1)
 
     def watch() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent_pid:
                 logger.error("the front end process %d is gone: exiting", parent_pid)
-                os._exit(1)
+                _exit(1)
             if watch_pid is not None and not process_is_alive(watch_pid):
                 # The stub that started this core goes too: it notices the server's death by itself,
                 # but not while a Triton call it is blocked in holds its GIL (seen: a stub in
@@ -70,7 +85,7 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
                     os.kill(parent_pid, signal.SIGKILL)
                 except OSError:
                     pass
-                os._exit(1)
+                _exit(1)
 
     threading.Thread(target=watch, name="paged_llm-core-watchdog", daemon=True).start()
 
@@ -78,11 +93,11 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
 def _exit_on_worker_death(message: str) -> None:
     logger.error("%s: the engine core exits", message)
     sys.stderr.flush()
-    os._exit(1)
+    _exit(1)
 
 
 def _hard_exit_later(delay_s: float, code: int) -> None:
-    timer = threading.Timer(delay_s, lambda: os._exit(code))
+    timer = threading.Timer(delay_s, lambda: _exit(code))
     timer.daemon = True
     timer.start()
 
@@ -96,8 +111,8 @@ def _read_inputs(link: FramedSocket, inbox: queue.SimpleQueue[CoreInput]) -> Non
         _hard_exit_later(EXIT_GRACE_S, 1)
 
 
-def serve(link: FramedSocket, listener: socket.socket | None = None) -> int:
-    """`listener`: further front ends attach here once the core is ready (engine/front_ends.py)."""
+def serve(link: FramedSocket, gate: AttachGate | None = None) -> int:
+    """`gate`: further front ends that it let in attach once the core is ready (engine/front_ends.py)."""
     from paged_llm.engine.core import EngineCore  # imports torch: after the parent watch is up
 
     config = link.recv()
@@ -118,8 +133,8 @@ def serve(link: FramedSocket, listener: socket.socket | None = None) -> int:
     inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
     threading.Thread(target=_read_inputs, args=(link, inbox), name="paged_llm-core-in", daemon=True).start()
     front_ends = FrontEnds(link, inbox, core.info)
-    if listener is not None:
-        front_ends.accept_from(listener)
+    if gate is not None:
+        front_ends.accept_from(gate)
     try:
         reason = run_busy_loop(core, inbox, front_ends.publish)
     except BaseException as error:
@@ -138,8 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--watch-pid", type=int, default=None, help="also exit when this process is gone")
     parser.add_argument("--listen-fd", type=int, default=None, help="listening socket: front ends attach")
+    parser.add_argument("--lock-fd", type=int, default=None, help="the share's lock: held while we live")
+    parser.add_argument("--share-files", default=None, help="the share's files (engine/share_files.py)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    global _share_files
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"paged_llm core [{os.getpid()}] %(levelname)s: %(message)s"))
@@ -149,14 +167,22 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent(args.parent_pid, args.watch_pid)
     link = FramedSocket(socket.socket(fileno=args.fd))
     listener = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
-    for sock in (link.sock, listener):  # inherited for us only: what we start must not hold them
-        if sock is not None:
-            sock.set_inheritable(False)
-    code = serve(link, listener)
+    for fd in (link.sock.fileno(), args.listen_fd, args.lock_fd):  # for us only, not for our children
+        if fd is not None:
+            os.set_inheritable(fd, False)
+    gate = None
+    if listener is not None:
+        if args.share_files is None:
+            parser.error("--listen-fd needs --share-files")
+        _share_files = ShareFiles(Path(args.share_files))
+        # Started before the model loads: a peer is refused (or let in) at once, never decoded.
+        gate = AttachGate(listener, _share_files.read_secret(), args.parent_pid, args.watch_pid)
+        gate.start()
+    code = serve(link, gate)
     sys.stderr.flush()
     # Skip interpreter teardown (joining IO threads, CUDA context destructors): the process owns
     # nothing that needs it, and the device memory is released when it exits.
-    os._exit(code)
+    _exit(code)
 
 
 if __name__ == "__main__":

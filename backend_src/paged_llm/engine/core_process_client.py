@@ -3,13 +3,14 @@ another Triton instance of the model started), then talk to it over a socket.
 
 `ProcessCoreClient` starts `python -m paged_llm.engine.core_process` and owns it;
 `AttachedCoreClient` joins a core that another instance owns (engine/front_ends.py);
-`connect_engine_core` decides which, by an abstract Unix socket named after the model.
-Both speak the same framed-pickle link (engine/ipc.py) through `_LinkedCoreClient`.
+`connect_engine_core` decides which, by the share's lock in a private directory
+(engine/share_files.py); an attached front end proves it holds the share's secret before anything
+is pickled (engine/attach_gate.py). Both speak the same framed-pickle link (engine/ipc.py) through
+`_LinkedCoreClient`.
 """
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import os
@@ -20,10 +21,12 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import paged_llm
 from paged_llm.config import ConfigError, EngineConfig
+from paged_llm.engine.attach_gate import ACK, hello, peer_credentials, recv_exactly
 from paged_llm.engine.core_types import (
     AbortRequest,
     AttachFrontEnd,
@@ -36,6 +39,7 @@ from paged_llm.engine.core_types import (
     UtilityCall,
 )
 from paged_llm.engine.ipc import FramedSocket
+from paged_llm.engine.share_files import ShareFiles, ShareFilesError, remove_if_unused, remove_stale_shares
 from paged_llm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -124,21 +128,31 @@ class _LinkedCoreClient:
         return self.get_outputs(0.0)
 
 
+@dataclass(frozen=True)
+class CoreShare:
+    """What a core that others share is handed: its listening socket, the share's lock (the core
+    holds it while it lives) and the share's files (engine/share_files.py)."""
+
+    listener: socket.socket
+    lock_fd: int
+    files: ShareFiles
+
+
 class ProcessCoreClient(_LinkedCoreClient):
     """The core in its own process, over a socketpair (engine/ipc.py).
 
     A supervisor thread starts the process and waits for it, so a death is noticed at once (and
     logged with its exit status); it also closes our end of the link, which wakes the reader.
-    `listener`: a listening Unix socket handed to the core, on which other front ends attach.
+    `share`: the core listens there for other front ends (connect_engine_core).
     """
 
     STARTUP_POLL_S = 0.5
 
     def __init__(
-        self, config: EngineConfig, watch_pid: int | None = None, listener: socket.socket | None = None
+        self, config: EngineConfig, watch_pid: int | None = None, share: CoreShare | None = None
     ) -> None:
         self._watch_pid = watch_pid
-        self._listener = listener
+        self._share = share
         self._python = config.serving.engine_python or python_executable()
         ours, theirs = socket.socketpair()
         super().__init__(FramedSocket(ours))
@@ -176,9 +190,11 @@ class ProcessCoreClient(_LinkedCoreClient):
         pass_fds = [self._theirs.fileno()]
         if self._watch_pid is not None:
             command += ["--watch-pid", str(self._watch_pid)]
-        if self._listener is not None:
-            command += ["--listen-fd", str(self._listener.fileno())]
-            pass_fds.append(self._listener.fileno())
+        if self._share is not None:
+            listen_fd, lock_fd = self._share.listener.fileno(), self._share.lock_fd
+            command += ["--listen-fd", str(listen_fd), "--lock-fd", str(lock_fd)]
+            command += ["--share-files", str(self._share.files.prefix)]
+            pass_fds += [listen_fd, lock_fd]
         try:
             self.process = subprocess.Popen(command, pass_fds=pass_fds, env=env, close_fds=True)
         except OSError as error:
@@ -190,6 +206,8 @@ class ProcessCoreClient(_LinkedCoreClient):
         self.death_reason = f"the engine core process (pid {self.process.pid}) {describe_exit(returncode)}"
         if returncode != 0:
             logger.error("%s", self.death_reason)
+        if self._share is not None:  # a killed core could not remove them itself
+            remove_if_unused(self._share.files)
         self._exited.set()
         try:
             self._link.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on the link
@@ -241,18 +259,31 @@ class ProcessCoreClient(_LinkedCoreClient):
         self._link.close()
 
 
+class AttachRefused(ConnectionError):
+    """The shared core closed the connection before it let us in: it refused us (see its log), or
+    it is going away. connect_engine_core retries."""
+
+
 class AttachedCoreClient(_LinkedCoreClient):
     """A core that another front end (another Triton instance of this model) started, reached
     through its listening socket. Its requests carry our prefix; shutdown() only detaches."""
 
     owns_core = False
     STARTUP_POLL_S = 0.5
+    ACK_TIMEOUT_S = 120.0  # the core's gate starts with its process, before the model loads
 
-    def __init__(self, address: bytes) -> None:
+    def __init__(self, files: ShareFiles) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(address)  # ConnectionRefusedError: nobody listens (yet, or any more)
-        except OSError:
+            # FileNotFoundError / ConnectionRefusedError: nobody listens (yet, or any more)
+            sock.connect(str(files.socket))
+            listener_uid = peer_credentials(sock).uid
+            if listener_uid != os.geteuid():  # the directory is ours: only a bug gets here
+                raise ShareFilesError(f"{files.socket} is served by uid {listener_uid}: refused")
+            sock.sendall(hello(files.read_secret()))
+            if recv_exactly(sock, len(ACK), self.ACK_TIMEOUT_S) != ACK:
+                raise AttachRefused("the shared engine core closed the connection before letting us in")
+        except BaseException:
             sock.close()
             raise
         super().__init__(FramedSocket(sock))
@@ -302,44 +333,63 @@ class AttachedCoreClient(_LinkedCoreClient):
 ATTACH_RETRY_S = 30.0  # how long an instance keeps trying to join a shared core that is starting
 
 
-def shared_core_address(name: str) -> bytes:
-    """A Linux abstract Unix socket address: no file, gone when its last socket closes."""
-    return b"\0paged_llm/" + name.encode()
-
-
 def connect_engine_core(
     config: EngineConfig, watch_pid: int | None = None, share_name: str | None = None
 ) -> ProcessCoreClient | AttachedCoreClient:
     """The engine core in its own process. With `share_name`, every caller that passes the same name
-    shares one core: the first one to bind the name starts the core (which listens there), the
-    others attach to it (engine/front_ends.py)."""
+    shares one core: the first one to take the share's lock starts the core (which listens on the
+    share's socket and holds the lock while it lives), the others attach to it (engine/front_ends.py)."""
     if share_name is None:
         return ProcessCoreClient(config, watch_pid)
-    address = shared_core_address(share_name)
+    files = ShareFiles.for_name(share_name)
     deadline = time.monotonic() + ATTACH_RETRY_S
     while True:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(address)
-        except OSError as error:
-            listener.close()
-            if error.errno != errno.EADDRINUSE:
-                raise
+        lock_fd = files.try_lock()
+        if lock_fd is not None:
             try:
-                client = AttachedCoreClient(address)
-            except ConnectionRefusedError:  # bound but not listening yet, or just closed: retry
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"could not start or join the shared engine core {share_name!r}"
-                    ) from None
-                time.sleep(0.05)
-                continue
-            logger.info(
-                "attached to the shared engine core %r as front end %d", share_name, client.front_end_id
-            )
-            return client
+                return _start_shared_core(config, watch_pid, files, lock_fd)
+            except BaseException:
+                os.close(lock_fd)
+                remove_if_unused(files)  # the core did not start: nothing of it may stay
+                raise
         try:
-            listener.listen(64)
-            return ProcessCoreClient(config, watch_pid, listener)
-        finally:
-            listener.close()  # the core process holds its own copy
+            client = AttachedCoreClient(files)
+        except (FileNotFoundError, ConnectionError) as error:  # starting, or just gone: retry
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"could not start or join the shared engine core {share_name!r}: {error}"
+                ) from None
+            time.sleep(0.05)
+            continue
+        logger.info("attached to the shared engine core %r as front end %d", share_name, client.front_end_id)
+        return client
+
+
+def _start_shared_core(
+    config: EngineConfig, watch_pid: int | None, files: ShareFiles, lock_fd: int
+) -> ProcessCoreClient:
+    listener = _listen(files)
+    try:
+        remove_stale_shares(files.prefix.parent)
+        client = ProcessCoreClient(config, watch_pid, CoreShare(listener, lock_fd, files))
+    finally:
+        listener.close()  # the core process holds its own copy
+    os.close(lock_fd)  # and of this one: the share's lock now lives as long as the core
+    return client
+
+
+def _listen(files: ShareFiles) -> socket.socket:
+    """The share's listening socket, with a fresh secret; what a killed core left there goes."""
+    files.write_secret()
+    try:
+        files.socket.unlink()
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(files.socket))
+        listener.listen(64)
+    except BaseException:
+        listener.close()
+        raise
+    return listener

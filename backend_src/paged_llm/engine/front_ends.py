@@ -5,13 +5,14 @@ one stub sends at most ~7,000-8,000 responses/s (measured on an H100 host: at 64
 ~15k tok/s the responses carried 2 tokens each; with two instances, 1.0-1.1). So several instances
 of the `llm` model (`instance_group { count: N }`) share one engine core on a device: the first one
 starts the core process with a listening socket (engine/core_process_client.py: `connect_engine_core`),
-the others connect to it, and each is a front end with its own requests:
+the others connect to it, and each that the gate lets in (only processes of the same server that
+hold the share's secret) is a front end with its own requests:
 
-    front end 0 (started the core) ──socketpair──┐
-    front end 1 ──unix socket──> acceptor ──┐    │
-    front end 2 ──unix socket──> acceptor ──┼─> inbox ─> busy loop ─> publish(outputs)
-                                            │                            │ split by request id
-                                            └────────── frames <─────────┘
+    front end 0 (started the core) ──socketpair───────────┐
+    front end 1 ──unix socket──> gate (attach_gate.py) ──┐ │
+    front end 2 ──unix socket──> gate ───────────────────┼─┴─> inbox ─> busy loop ─> publish(outputs)
+                                                         │                              │ by request id
+                                                         └────────── frames <───────────┘
 
 An attached front end's request ids start with "<front_end_id>:" (front end 0's have no colon),
 which is all the routing needs: each step's outputs are split by that prefix, and a front end
@@ -25,10 +26,10 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import socket
 import threading
 from dataclasses import replace
 
+from paged_llm.engine.attach_gate import AttachGate
 from paged_llm.engine.core_types import (
     AbortFrontEnd,
     AbortRequest,
@@ -156,7 +157,6 @@ class FrontEnds:
         self._lock = threading.Lock()
         self._front_end_ids = itertools.count(1)
         self._call_id_counter = itertools.count(_FIRST_FORWARDED_CALL_ID)
-        self._closed = False
 
     # ---------------------------------------------------------------------------- busy loop
     def publish(self, outputs: EngineCoreOutputs) -> None:
@@ -174,28 +174,15 @@ class FrontEnds:
                 publisher.publish(part)
 
     def close(self, timeout_s: float) -> None:
-        self._closed = True
         with self._lock:
             publishers = [self._first, *self._attached.values()]
         for publisher in publishers:
             publisher.close(timeout_s)
 
     # ------------------------------------------------------------------ attached front ends
-    def accept_from(self, listener: socket.socket) -> None:
-        threading.Thread(
-            target=self._accept_loop, args=(listener,), name="paged_llm-core-accept", daemon=True
-        ).start()
-
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while not self._closed:
-            try:
-                connection, _ = listener.accept()
-            except OSError as error:
-                logger.error("the engine core stopped accepting front ends: %s", error)
-                return
-            threading.Thread(
-                target=self._serve, args=(FramedSocket(connection),), name="paged_llm-core-in", daemon=True
-            ).start()
+    def accept_from(self, gate: AttachGate) -> None:
+        """Front ends that the gate let in (engine/attach_gate.py) attach from now on."""
+        gate.serve_with(self._serve)
 
     def _serve(self, link: FramedSocket) -> None:
         """One attached front end: handshake, then its inputs until it detaches or goes away."""

@@ -9,6 +9,11 @@ no dependency, and the kernel closes it when either process dies, so each side s
 
     frame:  [ payload length: 8 bytes, little endian ][ pickle protocol 5 payload ]
 
+A front end that attaches to a shared core (engine/front_ends.py) reaches it over a Unix socket
+instead; there the first pickled frame is read only after the core's gate let the peer in
+(engine/attach_gate.py): `pickle.loads` runs whatever the bytes say, so no unauthenticated byte
+ever reaches `recv`.
+
 `send` may be called from any thread (frames never interleave); `recv` / `poll` from one thread only.
 `send_bytes_nowait` lets a busy loop send without ever blocking on a slow reader.
 """
