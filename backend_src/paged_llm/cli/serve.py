@@ -30,6 +30,8 @@ from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
 from paged_llm.serving.auth import key_digest
+from paged_llm.tools.guard_process import GuardedPorts, guarded_ports, start_guard, stop_guard
+from paged_llm.tools.http_guard import DEFAULT_MAX_BODY_BYTES
 from paged_llm.tools.launch import (
     ServerPorts,
     busy_ports,
@@ -52,6 +54,7 @@ _POLL_S = 0.25
 class _Children:
     server: subprocess.Popen
     frontend: subprocess.Popen | None = None
+    guard: subprocess.Popen | None = None  # the HTTP guard on the public HTTP and metrics ports
     regions: set[str] = field(default_factory=set)  # the stubs' shared memory, removed after exit
 
 
@@ -182,6 +185,12 @@ def serve(args: argparse.Namespace) -> int:
             "--http-header-forward-pattern=[Aa]uthorization",
         ]
     repository = write_repository(args)
+    guard_ports = guarded_ports(ports)
+    try:
+        guard = start_guard(args.address, guard_ports, args.http_max_body_bytes)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     stopping: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
@@ -191,17 +200,29 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S, extra_server_args)
-    children = _Children(subprocess.Popen(command, env=server_env()))
+    command = server_command(
+        repository,
+        guard_ports.triton,
+        args.address,
+        EXIT_TIMEOUT_S,
+        extra_server_args,
+        guarded=guard_ports.guarded,
+    )
+    try:
+        children = _Children(subprocess.Popen(command, env=server_env()), guard=guard)
+    except BaseException:
+        stop_guard(guard)
+        raise
     try:  # whatever goes wrong here, the children go too (a GPU left held is the worst case)
-        ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
+        ready_url = f"{guard_ports.triton_http_url}/v2/models/{args.served_model_name}/ready"
         if _wait_until(
             lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping
         ):
             frontend_command = [
                 sys.executable, "-m", "paged_llm.frontend",
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
-                *(["--triton-http-url", f"{host}:{ports.http}"] if args.openai_transport == "http" else []),
+                *(["--triton-http-url", _triton_http(guard_ports)] if args.openai_transport == "http"
+                  else []),
                 "--health-model", args.served_model_name, "--log-level", args.log_level,
                 "--workers", str(args.openai_workers), "--generation-config", args.generation_config,
             ]  # fmt: skip
@@ -213,10 +234,16 @@ def serve(args: argparse.Namespace) -> int:
             health_url = f"http://{host}:{args.port}/health"
             if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
                 print(_banner(args, ports), file=sys.stderr, flush=True)
-        return _supervise(children, f"http://{host}:{ports.http}", stopping)
+        return _supervise(children, guard_ports.triton_http_url, stopping)
     except BaseException:
         _stop_all(children, signal.SIGTERM)
         raise
+
+
+def _triton_http(ports: GuardedPorts) -> str:
+    """Where the OpenAI server reaches Triton's HTTP endpoint: its loopback port, not the guard's
+    (one hop less; the OpenAI server sends no form bodies)."""
+    return ports.triton_http_url.removeprefix("http://")
 
 
 def _stop_all(children: _Children, signum: int) -> None:
@@ -238,6 +265,7 @@ def _stop_all(children: _Children, signum: int) -> None:
                 except ProcessLookupError:
                     pass
             process.wait()
+    stop_guard(children.guard)
     remove_unused_regions(children.regions)
 
 
@@ -254,6 +282,10 @@ def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
         if children.frontend is not None and children.frontend.poll() is not None:
             failure = 1
             print(f"paged-llm: the OpenAI server exited ({children.frontend.returncode})", file=sys.stderr)
+            break
+        if children.guard is not None and children.guard.poll() is not None:
+            failure = 1
+            print(f"paged-llm: the HTTP guard exited ({children.guard.returncode})", file=sys.stderr)
             break
         if children.frontend is None:  # startup failed or timed out
             failure = 1
@@ -301,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the model repository (default: $PAGED_LLM_HOME/serve/NAME)",
     )
     add("--startup-timeout-s", type=float, default=900.0)
+    add(
+        "--http-max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the guard on Triton's HTTP and metrics ports answers 413 to a request body over this",
+    )
     add("--log-level", default="warning", help="the OpenAI server's log level")
     add(
         "--openai-workers",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from paged_llm.paths import paged_llm_home, repo_root
 from paged_llm.tools import triton_args
+from paged_llm.tools.guard_process import guarded_ports, start_guard, stop_guard
 from paged_llm.tools.supervise import run_supervised
 
 
@@ -184,17 +185,22 @@ def server_command(
     address: str = "127.0.0.1",
     exit_timeout_secs: int = 30,
     extra_args: list[str] | None = None,
+    guarded: tuple[str, ...] = (),
 ) -> list[str]:
-    """The tritonserver command line; binds every endpoint to `address` (loopback by default)."""
+    """The tritonserver command line; binds every endpoint to `address` (loopback by default), but
+    the `guarded` ones ("http", "metrics") to 127.0.0.1: the HTTP guard serves them on `address`
+    (tools/guard_process.py)."""
+    http_address = "127.0.0.1" if "http" in guarded else address
+    metrics_address = "127.0.0.1" if "metrics" in guarded else address
     return [
         str(pytriton_dir() / "bin" / "tritonserver"),
         f"--model-repository={model_repository}",
         f"--backend-directory={prepare_backend_dir()}",
-        f"--http-address={address}",
+        f"--http-address={http_address}",
         f"--http-port={ports.http}",
         f"--grpc-address={address}",
         f"--grpc-port={ports.grpc}",
-        f"--metrics-address={address}",
+        f"--metrics-address={metrics_address}",
         f"--metrics-port={ports.metrics}",
         f"--exit-timeout-secs={exit_timeout_secs}",
         "--allow-gpu-metrics=false" if not _has_nvidia_gpu() else "--allow-gpu-metrics=true",
@@ -233,6 +239,11 @@ def endpoint_disabled(extra_args: list[str], endpoint: str) -> bool:
         return value is not None and not triton_args.parse_bool(value, f"allow-{endpoint}")
     except triton_args.TritonArgError:
         return False
+
+
+def guarded_endpoints(extra_args: list[str] | None = None) -> tuple[str, ...]:
+    """The endpoints the HTTP guard fronts: HTTP and metrics, those of them that are on."""
+    return tuple(name for name in ("http", "metrics") if not endpoint_disabled(extra_args or [], name))
 
 
 def _is_loopback(address: str) -> bool:
@@ -348,9 +359,20 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    guard_ports = guarded_ports(ports, guarded_endpoints(args.extra))
     command = server_command(
-        Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra
+        Path(args.model_repository).resolve(),
+        guard_ports.triton,
+        args.address,
+        args.exit_timeout_secs,
+        args.extra,
+        guarded=guard_ports.guarded,
     )
+    try:
+        guard = start_guard(args.address, guard_ports, args.http_max_body_bytes)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     host = http_host(args.address)
     print(
         f"Starting tritonserver on {args.address} "
@@ -362,8 +384,12 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    http_url = f"http://{http_host(args.address)}:{ports.http}"
-    return run_supervised(command, server_env(), args.exit_timeout_secs, http_url=http_url)
+    try:
+        return run_supervised(
+            command, server_env(), args.exit_timeout_secs, http_url=guard_ports.triton_http_url
+        )
+    finally:
+        stop_guard(guard)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
     serve.add_argument(
         "--exit-timeout-secs", type=int, default=5, help="how long the server waits for models to unload"
+    )
+    serve.add_argument(
+        "--http-max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="the HTTP guard answers 413 to a request body over this (tools/http_guard.py)",
     )
     serve.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = parser.parse_args(argv)
