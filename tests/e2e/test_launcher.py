@@ -205,3 +205,63 @@ def test_kserve_http_clients_work_through_the_guard(served):
     )
     events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and len(events) == 3 and all("text_output" in event for event in events)
+
+
+def _llm_stub(served: Served) -> psutil.Process:
+    [stub] = [
+        child
+        for child in served.tritonserver().children()
+        if child.name().startswith("triton_python_b")
+        and any("/llm/1/model.py" in arg for arg in child.cmdline())
+    ]
+    return stub
+
+
+def _wait_for(check, served: Served, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"{what} not within {timeout_s} s:\n{served.log()[-4000:]}")
+
+
+def _serves_again(served: Served, old_server_pid: int) -> bool:
+    try:
+        if served.tritonserver().pid == old_server_pid:
+            return False
+    except (ValueError, psutil.Error):  # between two servers
+        return False
+    if _status(f"http://127.0.0.1:{served.port}/health", 5) != 200:
+        return False
+    try:
+        status, _ = generate(served.http_port, {"text_input": "again", "max_tokens": 2})
+    except (OSError, http.client.HTTPException):  # the server went away meanwhile
+        return False
+    return status == 200
+
+
+def test_a_dead_stub_or_a_crashed_server_is_restarted_until_the_budget_is_spent(tmp_path, tiny_model_dir):
+    served = start_served(tmp_path, "--max-restarts", "2", "--restart-window-s", "600")
+    try:
+        frontend = [p for p in psutil.Process(served.process.pid).children() if p.name() != "tritonserver"]
+        for kill in ("stub", "server"):
+            old = served.tritonserver().pid
+            victim = _llm_stub(served) if kill == "stub" else served.tritonserver()
+            victim.kill()  # SIGKILL
+            _wait_for(
+                lambda old=old: _serves_again(served, old),
+                served,
+                90.0,
+                f"served again after a killed {kill}",
+            )
+        assert served.log().count("restarting tritonserver") == 2
+        assert [
+            p for p in psutil.Process(served.process.pid).children() if p.name() != "tritonserver"
+        ] == frontend
+        served.tritonserver().kill()  # a third death within the window: the launcher gives up
+        served.process.wait(timeout=60)
+        assert served.process.returncode != 0
+        assert "2 restarts within 600 s already: stopping" in served.log()
+    finally:
+        _stop(served.process)

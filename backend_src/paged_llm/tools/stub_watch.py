@@ -85,10 +85,13 @@ class StubWatch:
         self._list_stubs = list_stubs
         self._is_ready = is_ready
         self._known: dict[int, StubInstance] = {}
+        self._unjudged: dict[int, StubInstance] = {}  # vanished while Triton did not answer
 
     def check(self) -> list[str]:
         alive = self._list_stubs(self.server_pid)
         vanished = {pid: stub for pid, stub in self._known.items() if pid not in alive}
+        vanished.update(self._unjudged)
+        self._unjudged = {}
         self._known = dict(alive)
         return self._dead(vanished.items(), set(alive.values()))
 
@@ -97,7 +100,10 @@ class StubWatch:
         for pid, stub in vanished:
             if stub in alive:  # replaced by a new stub of the same instance (a reload)
                 continue
-            if self._is_ready(self.http_url, stub):  # unloaded (not ready) or no answer: not ours to judge
+            ready = self._is_ready(self.http_url, stub)
+            if ready is None:  # no answer (a busy server): judged at the next check
+                self._unjudged[pid] = stub
+            elif ready:  # not ready: unloaded, not ours to judge
                 messages.append(
                     f"the Python stub of {stub} (pid {pid}) died while Triton still reports the model "
                     "ready; Triton 2.51 does not restart it, its requests in flight never finish and new "
