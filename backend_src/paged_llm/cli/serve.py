@@ -239,6 +239,7 @@ def serve(args: argparse.Namespace) -> int:
             lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping
         ):
             watch.check()  # the stubs are known before anyone is told the server is up
+            watch.server_up = True
             frontend_command = [
                 sys.executable, "-m", "paged_llm.frontend",
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),

@@ -86,6 +86,10 @@ class StubWatch:
         self._is_ready = is_ready
         self._known: dict[int, StubInstance] = {}
         self._unjudged: dict[int, StubInstance] = {}  # vanished while Triton did not answer
+        # Set once Triton has answered (or by a caller that saw it ready): before that, a stub that
+        # vanishes unanswered is one of a loading server (Triton starts and ends stubs to complete
+        # model configs) and is not judged.
+        self.server_up = False
 
     def check(self) -> list[str]:
         alive = self._list_stubs(self.server_pid)
@@ -101,9 +105,12 @@ class StubWatch:
             if stub in alive:  # replaced by a new stub of the same instance (a reload)
                 continue
             ready = self._is_ready(self.http_url, stub)
-            if ready is None:  # no answer (a busy server): judged at the next check
-                self._unjudged[pid] = stub
-            elif ready:  # not ready: unloaded, not ours to judge
+            if ready is None:
+                if self.server_up:  # no answer from a server that was up (busy): judged next time
+                    self._unjudged[pid] = stub
+                continue
+            self.server_up = True
+            if ready:  # not ready: unloaded, not ours to judge
                 messages.append(
                     f"the Python stub of {stub} (pid {pid}) died while Triton still reports the model "
                     "ready; Triton 2.51 does not restart it, its requests in flight never finish and new "
