@@ -100,7 +100,7 @@ def test_deployment_runs_two_replicas_with_one_gpu_each(manifests: dict[str, dic
 def test_deployment_probes(manifests: dict[str, dict[str, Any]]) -> None:
     container = _container(manifests["Deployment"])
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 9000}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": 8000}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": 8000}  # the launcher's guard
 
 
 def test_deployment_takes_the_api_key_from_a_secret(manifests: dict[str, dict[str, Any]]) -> None:

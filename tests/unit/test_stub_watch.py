@@ -60,3 +60,33 @@ def test_unload_reload_and_an_unanswering_server_are_not_dead_stubs():
     fake.ready[TRT] = None  # the server does not answer (stopping): no verdict
     del fake.stubs[11]
     assert watch.check() == []
+
+
+def test_a_stub_gone_while_the_server_did_not_answer_is_judged_once_it_answers():
+    """A busy server's readiness check can time out: the dead stub must not be forgotten."""
+    fake = Fake()
+    fake.stubs = {10: LLM}
+    fake.ready = {LLM: None}
+    watch = fake.watch()
+    watch.server_up = True  # seen ready
+    watch.check()
+    del fake.stubs[10]
+    assert watch.check() == []  # no answer yet
+    assert watch.check() == []
+    fake.ready[LLM] = True
+    messages = watch.check()
+    assert len(messages) == 1 and "pid 10" in messages[0]
+    assert watch.check() == []
+
+
+def test_a_stub_that_vanishes_before_the_server_ever_answered_is_not_judged():
+    """A loading server starts and ends stubs (model config completion) before it listens."""
+    fake = Fake()
+    fake.stubs = {10: LLM}
+    fake.ready = {LLM: None}
+    watch = fake.watch()
+    watch.check()
+    fake.stubs = {11: TRT}
+    assert watch.check() == []
+    fake.ready = {LLM: True, TRT: True}
+    assert watch.check() == []

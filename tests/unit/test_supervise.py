@@ -33,3 +33,19 @@ def test_the_callers_signal_handlers_are_back_afterwards():
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     run_supervised(_child("pass"), dict(os.environ), exit_timeout_s=1.0)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_the_restart_budget_allows_limit_restarts_per_window():
+    from paged_llm.tools.supervise import RestartBudget
+
+    now = [0.0]
+    budget = RestartBudget(limit=2, window_s=60.0, clock=lambda: now[0])
+    assert budget.take()
+    now[0] = 30.0
+    assert budget.take()
+    assert not budget.take()  # a third within 60 s
+    now[0] = 59.0
+    assert not budget.take()
+    now[0] = 60.0  # the first has left the window
+    assert budget.take() and budget.used == 2
+    assert not RestartBudget(limit=0, window_s=1.0).take()

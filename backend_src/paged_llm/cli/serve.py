@@ -7,8 +7,14 @@ Steps: write a model repository for the checkpoint under $PAGED_LLM_HOME/serve/<
 tritonserver on it (every port on --address, loopback by default), wait until the model is ready,
 start the OpenAI server (python -m paged_llm.frontend) on --port, wait until its /health is ready,
 print the URLs and a curl line. Ctrl-C (or SIGTERM) stops both and waits for them; tritonserver is
-killed if it has not exited within its exit timeout (supervise.py says why). A stub that dies, or
-either server that exits, stops the other one too; the exit status is then non-zero.
+killed if it has not exited within its exit timeout (supervise.py says why).
+
+Triton's HTTP and metrics ports are served by the HTTP guard (tools/http_guard.py); tritonserver
+binds them on loopback. A tritonserver that crashes, or whose Python stub dies, is replaced by a
+fresh one on the same ports (the log says so; the OpenAI server keeps running, answering 503 until
+Triton serves again), at most --max-restarts times within --restart-window-s: one death more stops
+everything with a non-zero status (3 for a dead stub, 128 + signal for a crash) for a supervisor.
+The OpenAI server or the guard exiting stops everything too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +37,14 @@ from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
 from paged_llm.serving.auth import API_KEY_VERIFIER_ENV, make_verifier
+from paged_llm.tools.guard_process import (
+    TRITON_LOOPBACK,
+    GuardedPorts,
+    guarded_ports,
+    start_guard,
+    stop_guard,
+)
+from paged_llm.tools.http_guard import DEFAULT_MAX_BODY_BYTES
 from paged_llm.tools.launch import (
     ServerPorts,
     busy_ports,
@@ -42,7 +57,13 @@ from paged_llm.tools.procfs import descendants
 from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, make_model_repository
 from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
 from paged_llm.tools.stub_watch import StubWatch
-from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, KILL_MARGIN_S, describe_server_exit, exit_status
+from paged_llm.tools.supervise import (
+    DEAD_STUB_EXIT_STATUS,
+    KILL_MARGIN_S,
+    RestartBudget,
+    describe_server_exit,
+    exit_status,
+)
 
 EXIT_TIMEOUT_S = 5
 _POLL_S = 0.25
@@ -52,6 +73,7 @@ _POLL_S = 0.25
 class _Children:
     server: subprocess.Popen
     frontend: subprocess.Popen | None = None
+    guard: subprocess.Popen | None = None  # the HTTP guard on the public HTTP and metrics ports
     regions: set[str] = field(default_factory=set)  # the stubs' shared memory, removed after exit
 
 
@@ -185,6 +207,12 @@ def serve(args: argparse.Namespace) -> int:
             "--http-header-forward-pattern=[Aa]uthorization",
         ]
     repository = write_repository(args)
+    guard_ports = guarded_ports(ports)
+    try:
+        guard = start_guard(args.address, guard_ports, args.http_max_body_bytes)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     stopping: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
@@ -194,17 +222,32 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    command = server_command(repository, ports, args.address, EXIT_TIMEOUT_S, extra_server_args)
-    children = _Children(subprocess.Popen(command, env=triton_env))
+    command = server_command(
+        repository,
+        guard_ports.triton,
+        args.address,
+        EXIT_TIMEOUT_S,
+        extra_server_args,
+        guarded=guard_ports.guarded,
+    )
+    try:
+        children = _Children(subprocess.Popen(command, env=triton_env), guard=guard)
+    except BaseException:
+        stop_guard(guard)
+        raise
     try:  # whatever goes wrong here, the children go too (a GPU left held is the worst case)
-        ready_url = f"http://{host}:{ports.http}/v2/models/{args.served_model_name}/ready"
+        ready_url = f"{guard_ports.triton_http_url}/v2/models/{args.served_model_name}/ready"
+        watch = StubWatch(children.server.pid, guard_ports.triton_http_url)
         if _wait_until(
             lambda: _get_status(ready_url) == 200, children.server, args.startup_timeout_s, stopping
         ):
+            watch.check()  # the stubs are known before anyone is told the server is up
+            watch.server_up = True
             frontend_command = [
                 sys.executable, "-m", "paged_llm.frontend",
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
-                *(["--triton-http-url", f"{host}:{ports.http}"] if args.openai_transport == "http" else []),
+                *(["--triton-http-url", _triton_http(guard_ports)] if args.openai_transport == "http"
+                  else []),
                 "--health-model", args.served_model_name, "--log-level", args.log_level,
                 "--workers", str(args.openai_workers), "--generation-config", args.generation_config,
             ]  # fmt: skip
@@ -216,10 +259,24 @@ def serve(args: argparse.Namespace) -> int:
             health_url = f"http://{host}:{args.port}/health"
             if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
                 print(_banner(args, ports), file=sys.stderr, flush=True)
-        return _supervise(children, f"http://{host}:{ports.http}", stopping)
+        triton_ports = [(args.address, ports.grpc)]
+        triton_ports += [(TRITON_LOOPBACK, getattr(guard_ports.triton, name)) for name in guard_ports.guarded]
+
+        def restart() -> subprocess.Popen:
+            _wait_for_ports(triton_ports)
+            return subprocess.Popen(command, env=triton_env)
+
+        budget = RestartBudget(args.max_restarts, args.restart_window_s)
+        return _supervise(children, watch, stopping, restart, budget)
     except BaseException:
         _stop_all(children, signal.SIGTERM)
         raise
+
+
+def _triton_http(ports: GuardedPorts) -> str:
+    """Where the OpenAI server reaches Triton's HTTP endpoint: its loopback port, not the guard's
+    (one hop less; the OpenAI server sends no form bodies)."""
+    return ports.triton_http_url.removeprefix("http://")
 
 
 def _stop_all(children: _Children, signum: int) -> None:
@@ -241,39 +298,111 @@ def _stop_all(children: _Children, signum: int) -> None:
                 except ProcessLookupError:
                     pass
             process.wait()
+    stop_guard(children.guard)
     remove_unused_regions(children.regions)
 
 
-def _supervise(children: _Children, http_url: str, stopping: list[int]) -> int:
-    """Runs until a stop signal or until a child exits; then stops both and returns the status."""
-    watch = StubWatch(children.server.pid, http_url)
+def _supervise(
+    children: _Children,
+    watch: StubWatch,
+    stopping: list[int],
+    restart: Callable[[], subprocess.Popen],
+    budget: RestartBudget,
+) -> int:
+    """Runs until a stop signal or until a child exits; then stops both and returns the status.
+    A tritonserver that exits on its own, or one with a dead stub (Triton 2.51 never restarts a
+    stub), is replaced by a fresh one on the same ports while `budget` allows; the OpenAI server
+    keeps running meanwhile (its /health answers 503 until Triton serves again)."""
     next_check = time.monotonic()
     failure = 0
     while not stopping:
+        death: tuple[str, int] | None = None  # (what happened, the exit status it would give)
         if children.server.poll() is not None:
-            failure = exit_status(children.server.returncode) or 1
-            print(f"paged-llm: {describe_server_exit(children.server.returncode)}", file=sys.stderr)
-            break
-        if children.frontend is not None and children.frontend.poll() is not None:
+            returncode = children.server.returncode
+            death = (describe_server_exit(returncode), exit_status(returncode) or 1)
+        elif children.frontend is not None and children.frontend.poll() is not None:
             failure = 1
             print(f"paged-llm: the OpenAI server exited ({children.frontend.returncode})", file=sys.stderr)
             break
-        if children.frontend is None:  # startup failed or timed out
+        elif children.guard is not None and children.guard.poll() is not None:
+            failure = 1
+            print(f"paged-llm: the HTTP guard exited ({children.guard.returncode})", file=sys.stderr)
+            break
+        elif children.frontend is None:  # startup failed or timed out
             failure = 1
             print("paged-llm: the model did not become ready; stopping", file=sys.stderr)
             break
-        if time.monotonic() >= next_check:
+        elif time.monotonic() >= next_check:
             next_check = time.monotonic() + 1.0
             children.regions.update(stub_regions(children.server.pid))
             dead = watch.check()
             if dead:
-                for message in dead:
-                    print(f"paged-llm: {message}: stopping", file=sys.stderr)
-                failure = DEAD_STUB_EXIT_STATUS
+                death = ("; ".join(dead), DEAD_STUB_EXIT_STATUS)
+                try:  # a killed tritonserver's stubs leave its process tree before it is reaped
+                    returncode = children.server.wait(timeout=1.0)
+                    death = (describe_server_exit(returncode), exit_status(returncode) or 1)
+                except subprocess.TimeoutExpired:
+                    pass
+        if death is not None:
+            message, status = death
+            if not budget.take():
+                print(
+                    f"paged-llm: {message}; {budget.limit} restarts within {budget.window_s:.0f} s already: "
+                    "stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                failure = status
                 break
+            print(
+                f"paged-llm: {message}: restarting tritonserver ({budget.describe()})",
+                file=sys.stderr,
+                flush=True,
+            )
+            _stop_server(children)
+            if stopping:
+                break
+            children.server = restart()
+            watch = StubWatch(children.server.pid, watch.http_url)
+            continue
         time.sleep(_POLL_S)
     _stop_all(children, stopping[0] if stopping else signal.SIGTERM)
     return failure
+
+
+def _stop_server(children: _Children) -> None:
+    """Stops tritonserver alone (SIGTERM, then SIGKILL for it and what it started after its exit
+    timeout) and removes its stubs' shared memory once unused."""
+    server = children.server
+    children.regions.update(stub_regions(server.pid))
+    stragglers = descendants(server.pid)
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=EXIT_TIMEOUT_S + KILL_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            print(
+                f"paged-llm: tritonserver (pid {server.pid}) did not exit in time: killing it",
+                file=sys.stderr,
+            )
+            stragglers = [server.pid, *descendants(server.pid)]
+    for pid in stragglers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.wait()
+    remove_unused_regions(children.regions)
+    children.regions.clear()
+
+
+def _wait_for_ports(ports: list[tuple[str, int]], timeout_s: float = 60.0) -> None:
+    """Until each (address, port) can be bound: the old server's listeners are gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(port_bind_error(address, port) is None for address, port in ports):
+            return
+        time.sleep(_POLL_S)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,6 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the model repository (default: $PAGED_LLM_HOME/serve/NAME)",
     )
     add("--startup-timeout-s", type=float, default=900.0)
+    add(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="tritonserver restarts (after it crashed or a stub died) allowed within --restart-window-s; "
+        "one more and paged-llm exits non-zero",
+    )
+    add("--restart-window-s", type=float, default=600.0)
+    add(
+        "--http-max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the guard on Triton's HTTP and metrics ports answers 413 to a request body over this",
+    )
     add("--log-level", default="warning", help="the OpenAI server's log level")
     add(
         "--openai-workers",

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_llm.paths import paged_llm_home, repo_root
-from paged_llm.tools import private_files
+from paged_llm.tools import private_files, triton_args
+from paged_llm.tools.guard_process import guarded_ports, start_guard, stop_guard
 from paged_llm.tools.supervise import run_supervised
 
 
@@ -149,6 +150,9 @@ def prepare_tool_libs() -> Path:
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver and its Python stub (see the module docstring)."""
     env = dict(os.environ if base is None else base)
+    # AIP_MODE=PREDICTION turns on tritonserver's Vertex AI endpoint (a port the launcher does not
+    # guard, on all addresses) and turns HTTP and gRPC off.
+    env.pop("AIP_MODE", None)
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "/usr/bin:/bin")])
     libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -181,20 +185,24 @@ def server_command(
     address: str = "127.0.0.1",
     exit_timeout_secs: int = 30,
     extra_args: list[str] | None = None,
+    guarded: tuple[str, ...] = (),
 ) -> list[str]:
-    """The tritonserver command line; binds every endpoint to `address` (loopback by default). It
-    runs through private_files.py: what the server's processes create is theirs alone (umask 077,
-    the Python backend's shared memory 0600)."""
+    """The tritonserver command line; binds every endpoint to `address` (loopback by default), but
+    the `guarded` ones ("http", "metrics") to 127.0.0.1: the HTTP guard serves them on `address`
+    (tools/guard_process.py). It runs through private_files.py: what the server's processes create
+    is theirs alone (umask 077, the Python backend's shared memory 0600)."""
+    http_address = "127.0.0.1" if "http" in guarded else address
+    metrics_address = "127.0.0.1" if "metrics" in guarded else address
     return [
         *private_files.command_prefix(),
         str(pytriton_dir() / "bin" / "tritonserver"),
         f"--model-repository={model_repository}",
         f"--backend-directory={prepare_backend_dir()}",
-        f"--http-address={address}",
+        f"--http-address={http_address}",
         f"--http-port={ports.http}",
         f"--grpc-address={address}",
         f"--grpc-port={ports.grpc}",
-        f"--metrics-address={address}",
+        f"--metrics-address={metrics_address}",
         f"--metrics-port={ports.metrics}",
         f"--exit-timeout-secs={exit_timeout_secs}",
         "--allow-gpu-metrics=false" if not _has_nvidia_gpu() else "--allow-gpu-metrics=true",
@@ -214,48 +222,81 @@ def prepare() -> None:
     print(f"[setup] built-in tiny model: {ensure_tiny_model()}", file=sys.stderr)
 
 
-def _flag_values(args: list[str], flag: str) -> list[str]:
-    """Every value of `flag` in a tritonserver argument list (`--flag=value` or `--flag value`)."""
-    values = []
-    for index, arg in enumerate(args):
-        if arg.startswith(flag + "="):
-            values.append(arg.split("=", 1)[1])
-        elif arg == flag and index + 1 < len(args):
-            values.append(args[index + 1])
-    return values
+# Set by the launcher itself (the guard in front of HTTP and metrics depends on them): from extra
+# arguments they would silently move an endpoint off the guard.
+LAUNCHER_OPTIONS = (
+    "http-address", "http-port", "grpc-address", "grpc-port", "metrics-address", "metrics-port",
+)  # fmt: skip
+# Ports the launcher does not guard (SageMaker's can load models; both bind their own address).
+_UNGUARDED_ENDPOINTS = ("sagemaker", "vertex-ai")
 
 
 def endpoint_disabled(extra_args: list[str], endpoint: str) -> bool:
-    """True when a tritonserver argument list turns `endpoint` ("http", "grpc", "metrics") off:
-    `--allow-metrics=false` or `--allow-metrics false` (tritonserver also reads off and 0)."""
-    values = _flag_values(extra_args, f"--allow-{endpoint}")
-    return bool(values) and values[-1].lower() in ("false", "off", "0")
+    """True when a tritonserver argument list turns `endpoint` ("http", "grpc", "metrics") off, read
+    as tritonserver reads it (tools/triton_args.py): `--allow-metrics=false`, `--allow-metrics 0`,
+    `--allow-met=off`; the last one wins. False for a list tritonserver would refuse."""
+    try:
+        options = triton_args.parse(extra_args)
+        value = triton_args.last_value(options, f"allow-{endpoint}")
+        return value is not None and not triton_args.parse_bool(value, f"allow-{endpoint}")
+    except triton_args.TritonArgError:
+        return False
 
 
-def _restricts_repository_api(values: list[str]) -> bool:
-    """True if one `<api>,<api>:<key>=<value>` restriction covers model-repository, with a key."""
-    for value in values:
-        apis, _, key = value.partition(":")
-        if "model-repository" in apis.split(",") and "=" in key and key.split("=", 1)[1]:
-            return True
-    return False
+def guarded_endpoints(extra_args: list[str] | None = None) -> tuple[str, ...]:
+    """The endpoints the HTTP guard fronts: HTTP and metrics, those of them that are on."""
+    return tuple(name for name in ("http", "metrics") if not endpoint_disabled(extra_args or [], name))
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _check_launcher_owned(options: list[tuple[str, str | None]]) -> None:
+    owned = [name for name in LAUNCHER_OPTIONS if triton_args.values(options, name)]
+    if owned:
+        raise triton_args.TritonArgError(
+            f"--{owned[0]} is the launcher's: use its own --address / --http-port / ... options"
+        )
+    for endpoint in _UNGUARDED_ENDPOINTS:
+        value = triton_args.last_value(options, f"allow-{endpoint}")
+        if value is not None and triton_args.parse_bool(value, f"allow-{endpoint}"):
+            raise triton_args.TritonArgError(
+                f"--allow-{endpoint}: the launcher serves HTTP, gRPC and metrics only"
+            )
 
 
 def exposure_error(address: str, extra_args: list[str]) -> str | None:
-    """Why serving `extra_args` on `address` would be unsafe, or None. Explicit model control lets
+    """Why serving with the tritonserver arguments `extra_args` on `address` would be unsafe or
+    would not start, or None. The arguments are read as tritonserver reads them (any unique
+    prefix, either value form, case-insensitive mode, last one wins). Explicit model control lets
     anyone who reaches the server load a model, i.e. run its Python as the server's user; on an
-    address other machines can reach, the repository API must then be restricted on both
-    protocols."""
+    address other machines can reach, the repository API must then be restricted with a key on
+    every protocol that is on (HTTP counts while it is on: the guard forwards it). Poll mode is
+    allowed: Triton refuses load/unload requests in it, so only who can write the repository
+    (the server's own user) adds models."""
     try:
-        loopback = ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        loopback = address == "localhost"
-    if loopback or "explicit" not in _flag_values(extra_args, "--model-control-mode"):
+        options = triton_args.parse(extra_args)
+        _check_launcher_owned(options)
+        mode = (triton_args.last_value(options, "model-control-mode") or "none").lower()
+        if mode not in ("none", "poll", "explicit"):
+            raise triton_args.TritonArgError(f"--model-control-mode: {mode!r} is not none, poll or explicit")
+        http_restricted = triton_args.restricted_apis(options, "http-restricted-api")
+        grpc_restricted = triton_args.restricted_apis(options, "grpc-restricted-protocol")
+    except triton_args.TritonArgError as error:
+        return f"refusing to start tritonserver: {error}"
+    if mode != "explicit" or _is_loopback(address):
         return None
     missing = [
-        flag
-        for flag in ("--http-restricted-api", "--grpc-restricted-protocol")
-        if not _restricts_repository_api(_flag_values(extra_args, flag))
+        f"--{flag}"
+        for flag, endpoint, restricted in (
+            ("http-restricted-api", "http", http_restricted),
+            ("grpc-restricted-protocol", "grpc", grpc_restricted),
+        )
+        if "model-repository" not in restricted and not endpoint_disabled(extra_args, endpoint)
     ]
     if not missing:
         return None
@@ -320,9 +361,20 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    guard_ports = guarded_ports(ports, guarded_endpoints(args.extra))
     command = server_command(
-        Path(args.model_repository).resolve(), ports, args.address, args.exit_timeout_secs, args.extra
+        Path(args.model_repository).resolve(),
+        guard_ports.triton,
+        args.address,
+        args.exit_timeout_secs,
+        args.extra,
+        guarded=guard_ports.guarded,
     )
+    try:
+        guard = start_guard(args.address, guard_ports, args.http_max_body_bytes)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     host = http_host(args.address)
     print(
         f"Starting tritonserver on {args.address} "
@@ -334,8 +386,12 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    http_url = f"http://{http_host(args.address)}:{ports.http}"
-    return run_supervised(command, server_env(), args.exit_timeout_secs, http_url=http_url)
+    try:
+        return run_supervised(
+            command, server_env(), args.exit_timeout_secs, http_url=guard_ports.triton_http_url
+        )
+    finally:
+        stop_guard(guard)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
     serve.add_argument(
         "--exit-timeout-secs", type=int, default=5, help="how long the server waits for models to unload"
+    )
+    serve.add_argument(
+        "--http-max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="the HTTP guard answers 413 to a request body over this (tools/http_guard.py)",
     )
     serve.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = parser.parse_args(argv)

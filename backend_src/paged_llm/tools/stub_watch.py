@@ -85,10 +85,17 @@ class StubWatch:
         self._list_stubs = list_stubs
         self._is_ready = is_ready
         self._known: dict[int, StubInstance] = {}
+        self._unjudged: dict[int, StubInstance] = {}  # vanished while Triton did not answer
+        # Set once Triton has answered (or by a caller that saw it ready): before that, a stub that
+        # vanishes unanswered is one of a loading server (Triton starts and ends stubs to complete
+        # model configs) and is not judged.
+        self.server_up = False
 
     def check(self) -> list[str]:
         alive = self._list_stubs(self.server_pid)
         vanished = {pid: stub for pid, stub in self._known.items() if pid not in alive}
+        vanished.update(self._unjudged)
+        self._unjudged = {}
         self._known = dict(alive)
         return self._dead(vanished.items(), set(alive.values()))
 
@@ -97,7 +104,13 @@ class StubWatch:
         for pid, stub in vanished:
             if stub in alive:  # replaced by a new stub of the same instance (a reload)
                 continue
-            if self._is_ready(self.http_url, stub):  # unloaded (not ready) or no answer: not ours to judge
+            ready = self._is_ready(self.http_url, stub)
+            if ready is None:
+                if self.server_up:  # no answer from a server that was up (busy): judged next time
+                    self._unjudged[pid] = stub
+                continue
+            self.server_up = True
+            if ready:  # not ready: unloaded, not ours to judge
                 messages.append(
                     f"the Python stub of {stub} (pid {pid}) died while Triton still reports the model "
                     "ready; Triton 2.51 does not restart it, its requests in flight never finish and new "

@@ -26,6 +26,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 
 from paged_llm.tools.procfs import descendants
 from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
@@ -34,6 +36,33 @@ from paged_llm.tools.stub_watch import StubWatch
 KILL_MARGIN_S = 2.0  # after the server's own exit timeout
 STUB_CHECK_INTERVAL_S = 1.0
 DEAD_STUB_EXIT_STATUS = 3
+
+
+class RestartBudget:
+    """At most `limit` restarts within any `window_s` seconds: `take()` is True and counts one
+    while the budget allows another, False once `limit` restarts fall within the window."""
+
+    def __init__(self, limit: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._clock = clock
+        self._times: deque[float] = deque()
+
+    def take(self) -> bool:
+        now = self._clock()
+        while self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
+
+    @property
+    def used(self) -> int:
+        return len(self._times)
+
+    def describe(self) -> str:
+        return f"restart {self.used} of at most {self.limit} within {self.window_s:.0f} s"
 
 
 def exit_status(returncode: int) -> int:
