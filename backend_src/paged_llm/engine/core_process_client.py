@@ -187,9 +187,10 @@ class ProcessCoreClient(_LinkedCoreClient):
             return
         self._started.set()
         returncode = self.process.wait()
-        self.death_reason = f"the engine core process (pid {self.process.pid}) {describe_exit(returncode)}"
+        # The pid goes to the log only: clients get this reason, and internals are not theirs.
+        self.death_reason = f"the engine core process {describe_exit(returncode)}"
         if returncode != 0:
-            logger.error("%s", self.death_reason)
+            logger.error("the engine core process (pid %d) %s", self.process.pid, describe_exit(returncode))
         self._exited.set()
         try:
             self._link.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on the link
