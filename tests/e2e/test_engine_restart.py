@@ -196,3 +196,27 @@ def test_a_core_killed_each_time_it_comes_back_makes_the_launcher_exit_non_zero(
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+def test_two_instances_sharing_a_killed_core_serve_again_on_one_new_core(tmp_path):
+    """instance_group count 2: both stubs lose the core; one starts the new core, the other attaches
+    to it, and the engine-up gauge (reported by the core's owner only) reads 1, not 2."""
+    repository = make_model_repository(tmp_path / "models", models=("llm",), instance_count=2)
+    server = start_server(repository, tmp_path / "server.log")
+    try:
+        assert wait_for(lambda: value(server.metrics(), ENGINE_UP) == 1)
+        [core_pid] = _core_pids(server)
+        os.kill(core_pid, signal.SIGKILL)
+
+        def served_again() -> bool:
+            cores = _core_pids(server)
+            return len(cores) == 1 and cores != [core_pid] and server.log().count("serves again") == 2
+
+        assert wait_for(served_again, timeout_s=60, interval_s=0.25), server.log()[-3000:]
+        requests = [make_inputs(f"again {i}", sampling_parameters={"max_tokens": 3}) for i in range(8)]
+        results = stream_many(server.grpc_url, requests)  # spread over both instances
+        assert all(r.finals == 1 and not r.errors for r in results), [r.errors for r in results]
+        assert wait_for(lambda: value(server.metrics(), ENGINE_UP) == 1)
+        assert value(server.metrics(), ENGINE_UP) == 1
+    finally:
+        server.stop()
