@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -127,3 +128,28 @@ def test_front_ends_sharing_a_killed_core_come_back_on_one_new_core(tiny_model_d
     finally:
         second.shutdown(grace_s=0.0)
         first.shutdown(grace_s=0.0)
+
+
+def test_a_restart_that_fails_counts_and_the_next_attempt_serves(tiny_model_dir, prompts, tmp_path):
+    """The core's interpreter (engine_python) is a script that exits 1 while a file exists: the
+    first restart fails (counted: a longer backoff, the reason without details), the next serves."""
+    broken = tmp_path / "broken"
+    script = tmp_path / "python"
+    script.write_text(f'#!/bin/sh\n[ -e "{broken}" ] && exit 1\nexec "{sys.executable}" "$@"\n')
+    script.chmod(0o755)
+    outputs = Collector()
+    gave_up: list[str] = []
+    config = _config(tiny_model_dir, engine_python=str(script), engine_max_restarts=2)
+    engine = AsyncLLM(config, outputs, core_mode="process", on_give_up=gave_up.append)
+    try:
+        broken.touch()
+        old_pid = _kill_core(engine)
+        assert _wait(lambda: "could not be restarted" in (engine.dead_reason or "")), engine.dead_reason
+        with pytest.raises(EngineDeadError, match="retry in a few seconds") as refused:
+            engine.add_request("meanwhile", prompts[0], greedy(2))
+        assert "the server log says why" in str(refused.value)
+        broken.unlink()
+        assert _wait(lambda: _restarted(engine, old_pid)), engine.dead_reason
+        assert _serves(engine, outputs, "after", prompts[1]) and not gave_up
+    finally:
+        engine.shutdown(grace_s=0.0)

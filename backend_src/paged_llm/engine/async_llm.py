@@ -275,8 +275,9 @@ class AsyncLLM:
                     self._config, self._core_mode, watch_pid=self._watch_pid, share_name=self._share_name
                 )
             except Exception as error:  # (a ConfigError cannot be: the same config started before)
+                # The details (a pid, the shared core's name) are for the log, not for clients.
                 logger.error("restarting the engine core failed: %s", error)
-                reason = f"the engine core could not be restarted: {error}"
+                reason = "the engine core could not be restarted (the server log says why)"
                 self.dead_reason = reason
                 continue
             with self._client_lock:
