@@ -230,6 +230,11 @@ class ServingConfig:
     # run with numpy < 2 (Triton 2.51's stub reads every tensor wrong under numpy 2); the core does
     # not touch Triton, so it can run in the host's own environment, e.g. a GPU host's torch venv.
     engine_python: str = ""
+    # A dead engine core (process mode) is restarted in place, at most engine_max_restarts times
+    # within engine_restart_window_s (failed restarts count too); one more and the stub exits
+    # non-zero, so that the launcher stops the server (0: never restart).
+    engine_max_restarts: int = 3
+    engine_restart_window_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.engine_mode not in ("process", "thread"):
@@ -242,6 +247,10 @@ class ServingConfig:
             raise ConfigError(f"gil_switch_interval_s must be in [0, 1], got {self.gil_switch_interval_s}")
         if not 0.0 <= self.shutdown_grace_s <= 600.0:
             raise ConfigError(f"shutdown_grace_s must be in [0, 600], got {self.shutdown_grace_s}")
+        if not 0 <= self.engine_max_restarts <= 1000:
+            raise ConfigError(f"engine_max_restarts must be in [0, 1000], got {self.engine_max_restarts}")
+        if not self.engine_restart_window_s > 0.0:  # also refuses NaN
+            raise ConfigError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def test_the_health_probe_is_answered_without_counting_in_the_request_metrics(se
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     ids = grpcclient.InferInput("input_ids", [1], "INT32")
     ids.set_data_from_numpy(np.array([0], dtype=np.int32))
-    client.async_stream_infer("llm", [ids], request_id="paged_llm-health-probe", parameters={"max_tokens": 1})
+    client.async_stream_infer("llm", [ids], parameters={"paged_llm_health_probe": True})
     result, error = answers.get(timeout=30)
     client.stop_stream()
     client.close()

@@ -521,6 +521,10 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     assert frontend.CONTEXT_MUST_FIT_PARAMETER == model.CONTEXT_MUST_FIT_PARAMETER
     assert frontend.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
     assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
+    from paged_llm.frontend.triton_backend import HEALTH_PROBE_PARAMETER
+    from paged_llm.serving.health_probe import HEALTH_PROBE_PARAMETER as MODEL_HEALTH_PROBE_PARAMETER
+
+    assert HEALTH_PROBE_PARAMETER == MODEL_HEALTH_PROBE_PARAMETER
     from paged_llm.frontend.triton_backend import _STATUS_OF_LABEL
     from paged_llm.serving.metric_families import FINAL_CODES
 

@@ -12,7 +12,11 @@ step. When it falls behind, the steps that piled up are merged into one pass (at
 
 Every request ends with exactly one final RequestOutput (`finished`), with `error` set when it failed
 or was aborted. If the core dies, every request in flight gets EngineCoreDiedError at once and new
-ones are refused with EngineDeadError.
+ones are refused with EngineDeadError (saying when to retry) while the output thread starts a fresh
+core (process mode: the same configuration and entry, make_core_client; a shared core is started
+by the first front end to get there, the others attach) after a backoff (engine/restart_policy.py).
+Past `engine_max_restarts` failures within `engine_restart_window_s` (and at once in thread mode)
+it gives up: `on_give_up` is called (the Triton stub exits) and requests stay refused.
 """
 
 from __future__ import annotations
@@ -25,18 +29,21 @@ from collections.abc import Callable
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.sessions import SessionTurn
-from paged_llm.engine.core_client import EngineCoreClient, start_core_and_tokenizer
+from paged_llm.engine.core_client import EngineCoreClient, make_core_client, start_core_and_tokenizer
 from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.outputs import RequestOutput
+from paged_llm.engine.restart_policy import RestartPolicy
 from paged_llm.engine.stats import EngineStats
 from paged_llm.engine.validation import validate_context_fit, validate_params, validate_prompt
 from paged_llm.errors import EngineCoreDiedError, EngineDeadError, RequestAbortedError
+from paged_llm.parent_death import process_is_alive
 from paged_llm.sampling.bad_words import with_bad_words_tokenized
 from paged_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 OutputHandler = Callable[[list[RequestOutput]], None]
+GiveUpHandler = Callable[[str], None]
 _WAKE_INTERVAL_S = 0.02  # the output thread looks at local aborts at least this often
 _CORE_SETTLE_S = 5.0  # shutdown: how long to wait for the core to confirm the last aborts
 
@@ -50,12 +57,21 @@ class AsyncLLM:
         max_merged_steps: int = 16,
         watch_pid: int | None = None,
         share_name: str | None = None,
+        on_give_up: GiveUpHandler | None = None,
     ) -> None:
         """`watch_pid`: the core process also exits when that process is gone (under Triton: the
         server, in case this stub hangs after it died). `share_name` (process mode): AsyncLLMs
-        passing the same name share one engine core (several Triton instances of one model)."""
+        passing the same name share one engine core (several Triton instances of one model).
+        `on_give_up(reason)`: called on the output thread once a dead core is not restarted."""
         if core_mode == "inprocess":
             core_mode = "thread"  # serving needs the core to step on its own
+        self._config, self._core_mode = config, core_mode
+        self._watch_pid, self._share_name = watch_pid, share_name
+        self._on_give_up = on_give_up
+        serving = config.serving
+        self._restart_policy = RestartPolicy(serving.engine_max_restarts, serving.engine_restart_window_s)
+        self._restarting = False  # dead_reason is set and a new core is on its way
+        self._client_lock = threading.Lock()  # a restarted core is adopted, or shutdown() takes it
         self.client: EngineCoreClient
         self.client, self.tokenizer = start_core_and_tokenizer(
             config, core_mode, watch_pid=watch_pid, share_name=share_name
@@ -64,6 +80,7 @@ class AsyncLLM:
         self._fault_bad_word = config.fault_injection_bad_word
         self.owns_core = self.client.owns_core
         self.stats = EngineStats()
+        self.stats.on_core_up(self.owns_core)
         self.processor = OutputProcessor(self.tokenizer, self.stats)
         self.processor.core_id_prefix = self.client.request_id_prefix
         self.max_merged_steps = max(1, max_merged_steps)
@@ -113,6 +130,11 @@ class AsyncLLM:
     def check_accepting(self) -> None:
         """EngineDeadError (UNAVAILABLE) if a new request would be refused now."""
         if self.dead_reason is not None:
+            if self._restarting:
+                raise EngineDeadError(
+                    f"the engine is not serving: {self.dead_reason}; it is being restarted, "
+                    "retry in a few seconds"
+                )
             raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
         if not self._accepting:
             raise EngineDeadError("the engine is shutting down")
@@ -166,7 +188,9 @@ class AsyncLLM:
                         break
                     batch.append(more)
             except EngineDeadError as error:
-                self._on_core_death(str(error))
+                if self._recover(str(error)):
+                    continue
+                self._idle_dead()
                 return
             if len(batch) > 1:
                 self.num_merged_passes += 1
@@ -208,8 +232,7 @@ class AsyncLLM:
         except Exception:
             logger.exception("the output handler failed")
 
-    def _on_core_death(self, reason: str) -> None:
-        self.dead_reason = reason
+    def _fail_in_flight(self, reason: str) -> None:
         with self._lock:
             in_flight = list(self.processor.requests)
             finals = [
@@ -221,6 +244,93 @@ class AsyncLLM:
         if in_flight:
             logger.error("%s with %d requests in flight: they fail with INTERNAL", reason, len(in_flight))
         self._deliver([f for f in finals if f is not None])
+
+    def _recover(self, reason: str) -> bool:
+        """The core died: fail what was in flight, then start a new core (after a backoff, until
+        the restart policy gives up). True once a new core serves; False when this front end stops
+        or gives up (dead_reason then says why)."""
+        self._restarting = self._core_mode == "process"
+        self.dead_reason = reason
+        self.stats.on_core_lost(counted_its_totals=self.owns_core)
+        self._fail_in_flight(reason)
+        self.client.shutdown()  # (what is left of it: the link)
+        while True:
+            delay_s = self._restart_policy.on_failure(time.monotonic()) if self._restarting else None
+            if delay_s is None:
+                self._give_up(reason)
+                return False
+            logger.warning(
+                "%s: restarting the engine core in %.1f s (failure %d of at most %d within %.0f s)",
+                reason,
+                delay_s,
+                self._restart_policy.failures_in_window,
+                self._restart_policy.max_restarts,
+                self._restart_policy.window_s,
+            )
+            if not self._idle_until(time.monotonic() + delay_s) or not self._may_restart():
+                self._restarting = False
+                return False
+            try:
+                client = make_core_client(
+                    self._config, self._core_mode, watch_pid=self._watch_pid, share_name=self._share_name
+                )
+            except Exception as error:  # (a ConfigError cannot be: the same config started before)
+                # The details (a pid, the shared core's name) are for the log, not for clients.
+                logger.error("restarting the engine core failed: %s", error)
+                reason = "the engine core could not be restarted (the server log says why)"
+                self.dead_reason = reason
+                continue
+            with self._client_lock:
+                if not self._may_restart():
+                    client.shutdown()
+                    self._restarting = False
+                    return False
+                self._adopt(client)
+            logger.warning("the engine core was restarted and serves again")
+            return True
+
+    def _may_restart(self) -> bool:
+        """Not while stopping, nor once the server the core watches is gone (it would exit too)."""
+        if self._stop.is_set() or not self._accepting:
+            return False
+        return self._watch_pid is None or process_is_alive(self._watch_pid)
+
+    def _adopt(self, client: EngineCoreClient) -> None:
+        self.client = client
+        self.info = client.info
+        self.owns_core = client.owns_core
+        with self._lock:
+            self.processor.core_id_prefix = client.request_id_prefix
+        self.stats.on_core_up(client.owns_core)
+        self._restarting = False
+        self.dead_reason = None  # last: requests are accepted from here
+
+    def _give_up(self, reason: str) -> None:
+        self._restarting = False
+        if self._core_mode == "process":
+            policy = self._restart_policy
+            reason = (
+                f"{reason}; it failed {policy.failures_in_window} times within "
+                f"{policy.window_s:.0f} s (engine_max_restarts {policy.max_restarts}): not restarted"
+            )
+        self.dead_reason = reason
+        logger.error("the engine gives up: %s", reason)
+        if self._on_give_up is not None and self._accepting:
+            try:
+                self._on_give_up(reason)
+            except Exception:
+                logger.exception("the give-up handler failed")
+
+    def _idle_until(self, deadline: float) -> bool:
+        """Keeps answering aborts (of nothing: no request is in flight) until `deadline`; False if
+        the engine is stopped meanwhile."""
+        while time.monotonic() < deadline:
+            if self._stop.wait(min(_WAKE_INTERVAL_S, max(0.0, deadline - time.monotonic()))):
+                return False
+            self._absorb([])
+        return not self._stop.is_set()
+
+    def _idle_dead(self) -> None:
         while not self._stop.wait(_WAKE_INTERVAL_S):  # keep answering aborts of nothing, cheaply
             self._absorb([])
 
@@ -257,12 +367,19 @@ class AsyncLLM:
                 if snapshot.num_running == 0 and snapshot.num_waiting == 0:
                     break
                 time.sleep(0.01)
-            self._stop.set()
+            with self._client_lock:  # a core restarting meanwhile is shut down by _recover
+                self._stop.set()
             self._thread.join(timeout=10.0)
             self.client.shutdown()
 
     @property
     def is_accepting(self) -> bool:
+        """Not shutting down and not given up (a core being restarted will accept again)."""
+        return self._accepting and (self.dead_reason is None or self._restarting)
+
+    @property
+    def is_serving(self) -> bool:
+        """A request admitted now would run: accepting, and the engine core is up."""
         return self._accepting and self.dead_reason is None
 
     @property

@@ -203,9 +203,10 @@ class ProcessCoreClient(_LinkedCoreClient):
             return
         self._started.set()
         returncode = self.process.wait()
-        self.death_reason = f"the engine core process (pid {self.process.pid}) {describe_exit(returncode)}"
+        # The pid goes to the log only: clients get this reason, and internals are not theirs.
+        self.death_reason = f"the engine core process {describe_exit(returncode)}"
         if returncode != 0:
-            logger.error("%s", self.death_reason)
+            logger.error("the engine core process (pid %d) %s", self.process.pid, describe_exit(returncode))
         if self._share is not None:  # a killed core could not remove them itself
             remove_if_unused(self._share.files)
         self._exited.set()

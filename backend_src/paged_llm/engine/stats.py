@@ -3,13 +3,17 @@
 Written by whoever processes engine outputs (the output thread); the metrics thread reads
 `snapshot()` / `drain_observations()`, which copy under a lock, so it never sees half an update.
 Latencies are what a client sees: from the front end's arrival time to the token's processing here.
+
+The core's own figures (scheduler and session stats, step faults, GC pauses) arrive with its outputs.
+When the core dies (`on_core_lost`) its gauges read 0 until a restarted core reports, and its
+running totals are kept as a base that the new core's totals add to, so counters never go back.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats
@@ -48,6 +52,39 @@ class StatsSnapshot:
     spec_num_drafts: int = 0  # speculative decoding: sequence-steps that verified proposals
     spec_num_draft_tokens: int = 0  # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
+    engine_up: bool = True  # the engine core is serving (False: dead, restarting or given up)
+    owns_core: bool = True  # False: a core shared with another front end, which reports its figures
+
+
+_SCHEDULER_TOTALS = (
+    "num_preemptions_total",
+    "prefix_cache_queried_tokens",
+    "prefix_cache_hit_tokens",
+    "prompt_tokens_computed",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+)
+_SESSION_TOTALS = ("num_evicted_total", "num_expired_total", "num_truncated_total", "reused_tokens_total")
+
+
+@dataclass(frozen=True)
+class _CoreTotals:
+    """What earlier engine cores (dead and restarted) counted, added to the live core's totals."""
+
+    scheduler: dict[str, int] = field(default_factory=dict)
+    sessions: dict[str, int] = field(default_factory=dict)
+    num_step_faults: int = 0
+    engine_gc: GcPauses = field(default_factory=GcPauses)
+
+
+def _plus_gc(base: GcPauses, live: GcPauses) -> GcPauses:
+    return GcPauses(
+        base.num_collections + live.num_collections,
+        base.pause_s_total + live.pause_s_total,
+        base.num_long_pauses + live.num_long_pauses,
+        max(base.longest_pause_s, live.longest_pause_s),
+    )
 
 
 class EngineStats:
@@ -63,6 +100,40 @@ class EngineStats:
         self.num_cancellation_checks = 0
         self.cancellation_check_seconds = 0.0
         self._observations = LatencyObservations()
+        self.engine_up = True
+        self.owns_core = True
+        self._base = _CoreTotals()  # earlier cores' totals
+
+    def on_core_lost(self, counted_its_totals: bool) -> None:
+        """The engine core died: its gauges (running, waiting, KV, open sessions) read 0 from now.
+        `counted_its_totals`: this front end reported that core's figures (its owner), so they
+        become the base the next core's totals add to."""
+        with self._lock:
+            if counted_its_totals:
+                sched, sessions = self.scheduler, self.sessions
+                self._base = _CoreTotals(
+                    scheduler={
+                        name: self._base.scheduler.get(name, 0) + (getattr(sched, name) if sched else 0)
+                        for name in _SCHEDULER_TOTALS
+                    },
+                    sessions={
+                        name: self._base.sessions.get(name, 0) + (getattr(sessions, name) if sessions else 0)
+                        for name in _SESSION_TOTALS
+                    },
+                    num_step_faults=self._base.num_step_faults + self.num_step_faults,
+                    engine_gc=_plus_gc(self._base.engine_gc, self.engine_gc),
+                )
+            self.engine_up = False
+            self.scheduler = None
+            if self.sessions is not None:
+                self.sessions = SessionStats(0, 0, *(0 for _ in _SESSION_TOTALS))
+            self.num_step_faults = 0
+            self.engine_gc = GcPauses()
+
+    def on_core_up(self, owns_core: bool) -> None:
+        with self._lock:
+            self.engine_up = True
+            self.owns_core = owns_core
 
     def on_prompt_processed(self, num_prompt_tokens: int) -> None:
         """A request's prefill finished (its first token came)."""
@@ -124,26 +195,42 @@ class EngineStats:
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
+            base = self._base
             sched = self.scheduler
+            if sched is not None and base.scheduler:
+                sched = replace(
+                    sched, **{n: getattr(sched, n) + base.scheduler[n] for n in _SCHEDULER_TOTALS}
+                )
+            sessions = self.sessions
+            if sessions is not None and base.sessions:
+                sessions = replace(
+                    sessions, **{n: getattr(sessions, n) + base.sessions[n] for n in _SESSION_TOTALS}
+                )
+
+            def total(name: str) -> int:  # a scheduler total, with no live core's stats (yet)
+                return getattr(sched, name) if sched else base.scheduler.get(name, 0)
+
             return StatsSnapshot(
                 num_running=sched.num_running if sched else 0,
                 num_waiting=sched.num_waiting if sched else 0,
                 kv_usage=sched.kv_usage if sched else 0.0,
-                prefix_cache_queried_tokens=sched.prefix_cache_queried_tokens if sched else 0,
-                prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens if sched else 0,
-                num_preemptions_total=sched.num_preemptions_total if sched else 0,
+                prefix_cache_queried_tokens=total("prefix_cache_queried_tokens"),
+                prefix_cache_hit_tokens=total("prefix_cache_hit_tokens"),
+                num_preemptions_total=total("num_preemptions_total"),
                 num_prompt_tokens_total=self.num_prompt_tokens_total,
                 num_generation_tokens_total=self.num_generation_tokens_total,
                 num_requests_by_outcome=dict(self.requests_by_outcome),
-                num_step_faults=self.num_step_faults,
-                engine_gc=self.engine_gc,
+                num_step_faults=base.num_step_faults + self.num_step_faults,
+                engine_gc=_plus_gc(base.engine_gc, self.engine_gc),
                 num_cancellation_checks=self.num_cancellation_checks,
                 cancellation_check_seconds=self.cancellation_check_seconds,
-                prompt_tokens_computed=sched.prompt_tokens_computed if sched else 0,
-                sessions=self.sessions,
-                spec_num_drafts=sched.spec_num_drafts if sched else 0,
-                spec_num_draft_tokens=sched.spec_num_draft_tokens if sched else 0,
-                spec_num_accepted_tokens=sched.spec_num_accepted_tokens if sched else 0,
+                prompt_tokens_computed=total("prompt_tokens_computed"),
+                sessions=sessions,
+                spec_num_drafts=total("spec_num_drafts"),
+                spec_num_draft_tokens=total("spec_num_draft_tokens"),
+                spec_num_accepted_tokens=total("spec_num_accepted_tokens"),
+                engine_up=self.engine_up,
+                owns_core=self.owns_core,
             )
 
     def drain_observations(self) -> LatencyObservations:

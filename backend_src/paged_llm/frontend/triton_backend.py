@@ -42,8 +42,14 @@ from paged_llm.frontend.triton_request import (
 )
 
 logger = logging.getLogger(__name__)
-PROBE_SKIP_S = 5.0  # /health sends no probe when the model answered a request this recently
+# /health sends no probe when the model answered a request this recently, and none failed meanwhile
+PROBE_SKIP_S = 5.0
 PROBE_TIMEOUT_S = 3.0  # below the usual 5 s of a readiness probe's own timeout
+# Our llm model answers a request with this parameter from its own state (serving/health_probe.py):
+# an empty final while its engine serves, its UNAVAILABLE error while not; no inference, no metrics.
+HEALTH_PROBE_PARAMETER = "paged_llm_health_probe"
+# Our llm model's errors that say its engine does not serve (a dead or restarting core).
+_ENGINE_DOWN_STATUSES = (500, 503)
 # `paged_llm_error` labels (as in paged_llm_final_responses_total) -> HTTP status.
 _STATUS_OF_LABEL = {
     "invalid_arg": 400,
@@ -107,6 +113,7 @@ class TritonBackend:
         self._client = grpcclient.InferenceServerClient(url, channel_args=channel_options())
         self._kind_cache: dict[str, tuple[bool, bool]] = {}
         self._last_answer_at: dict[str, float] = {}  # model -> when it last sent a response
+        self._last_failure_at: dict[str, float] = {}  # model -> when it last sent a 500/503 error
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the /health probe in flight
 
     async def close(self) -> None:
@@ -144,7 +151,10 @@ class TritonBackend:
             async with aclosing(transport.responses(request, outputs, parameters)) as responses:
                 async for outputs_of, is_final in responses:
                     if ERROR_OUTPUT in outputs_of:
-                        raise error_from_output(outputs_of[ERROR_OUTPUT])
+                        error = error_from_output(outputs_of[ERROR_OUTPUT])
+                        if error.status_code in _ENGINE_DOWN_STATUSES:
+                            self._last_failure_at[request.model] = time.monotonic()
+                        raise error
                     self._last_answer_at[request.model] = time.monotonic()
                     final_seen = final_seen or is_final
                     yield parse_outputs(outputs_of, is_final, totals_on_final)
@@ -193,10 +203,11 @@ class TritonBackend:
     async def is_ready(self, model: str) -> bool:
         """Triton and the model say ready, and the model answers. Triton 2.51 keeps calling a model
         ready after its Python stub died (every request then fails "Stub process ... is not
-        healthy"), so unless a response came from it within the last PROBE_SKIP_S, a one-token
-        request goes to it: an answer of any kind, an error the model itself sent included (e.g.
-        its queue is full), or no answer within PROBE_TIMEOUT_S (queued behind work) means it is
-        alive; Triton's "not healthy" error means not."""
+        healthy"), and our llm model stays ready while its engine core is dead or restarting, so
+        unless a response came from the model within the last PROBE_SKIP_S (and no engine error
+        since), it is probed: our llm model answers HEALTH_PROBE_PARAMETER from its own state
+        (healthy only while its engine serves); another model gets a one-token request, where any
+        answer but Triton's "not healthy" means alive (today's rule for models that are not ours)."""
         try:
             ready = bool(await self._client.is_server_ready(client_timeout=2.0)) and bool(
                 await self._client.is_model_ready(model, client_timeout=2.0)
@@ -205,7 +216,10 @@ class TritonBackend:
             return False
         if not ready:
             return False
-        if time.monotonic() - self._last_answer_at.get(model, -PROBE_SKIP_S) < PROBE_SKIP_S:
+        now = time.monotonic()
+        answered_recently = now - self._last_answer_at.get(model, -PROBE_SKIP_S) < PROBE_SKIP_S
+        failed_recently = now - self._last_failure_at.get(model, -PROBE_SKIP_S) < PROBE_SKIP_S
+        if answered_recently and not failed_recently:
             return True
         # One probe at a time per model, shared by every /health caller meanwhile.
         probe = self._probes.get(model)
@@ -214,6 +228,8 @@ class TritonBackend:
         return await asyncio.shield(probe)
 
     async def _probe(self, model: str) -> bool:
+        if await self._is_paged_llm(model):
+            return await self._probe_paged_llm(model)
         request = GenerationRequest(model, [0], {"max_tokens": 1}, False, False, "paged_llm-health-probe")
 
         async def drain() -> None:
@@ -223,8 +239,8 @@ class TritonBackend:
         try:
             await asyncio.wait_for(drain(), PROBE_TIMEOUT_S)
         except BackendError as error:
-            # Our llm model's own errors come as an output: it is alive. A message-only error is
-            # Triton's (a dead stub) or another model's; only "not healthy" counts as dead there.
+            # A message-only error is Triton's (a dead stub) or the model's; only "not healthy"
+            # counts as dead there.
             return error.from_model or "not healthy" not in error.message
         except TimeoutError:
             # A dead stub is refused at once; a probe still waiting is queued behind real work.
@@ -233,6 +249,37 @@ class TritonBackend:
             logger.warning("health probe of %s failed: %s", model, error)
             return False
         return True
+
+    async def _probe_paged_llm(self, model: str) -> bool:
+        """Healthy only on the model's own empty final: its error (the engine is down or being
+        restarted), Triton's (a dead stub) or no answer at all mean not."""
+        request = GenerationRequest(model, "", {}, False, False, "paged_llm-health-probe")
+        parameters = {ERROR_OUTPUT_PARAMETER: True, HEALTH_PROBE_PARAMETER: True}
+
+        async def answer() -> str | None:
+            async with aclosing(self._grpc.responses(request, None, parameters)) as responses:
+                async for outputs_of, is_final in responses:
+                    if ERROR_OUTPUT in outputs_of:
+                        return outputs_of[ERROR_OUTPUT][0].partition("\t")[2]
+                    if is_final:
+                        return None
+            return "tritonserver closed the stream before the final response"
+
+        try:
+            problem = await asyncio.wait_for(answer(), PROBE_TIMEOUT_S)
+        except (StreamRefused, TritonUnreachable) as error:
+            problem = str(error)
+        except Exception as error:  # a timeout (asyncio's own class on Python 3.10), or a bug
+            # The stub answers from its state at once: no answer means it is stuck, or the
+            # server is (a dead stub is refused at once).
+            problem = f"no answer within {PROBE_TIMEOUT_S:.0f} s ({type(error).__name__})"
+        now = time.monotonic()
+        if problem is None:
+            self._last_answer_at[model] = now
+            return True
+        self._last_failure_at[model] = now
+        logger.warning("health probe of %s: %s", model, problem)
+        return False
 
     async def server_version(self) -> str:
         metadata = await self._client.get_server_metadata(as_json=True, client_timeout=2.0)

@@ -28,7 +28,9 @@ import threading
 from typing import Any
 
 from paged_llm.engine.stats import EngineStats, StatsSnapshot
-from paged_llm.serving.metric_families import MetricFamilies
+from paged_llm.serving.metric_families import MetricFamilies, _Gauge
+
+ENGINE_UP_METRIC = "paged_llm_engine_up"
 
 
 class TritonMetrics:
@@ -42,8 +44,9 @@ class TritonMetrics:
         max_model_len: int = 4096,
     ) -> None:
         """`reports_engine_state` False: a front end that shares another's engine core leaves the
-        core's own figures (running, waiting, KV usage, prefix cache, preemptions) to that one;
-        every front end counts its own requests, tokens and responses (Triton adds them up)."""
+        core's own figures (running, waiting, KV usage, prefix cache, preemptions, engine up) to
+        that one; every front end counts its own requests, tokens and responses (Triton adds them
+        up). After a restart of the core its new owner reports them (the stats' `owns_core`)."""
         self._stats = stats
         self._reports_engine_state = reports_engine_state
         self._lock = threading.Lock()
@@ -51,6 +54,13 @@ class TritonMetrics:
         self._finals_lock = threading.Lock()
         labels = {"model": model_name, "version": model_version}
         self._metrics = MetricFamilies(pb_utils, labels, max_model_len)
+        family = pb_utils.MetricFamily
+        self._engine_up_family = family(
+            name=ENGINE_UP_METRIC,
+            description="1 while the engine core serves; 0 while it is down, restarting, or given up",
+            kind=family.GAUGE,
+        )
+        self._engine_up = _Gauge(self._engine_up_family.Metric(labels=labels))
         self._last: dict[str, float] = {}
 
     def count_final(self, code: str) -> None:
@@ -60,7 +70,10 @@ class TritonMetrics:
     def update(self) -> None:
         with self._lock:
             snapshot = self._stats.snapshot()
-            if self._reports_engine_state:
+            reports_engine_state = self._reports_engine_state and snapshot.owns_core
+            # (a gauge of several front ends adds up their increments: only the owner's counts)
+            self._engine_up.set(1.0 if reports_engine_state and snapshot.engine_up else 0.0)
+            if reports_engine_state:
                 self._update_engine_state(snapshot)
             self._advance("cancel_checks", self._metrics.cancel_checks, snapshot.num_cancellation_checks)
             self._advance(

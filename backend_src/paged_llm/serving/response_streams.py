@@ -163,19 +163,6 @@ class ResponseStreams:
             return False
         return True
 
-    def answer_health_probe(self, sender: Any, engine_error: BaseException | None, as_output: bool) -> None:
-        """/health's probe: the engine's state as the FINAL (no tokens, or the error that refuses
-        requests now), no inference; counted in none of our request metrics (Triton's own
-        nv_inference_* count it like any request)."""
-        if engine_error is not None:
-            self.send_error(sender, engine_error, as_output, counted=False)
-            return
-        try:
-            response = self._pb.InferenceResponse(output_tensors=[])
-            sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as send_error:  # the prober may be gone already
-            logger.info("could not answer a health probe: %s", send_error)
-
     @property
     def num_open(self) -> int:
         return len(self._streams)

@@ -224,9 +224,6 @@ def parse_session(
 # llm_trtllm forwards each request to llm under an id with this prefix, and when its client cancels,
 # asks llm to end it with a request that carries only this parameter (Triton 2.51's BLS has no
 # cancel; the ids are random, so no other client can name one).
-# The Triton request id of the OpenAI server's /health probe (frontend/triton_backend.py): the llm
-# model answers it from the engine's state, without inference and outside its request metrics.
-HEALTH_PROBE_REQUEST_ID = "paged_llm-health-probe"
 FORWARDED_REQUEST_ID_PREFIX = "paged_llm_trtllm/"
 FORWARDED_ABORT_PARAMETER = "paged_llm_abort_forwarded_request"
 # Triton 2.51's BLS loses an error response that follows data responses (measured: after some of a

@@ -25,13 +25,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import stub_pythonpath  # noqa: F401 (before paged_llm is imported)
 import triton_python_backend_utils as pb_utils
 
 from paged_llm.config import EngineConfig
 from paged_llm.engine.async_llm import AsyncLLM
+from paged_llm.engine.restart_policy import GAVE_UP_EXIT_STATUS
 from paged_llm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.serving.auth import ApiKeyCheck
+from paged_llm.serving.health_probe import HEALTH_PROBE_PARAMETER, answer_health_probe
 from paged_llm.serving.instance_device import instance_device
 from paged_llm.serving.metrics import TritonMetrics
 from paged_llm.serving.response_accumulator import ResponseAccumulator
@@ -44,7 +47,6 @@ from paged_llm.serving.server_watch import (
 )
 from paged_llm.serving.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
-    HEALTH_PROBE_REQUEST_ID,
     INPUT_NAMES,
     authorization_of,
     has_request_parameter,
@@ -144,13 +146,13 @@ class TritonPythonModel:
             max_merged_steps=self.config.serving.max_merged_steps,
             watch_pid=os.getppid(),  # tritonserver
             share_name=share_name,
+            on_give_up=_exit_for_the_launcher,
         )
         self.metrics = TritonMetrics(
             pb_utils,
             self.engine.stats,
             args["model_name"],
             args["model_version"],
-            reports_engine_state=self.engine.owns_core,
             max_model_len=self.engine.info.max_model_len,
         )
         self._streams = ResponseStreams(
@@ -209,11 +211,11 @@ class TritonPythonModel:
             # Parsed once here (Triton hands them over as JSON text): every helper takes the dict.
             parameters = request_parameter_mapping_raw(request.parameters())
             errors_as_output = wants_error_output(triton_request_id, parameters)
+            if HEALTH_PROBE_PARAMETER in parameters:  # answered from our state: no engine, no metrics
+                answer_health_probe(pb_utils, sender, self.engine.check_accepting, errors_as_output)
+                return
             if self._api_keys.enabled:
                 self._api_keys.check(authorization_of(parameters))
-            if triton_request_id == HEALTH_PROBE_REQUEST_ID:
-                self._answer_health_probe(sender, errors_as_output)
-                return
             if has_request_parameter(parameters, FORWARDED_ABORT_PARAMETER):
                 self._abort_forwarded(parameters, sender)
                 return
@@ -301,14 +303,6 @@ class TritonPythonModel:
             return
         if stream.cancelled:  # the poller saw the cancel before the engine knew the request
             self.engine.abort(request_id, RequestAbortedError("cancelled by the client"))
-
-    def _answer_health_probe(self, sender: Any, errors_as_output: bool) -> None:
-        engine_error = None
-        try:
-            self.engine.check_accepting()
-        except EngineDeadError as error:
-            engine_error = error
-        self._streams.answer_health_probe(sender, engine_error, errors_as_output)
 
     def _abort_forwarded(self, parameters: dict[str, Any], sender: Any) -> None:
         """llm_trtllm's client cancelled: end the request it forwarded to us (Triton 2.51's BLS
@@ -420,6 +414,14 @@ class TritonPythonModel:
             ", ".join(left) or "none",
         )
         faulthandler.cancel_dump_traceback_later()
+
+
+def _exit_for_the_launcher(reason: str) -> None:
+    """AsyncLLM gave up on its engine core (restarted too often): a stub that cannot serve must not
+    look alive. Triton 2.51 keeps the model READY after its stub exits, which is exactly what the
+    launcher's stub watch reports: it stops the server and exits non-zero (tools/stub_watch.py)."""
+    print(f"paged_llm: {reason}; the stub exits ({GAVE_UP_EXIT_STATUS})", file=sys.stderr, flush=True)
+    os._exit(GAVE_UP_EXIT_STATUS)
 
 
 def _dump_stacks_if_stuck(grace_s: float) -> None:
