@@ -25,7 +25,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import stub_pythonpath  # noqa: F401 (before paged_llm is imported)
 import triton_python_backend_utils as pb_utils
 
 from paged_llm.config import EngineConfig
