@@ -38,13 +38,13 @@ from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
 from paged_llm.serving.auth import API_KEY_VERIFIER_ENV, make_verifier
 from paged_llm.tools.guard_process import (
+    DEFAULT_MAX_BODY_BYTES,
     TRITON_LOOPBACK,
     GuardedPorts,
     guarded_ports,
     start_guard,
     stop_guard,
 )
-from paged_llm.tools.http_guard import DEFAULT_MAX_BODY_BYTES
 from paged_llm.tools.launch import (
     ServerPorts,
     busy_ports,

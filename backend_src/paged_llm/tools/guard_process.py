@@ -22,7 +22,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from paged_llm.parent_death import parent_death_signal
-from paged_llm.tools.http_guard import DEFAULT_MAX_BODY_BYTES
+
+# The guard's body cap (tools/http_guard.py). Here, not there: starting the guard must not need
+# httptools in the launcher's own environment (the guard process imports it).
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 TRITON_LOOPBACK = "127.0.0.1"
 

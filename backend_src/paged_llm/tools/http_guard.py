@@ -37,7 +37,8 @@ import sys
 
 import httptools
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+from paged_llm.tools.guard_process import DEFAULT_MAX_BODY_BYTES
+
 MAX_HEAD_BYTES = 64 * 1024
 RETRY_AFTER_S = 5
 LINGER_S = 2.0
