@@ -122,7 +122,9 @@ def main() -> None:
     parser.add_argument("--repository", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=1536, help="below max_model_len minus the 256-token prompt")
+    parser.add_argument(
+        "--max-tokens", type=int, default=1536, help="below max_model_len minus the 256-token prompt"
+    )
     parser.add_argument("--come-back-s", type=float, default=60.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
