@@ -158,12 +158,12 @@ def _start_launcher(tmp_path, server_args: list[str] | None = None) -> tuple[sub
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_make_serve_stops_everything_under_load(tmp_path, signum):
     """`make serve`'s launcher: Ctrl-C (SIGINT to the group) or SIGTERM to it, with clients still
-    streaming: launcher, tritonserver, stub and core all gone within the bound."""
+    streaming: launcher, HTTP guard, tritonserver, stub and core all gone within the bound."""
     launcher, server = _start_launcher(tmp_path)
     try:
         assert wait_for(server.is_ready, timeout_s=180, interval_s=0.25), server.log()[-3000:]
         pids = [launcher.pid, *(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))]
-        assert len(pids) == 4, pids  # launcher, tritonserver, stub, engine core
+        assert len(pids) == 5, pids  # launcher, HTTP guard, tritonserver, stub, engine core
         clients = _load(server)
         if signum == signal.SIGINT:
             os.killpg(launcher.pid, signum)
