@@ -440,7 +440,8 @@ def test_make_serve_removes_the_shared_memory_its_killed_server_left(tmp_path):
         [stub] = _stubs(launcher.pid)
         [region] = [arg for arg in stub.cmdline() if arg.startswith("triton_python_backend_shm_region_")]
         time.sleep(2 * STUB_CHECK_INTERVAL_S)  # the launcher has seen the stub
-        [tritonserver] = [p for p in psutil.Process(launcher.pid).children() if p.pid != stub.pid]
+        # (the launcher's other child is its HTTP guard)
+        [tritonserver] = [p for p in psutil.Process(launcher.pid).children() if p.name() == "tritonserver"]
         tritonserver.kill()
         assert launcher.wait(timeout=60) != 0
         assert not stub.is_running() or stub.status() == psutil.STATUS_ZOMBIE
