@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import multiprocessing as mp
@@ -401,6 +402,50 @@ def _server_ttft_mean_ms(server: Any, before: tuple[float, float] | None) -> flo
     return 1e3 * (after[0] - before[0]) / num_firsts if num_firsts > 0 else None
 
 
+_HISTOGRAM_TOTALS = re.compile(
+    r"^(paged_llm_(?:generation_tokens_total|histogram_observations_dropped_total"
+    r"|time_to_first_token_seconds_count|inter_token_latency_seconds_count))(?:\{[^}]*\})?\s+(\S+)$",
+    re.M,
+)
+
+
+def _histogram_totals(server: Any) -> dict[str, float] | None:
+    if server is None:
+        return None
+    totals: dict[str, float] = {}
+    for name, value in _HISTOGRAM_TOTALS.findall(server.metrics()):
+        totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def _total_delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(f"paged_llm_{name}", 0.0) - before.get(f"paged_llm_{name}", 0.0)
+
+
+def _histogram_lag(server: Any, before: dict[str, float] | None, limit_s: float = 30.0) -> dict | None:
+    """How long after a run the stubs' histograms took to count all of its tokens (they are sent on a
+    thread of their own, and under load they trail the counters): each token is one first-token or
+    one inter-token observation (n=1 requests). None without a launched server."""
+    if server is None or before is None:
+        return None
+    start = time.monotonic()
+    while True:
+        after = _histogram_totals(server)
+        assert after is not None
+        delta = functools.partial(_total_delta, before, after)
+        observed = delta("time_to_first_token_seconds_count") + delta("inter_token_latency_seconds_count")
+        tokens = delta("generation_tokens_total")
+        waited_s = time.monotonic() - start
+        if observed >= tokens or waited_s > limit_s:
+            return {
+                "settled_after_s": waited_s if observed >= tokens else None,
+                "num_tokens": tokens,
+                "num_observed": observed,
+                "num_dropped": delta("histogram_observations_dropped_total"),
+            }
+        time.sleep(0.05)
+
+
 def _server_counters(server: Any) -> dict[str, float] | None:
     """The stub's cancellation-polling and the engine core's GC counters from a launched server's
     /metrics (and `now`), else None."""
@@ -696,6 +741,7 @@ def main() -> int:
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
             counters_before = _server_counters(server)
             ttft_before = _server_ttft(server)
+            histograms_before = _histogram_totals(server)
             served, client_gc = run_served(
                 openai_url if args.endpoint == "openai" else url,
                 args.model,
@@ -709,6 +755,7 @@ def main() -> int:
             if profiler is not None:
                 profiler.wait()
             counters_after = _server_counters(server)
+            summary["histogram_lag"] = _histogram_lag(server, histograms_before)
             summary["cancellation_polls"] = _poll_delta(counters_before, counters_after)
             summary["engine_gc"] = _engine_gc_delta(counters_before, counters_after)
             summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, ttft_before)
@@ -731,6 +778,15 @@ def main() -> int:
                 )
             if summary["engine_gc"]:
                 print(_format_gc("engine core GC", **summary["engine_gc"]), flush=True)
+            if summary["histogram_lag"]:
+                lag = summary["histogram_lag"]
+                settled = lag["settled_after_s"]
+                print(
+                    f"   histograms: {lag['num_observed']:.0f} of {lag['num_tokens']:.0f} tokens observed "
+                    + (f"{settled:.2f} s after the run" if settled is not None else "(not within 30 s)")
+                    + f", {lag['num_dropped']:.0f} dropped",
+                    flush=True,
+                )
             if summary["server_ttft_mean_ms"] is not None:
                 print(
                     f"   TTFT mean: {summary['ttft_ms']['mean']:.2f} ms at the client, "

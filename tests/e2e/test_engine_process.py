@@ -52,7 +52,7 @@ def test_single_greedy_stream_of_32_tokens_arrives_as_32_responses(fresh_server)
     assert streamed.text == whole.text
 
 
-def test_default_server_reports_tokens_per_response(server):
+def test_default_server_counts_streamed_responses_and_their_tokens(server):
     """Merging is allowed by default (only when the sender lags); every token is accounted for."""
     before = server.metrics()
     params = {"max_tokens": 32, "ignore_eos": True, "temperature": 0}
@@ -63,8 +63,8 @@ def test_default_server_reports_tokens_per_response(server):
     def delta(name: str) -> float:
         return value(server.metrics(), name) - value(before, name)
 
-    assert wait_for(lambda: delta("paged_llm_tokens_per_response_count") == len(sizes), timeout_s=10)
-    assert delta("paged_llm_tokens_per_response_sum") == 32
+    assert wait_for(lambda: delta("paged_llm_streamed_responses_total") == len(sizes), timeout_s=10)
+    assert delta("paged_llm_streamed_response_tokens_total") == 32
 
 
 def test_killing_the_engine_core_fails_in_flight_requests_once_each(fresh_server):

@@ -170,10 +170,11 @@ def test_a_large_response_left_unread_does_not_stall_the_next_request() -> None:
         async with _Server(answer) as server:
             client = Http1Client("127.0.0.1", server.port)
             response = await client.post_streamed("/x", b"big")
-            for _ in range(200):  # until the whole body arrived unread
-                if response._connection is not None and response._connection.complete:
-                    break
-                await asyncio.sleep(0.01)
+            async def arrived_unread() -> None:  # however slow the machine (no timing window)
+                while response._connection is None or not response._connection.complete:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(arrived_unread(), 60)
             response.release()
             second = await asyncio.wait_for(client.post_streamed("/x", b"small"), 10)
             assert await second.read() == b"ok"

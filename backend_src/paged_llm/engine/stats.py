@@ -25,7 +25,6 @@ class LatencyObservations:
     time_to_first_token_s: list[float] = field(default_factory=list)
     inter_token_latency_s: list[float] = field(default_factory=list)
     e2e_latency_s: list[float] = field(default_factory=list)
-    tokens_per_response: list[int] = field(default_factory=list)  # streamed responses
     # per finished request: its prompt tokens, tokens generated (all samples), and n
     request_prompt_tokens: list[int] = field(default_factory=list)
     request_generation_tokens: list[int] = field(default_factory=list)
@@ -54,6 +53,9 @@ class StatsSnapshot:
     spec_num_accepted_tokens: int = 0  # of those, accepted
     engine_up: bool = True  # the engine core is serving (False: dead, restarting or given up)
     owns_core: bool = True  # False: a core shared with another front end, which reports its figures
+    num_streamed_responses: int = 0  # non-empty streamed responses sent
+    num_streamed_response_tokens: int = 0  # the tokens they carried
+    num_observations_dropped: int = 0  # past MAX_PENDING_OBSERVATIONS (histograms fell behind)
 
 
 _SCHEDULER_TOTALS = (
@@ -87,6 +89,11 @@ def _plus_gc(base: GcPauses, live: GcPauses) -> GcPauses:
     )
 
 
+# Per histogram: observations waiting for the histogram writer. At the cap (the writer has fallen
+# ~10 s behind) further ones are dropped and counted, so a stalled server cannot grow the stub.
+MAX_PENDING_OBSERVATIONS = 100_000
+
+
 class EngineStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -100,6 +107,9 @@ class EngineStats:
         self.num_cancellation_checks = 0
         self.cancellation_check_seconds = 0.0
         self._observations = LatencyObservations()
+        self.num_streamed_responses = 0
+        self.num_streamed_response_tokens = 0
+        self.num_observations_dropped = 0
         self.engine_up = True
         self.owns_core = True
         self._base = _CoreTotals()  # earlier cores' totals
@@ -163,9 +173,15 @@ class EngineStats:
         with self._lock:
             self.num_generation_tokens_total += 1
             if time_to_first_token_s is not None:
-                self._observations.time_to_first_token_s.append(time_to_first_token_s)
+                self._observe(self._observations.time_to_first_token_s, time_to_first_token_s)
             if last_token_time is not None:
-                self._observations.inter_token_latency_s.append(now - last_token_time)
+                self._observe(self._observations.inter_token_latency_s, now - last_token_time)
+
+    def _observe(self, pending: list, value: float) -> None:
+        if len(pending) < MAX_PENDING_OBSERVATIONS:
+            pending.append(value)
+        else:
+            self.num_observations_dropped += 1
 
     def on_request_finished(
         self,
@@ -179,10 +195,10 @@ class EngineStats:
         with self._lock:
             self.requests_by_outcome[outcome] += 1
             observations = self._observations
-            observations.e2e_latency_s.append(e2e_latency_s)
-            observations.request_prompt_tokens.append(num_prompt_tokens)
-            observations.request_generation_tokens.append(num_generation_tokens)
-            observations.request_n.append(n)
+            self._observe(observations.e2e_latency_s, e2e_latency_s)
+            self._observe(observations.request_prompt_tokens, num_prompt_tokens)
+            self._observe(observations.request_generation_tokens, num_generation_tokens)
+            self._observe(observations.request_n, n)
 
     def on_cancellation_poll(self, num_checks: int, seconds: float) -> None:
         with self._lock:
@@ -191,7 +207,8 @@ class EngineStats:
 
     def on_streamed_response(self, num_tokens: int) -> None:
         with self._lock:
-            self._observations.tokens_per_response.append(num_tokens)
+            self.num_streamed_responses += 1
+            self.num_streamed_response_tokens += num_tokens
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
@@ -231,9 +248,17 @@ class EngineStats:
                 spec_num_accepted_tokens=total("spec_num_accepted_tokens"),
                 engine_up=self.engine_up,
                 owns_core=self.owns_core,
+                num_streamed_responses=self.num_streamed_responses,
+                num_streamed_response_tokens=self.num_streamed_response_tokens,
+                num_observations_dropped=self.num_observations_dropped,
             )
 
     def drain_observations(self) -> LatencyObservations:
         with self._lock:
             observations, self._observations = self._observations, LatencyObservations()
             return observations
+
+    def num_pending_observations(self) -> int:
+        """Observations recorded and not yet drained (all histograms)."""
+        with self._lock:
+            return sum(len(values) for values in vars(self._observations).values())

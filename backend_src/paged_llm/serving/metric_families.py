@@ -31,7 +31,9 @@ for how and when they are updated). Histograms are Triton histogram families (se
 | paged_llm_time_to_first_token_seconds | histogram | arrival -> first generated token |
 | paged_llm_inter_token_latency_seconds | histogram | time between tokens of a sequence |
 | paged_llm_e2e_request_latency_seconds | histogram | arrival -> request finished |
-| paged_llm_tokens_per_response | histogram | generated tokens carried by one streamed response |
+| paged_llm_streamed_responses_total | counter | streamed responses that carried tokens |
+| paged_llm_streamed_response_tokens_total | counter | the tokens they carried (/ responses: coalescing) |
+| paged_llm_histogram_observations_dropped_total | counter | dropped: the histograms fell far behind |
 | paged_llm_cancellation_checks_total | counter | is_cancelled() round trips to the server |
 | paged_llm_cancellation_check_seconds_total | counter | time spent in them |
 
@@ -120,7 +122,6 @@ _E2E_BUCKETS = [
     60.0,
     120.0,
 ]
-_TOKENS_PER_RESPONSE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]
 OUTCOMES = ("stop", "length", "abort", "error")
 FINAL_CODES = ("success", "cancelled", "invalid_arg", "unavailable", "not_found", "internal")
 
@@ -253,10 +254,19 @@ class MetricFamilies:
         self.ttft = histogram("paged_llm_time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
         self.itl = histogram("paged_llm_inter_token_latency_seconds", "Time between tokens", _ITL_BUCKETS)
         self.e2e = histogram("paged_llm_e2e_request_latency_seconds", "Request latency", _E2E_BUCKETS)
-        self.tokens_per_response = histogram(
-            "paged_llm_tokens_per_response",
-            "Generated tokens per streamed response",
-            _TOKENS_PER_RESPONSE_BUCKETS,
+        # Counters, not a histogram: a histogram costs a round trip per streamed response
+        self.streamed_responses = metric(
+            "paged_llm_streamed_responses_total", "Streamed responses that carried tokens", family.COUNTER
+        )
+        self.streamed_response_tokens = metric(
+            "paged_llm_streamed_response_tokens_total",
+            "Generated tokens carried by streamed responses",
+            family.COUNTER,
+        )
+        self.observations_dropped = metric(
+            "paged_llm_histogram_observations_dropped_total",
+            "Histogram observations dropped because the histograms fell too far behind",
+            family.COUNTER,
         )
         # vllm_backend's names for the same figures (its buckets: vLLM's example ones)
         self.vllm_prompt_tokens = metric(
@@ -300,3 +310,11 @@ class MetricFamilies:
                  [float(b) for b in _VLLM_N_BUCKETS], "request_n"),
             )
         ]  # fmt: skip
+        # every histogram and the LatencyObservations field it observes (serving/histogram_writer.py)
+        self.histogram_sources = [
+            (self.ttft, "time_to_first_token_s"),
+            (self.itl, "inter_token_latency_s"),
+            (self.e2e, "e2e_latency_s"),
+            *self.vllm_histograms,
+            *self.vllm_request_histograms,
+        ]

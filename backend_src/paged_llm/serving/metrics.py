@@ -5,11 +5,11 @@ Triton's Python backend exposes custom metrics through `pb_utils.MetricFamily`; 
 of the Python backend is a round trip to the server process (measured on a 2-core machine: 25-45 us
 each, on the same channel as the responses), so updates cost calls for what changed only:
 
-* `update_requests()`: the request figures (token counters, outcomes, every histogram). Called by
-  ResponseStreams before a request's FINAL response is sent, so a client that reads /metrics after
-  its last response sees its request counted; and by the housekeeping refresh, for tokens of
-  requests still running. Counters advance by what changed since the previous update; the
-  observations buffered since then go out as histogram observations.
+* `update_requests()`: the request counters (tokens, outcomes, streamed responses), advanced by
+  what changed since the previous update. `before_final()` calls it and then waits for the
+  histogram writer to settle (serving/histogram_writer.py: the histograms' observations, one round
+  trip each, go out on a thread of their own), so a client that reads /metrics after its last
+  response sees its request counted; ResponseStreams calls it before a request's FINAL response.
 * `update()`: every ~0.5 s on the housekeeping thread: the engine state (gauges, prefix cache,
   preemptions, sessions, GC, cancellation polling), then `update_requests()`. Gauges move by
   `increment(delta)`: `set()` holds the GIL while it waits for the server (Triton 2.51), `increment`
@@ -17,7 +17,8 @@ each, on the same channel as the responses), so updates cost calls for what chan
 
 A pb_utils Metric is not thread-safe (each call reuses the metric's own shared-memory message: two
 threads incrementing the same counter at once crashed tritonserver 2.51), so each group of metrics
-has its own lock, and a request finishing never waits for a whole engine-state refresh.
+has its own lock (the histograms their own thread), and a request finishing never waits for a whole
+engine-state refresh.
 
 The metrics themselves (names, kinds, buckets, vllm_backend's series): serving/metric_families.py.
 """
@@ -28,6 +29,7 @@ import threading
 from typing import Any
 
 from paged_llm.engine.stats import EngineStats, StatsSnapshot
+from paged_llm.serving.histogram_writer import HistogramWriter
 from paged_llm.serving.metric_families import MetricFamilies, _Gauge
 
 ENGINE_UP_METRIC = "paged_llm_engine_up"
@@ -62,6 +64,20 @@ class TritonMetrics:
         )
         self._engine_up = _Gauge(self._engine_up_family.Metric(labels=labels))
         self._last: dict[str, float] = {}
+        self._histograms = HistogramWriter(
+            stats.drain_observations, stats.num_pending_observations, self._metrics.histogram_sources
+        )
+        self._histograms.start()
+
+    def stop(self) -> None:
+        """Sends the histograms' pending observations and ends their thread."""
+        self._histograms.stop()
+
+    def before_final(self) -> None:
+        """A request's final response is about to leave: its counters now, its histograms too unless
+        that would make the response wait long (see the module docstring)."""
+        self.update_requests()
+        self._histograms.settle()
 
     def count_final(self, code: str) -> None:
         with self._finals_lock:
@@ -107,7 +123,7 @@ class TritonMetrics:
         self._advance("gc_long_pauses", self._metrics.gc_long_pauses, engine_gc.num_long_pauses)
 
     def update_requests(self) -> None:
-        """The request figures as of now (see the module docstring); any thread."""
+        """The request counters as of now (see the module docstring); any thread."""
         with self._requests_lock:
             snapshot = self._stats.snapshot()
             prompt_tokens = snapshot.num_prompt_tokens_total
@@ -118,19 +134,17 @@ class TritonMetrics:
             self._advance("vllm_generation_tokens", self._metrics.vllm_generation_tokens, generation_tokens)
             for outcome, counter in self._metrics.outcomes.items():
                 self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
-            observations = self._stats.drain_observations()
-            for histogram, values in (
-                (self._metrics.ttft, observations.time_to_first_token_s),
-                (self._metrics.itl, observations.inter_token_latency_s),
-                (self._metrics.e2e, observations.e2e_latency_s),
-                (self._metrics.tokens_per_response, observations.tokens_per_response),
-            ):
-                histogram.observe_many(values)
-            for histogram, field_name in (
-                *self._metrics.vllm_histograms,
-                *self._metrics.vllm_request_histograms,
-            ):
-                histogram.observe_many(getattr(observations, field_name))
+            self._advance(
+                "streamed_responses", self._metrics.streamed_responses, snapshot.num_streamed_responses
+            )
+            self._advance(
+                "streamed_response_tokens",
+                self._metrics.streamed_response_tokens,
+                snapshot.num_streamed_response_tokens,
+            )
+            self._advance(
+                "observations_dropped", self._metrics.observations_dropped, snapshot.num_observations_dropped
+            )
 
     def _advance(self, key: str, counter: Any, total: float) -> None:
         delta = total - self._last.get(key, 0)

@@ -226,7 +226,7 @@ class ResponseStreams:
         if outgoing.flags or outgoing.error is not None:
             # The request's counters and histograms first: a client that reads /metrics once it
             # has its last response finds the request counted.
-            self._metrics.update_requests()
+            self._metrics.before_final()
         if outgoing.error is not None:
             sent = self.send_error(stream.sender, outgoing.error, stream.errors_as_output)
             if sent and stream.cancelled and isinstance(outgoing.error, RequestAbortedError):

@@ -394,6 +394,7 @@ class TritonPythonModel:
         self._streams.stop()
         self._stopping.set()
         self._housekeeping.join(timeout=10.0)
+        self.metrics.stop()
         self._cancel_poller.join(timeout=10.0)
         # No thread of ours may run on while the stub tears its interpreter down (ServerDeathWatch).
         # The unload watch may be inside a readiness request (5 s to connect, 5 s to read).
