@@ -29,6 +29,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+import paged_llm
 from paged_llm.config import EngineConfig
 from paged_llm.engine.async_llm import AsyncLLM
 from paged_llm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
@@ -162,6 +163,8 @@ class TritonPythonModel:
             target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True
         )
         self._unload_watch_thread.start()
+        # Which installation serves (a wheel, an editable checkout) is the first question of a log.
+        logger.info("model %s ready; paged_llm from %s", args["model_name"], Path(paged_llm.__file__).parent)
         # What initialize() built lives as long as the model: keep it out of every later garbage
         # collection, which then scans only what the requests create (shorter pauses of the stub).
         gc.freeze()
