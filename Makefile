@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   serve the built-in tiny model: the OpenAI API on 127.0.0.1:9000 and tritonserver
 #                (HTTP 8000, gRPC 8001, metrics 8002), via `paged-llm serve`
-#   make serve-triton  tritonserver alone on model_repository/
+#   make serve-triton  tritonserver alone on model_repository/ (a link to the package's template,
+#                backend_src/paged_llm/model_repository)
 #   make test    lint + all tests (unit, integration on CPU, end-to-end against a real tritonserver)
 # Both bootstrap what they need (scripts/setup.sh: .venv, pinned deps, backend dir, tiny model).
 SHELL := /bin/bash

@@ -210,7 +210,7 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """How the Triton front end runs the engine (read by model.py; the engine core ignores it)."""
+    """How the Triton stub runs the engine (triton_model/llm_model.py reads it; the core ignores it)."""
 
     engine_mode: str = "process"  # process: the core in its own process | thread: in the stub's process
     max_merged_steps: int = 16  # a response merges at most this many engine steps when the sender lags
@@ -295,7 +295,7 @@ class EngineConfig:
                     raise ConfigError(
                         "parameter 'api_key_sha256' in config.pbtxt is not read: a digest there is "
                         "readable by anyone; give the keys to `paged-llm serve --api-key` (the model "
-                        "then reads a salted verifier from its environment, serving/auth.py)"
+                        "then reads a salted verifier from its environment, triton_model/auth.py)"
                     )
                 else:
                     raise ConfigError(f"unknown parameter {raw_key!r} in config.pbtxt")

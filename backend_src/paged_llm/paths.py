@@ -1,4 +1,5 @@
-"""Where paged_llm keeps built artifacts (backend directory, tool libraries, the built-in tiny model)."""
+"""Where paged_llm keeps built artifacts (backend directory, tool libraries, the built-in tiny model),
+and where its model repository template lies (package data: installed with the package)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ def paged_llm_home() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "paged_llm"
 
 
+def model_repository_template() -> Path:
+    """The model repository shipped in the package (the checkout's top-level `model_repository` is a
+    link to it): `paged-llm serve` and the test servers copy it, `tritonserver` can serve it as is."""
+    return Path(__file__).resolve().parent / "model_repository"
+
+
 def repo_root() -> Path:
-    """The checkout this package was installed from (editable install: backend_src/paged_llm/..)."""
+    """The source checkout, for tests and scripts only (its scripts/ and clients/); the package
+    itself never uses it, so that an installed wheel serves from any directory."""
     return Path(__file__).resolve().parents[2]

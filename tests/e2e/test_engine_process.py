@@ -125,7 +125,7 @@ def _assert_gone_within_bound(pids: list[int], what: str) -> None:
 )
 def test_stopping_tritonserver_under_load_leaves_no_process_of_ours(fresh_server, signum, to_group):
     """Stub and engine core are gone within the bound; tritonserver itself may hang at exit while
-    clients keep gRPC streams open (Triton 2.51, see serving/server_watch.py): `make serve`'s
+    clients keep gRPC streams open (Triton 2.51, see triton_model/server_watch.py): `make serve`'s
     supervisor deals with that (next test), here the fixture kills it."""
     ours = our_processes(fresh_server)
     assert len(ours["stubs"]) == 1 and len(ours["cores"]) == 1

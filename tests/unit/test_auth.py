@@ -1,4 +1,4 @@
-"""serving/auth.py: the llm model's API-key check against a salted scrypt verifier from its
+"""triton_model/auth.py: the llm model's API-key check against a salted scrypt verifier from its
 environment (never from config.pbtxt, which Triton serves to anyone)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from paged_llm.config import ConfigError, EngineConfig
 from paged_llm.errors import InvalidRequestError
-from paged_llm.serving.auth import API_KEY_VERIFIER_ENV, ApiKeyCheck, make_verifier
+from paged_llm.triton_model.auth import API_KEY_VERIFIER_ENV, ApiKeyCheck, make_verifier
 
 WRONG = "authorization: missing or wrong API key"
 

@@ -1,11 +1,11 @@
-"""When the stub polls is_cancelled() next (serving/cancel_pacing.py; issue "Reliability and
+"""When the stub polls is_cancelled() next (triton_model/cancel_pacing.py; issue "Reliability and
 security round 3", row 11: a cancellation noticed 2 s late after one slow poll)."""
 
 from __future__ import annotations
 
 import pytest
 
-from paged_llm.serving.cancel_pacing import CancelPollPacing
+from paged_llm.triton_model.cancel_pacing import CancelPollPacing
 
 
 def test_one_slow_poll_does_not_stop_polling_for_seconds():

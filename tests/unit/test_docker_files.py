@@ -168,13 +168,15 @@ def test_dockerfile_exposes_the_openai_and_triton_ports() -> None:
     assert exposed == SERVER_PORTS
 
 
-def test_dockerfile_installs_backend_src_editable_next_to_the_model_repository() -> None:
+def test_dockerfile_installs_backend_src_as_a_plain_package() -> None:
+    """Not editable: the model repository template ships as package data, nothing else is copied."""
     instructions = _instructions()
     copies = {tuple(args.split()) for keyword, args in instructions if keyword == "COPY"}
     assert ("backend_src", "/opt/paged_llm/backend_src") in copies
-    assert ("model_repository", "/opt/paged_llm/model_repository") in copies
+    assert not any(source == "model_repository" for source, *_ in copies)
     runs = " ".join(args for keyword, args in instructions if keyword == "RUN")
-    assert "pip install --no-deps -e /opt/paged_llm/backend_src" in runs
+    assert "pip install --no-deps /opt/paged_llm/backend_src" in runs
+    assert " -e " not in runs
     for package in ("fastapi==", "uvicorn==0.54.0", "tritonclient[grpc]==2.51.0"):
         assert package in runs
 

@@ -73,8 +73,9 @@ def test_the_front_end_imports_neither_torch_nor_transformers():
     """The stub runs with numpy < 2; a host's transformers / torch stack may need numpy >= 2."""
     code = (
         "import sys\n"
-        "import paged_llm.engine.async_llm, paged_llm.serving.triton_codec, paged_llm.serving.metrics\n"
-        "import paged_llm.serving.server_watch\n"
+        "import paged_llm.engine.async_llm, paged_llm.triton_model.triton_codec\n"
+        "import paged_llm.triton_model.metrics, paged_llm.triton_model.server_watch\n"
+        "import paged_llm.triton_model.stub_process\n"
         "from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer\n"
         f"tokenizer = load_front_end_tokenizer({str(ensure_tiny_model())!r})\n"
         "assert type(tokenizer).__name__ == 'FastTokenizer'\n"

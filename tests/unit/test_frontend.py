@@ -508,12 +508,12 @@ def test_generate_events_become_output_lists_and_the_final_one_is_known():
 
 def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_model_does():
     """The OpenAI server does not import the engine: its spellings of our llm model's transport
-    parameters, inputs and outputs must be the model's own (serving/triton_codec.py, config.pbtxt)."""
+    parameters, inputs and outputs must be the model's own (triton_model/triton_codec.py, config.pbtxt)."""
     import re
     from pathlib import Path
 
     from paged_llm.frontend import triton_request as frontend
-    from paged_llm.serving import triton_codec as model
+    from paged_llm.triton_model import triton_codec as model
 
     assert frontend.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
     assert frontend.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
@@ -522,11 +522,11 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     assert frontend.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
     assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
     from paged_llm.frontend.triton_backend import HEALTH_PROBE_PARAMETER
-    from paged_llm.serving.health_probe import HEALTH_PROBE_PARAMETER as MODEL_HEALTH_PROBE_PARAMETER
+    from paged_llm.triton_model.health_probe import HEALTH_PROBE_PARAMETER as MODEL_HEALTH_PROBE_PARAMETER
 
     assert HEALTH_PROBE_PARAMETER == MODEL_HEALTH_PROBE_PARAMETER
     from paged_llm.frontend.triton_backend import _STATUS_OF_LABEL
-    from paged_llm.serving.metric_families import FINAL_CODES
+    from paged_llm.triton_model.metric_families import FINAL_CODES
 
     assert set(_STATUS_OF_LABEL) == set(FINAL_CODES) - {"success"}  # every error label has a status
     config = (Path(__file__).parents[2] / "model_repository" / "llm" / "config.pbtxt").read_text()

@@ -7,7 +7,7 @@ import threading
 
 from paged_llm.engine import stats as stats_module
 from paged_llm.engine.stats import EngineStats
-from paged_llm.serving.histogram_writer import HistogramWriter
+from paged_llm.triton_model.histogram_writer import HistogramWriter
 
 
 class RecordingHistogram:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paged_llm.config import ConfigError, DeviceConfig, EngineConfig
-from paged_llm.serving.instance_device import instance_device
+from paged_llm.triton_model.instance_device import instance_device
 
 
 def _config(device: str, tensor_parallel_size: int = 1) -> EngineConfig:

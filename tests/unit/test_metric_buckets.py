@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paged_llm.serving.histograms import buckets_1_2_5
+from paged_llm.triton_model.histograms import buckets_1_2_5
 
 
 def test_1_2_5_buckets_stop_at_the_upper_bound():

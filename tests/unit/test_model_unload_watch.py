@@ -1,4 +1,4 @@
-"""ModelUnloadWatch: an unload is a model that was ready and no longer is (serving/server_watch.py)."""
+"""ModelUnloadWatch: an unload is a model that was ready and no longer is (triton_model/server_watch.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from paged_llm.serving.server_watch import Endpoint, ModelUnloadWatch
+from paged_llm.triton_model.server_watch import Endpoint, ModelUnloadWatch
 
 
 class _Ready(http.server.BaseHTTPRequestHandler):
@@ -65,7 +65,7 @@ def test_shutdown_is_a_refused_or_reset_connection_after_an_answer():
     import socket
     import struct
 
-    from paged_llm.serving.server_watch import ServerShutdownWatch
+    from paged_llm.triton_model.server_watch import ServerShutdownWatch
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -10,8 +10,8 @@ import numpy as np
 from paged_llm.engine.outputs import PositionLogprobs, RequestOutput, SequenceDelta, TopLogprob
 from paged_llm.errors import RequestAbortedError
 from paged_llm.sampling_params import RequestLimits
-from paged_llm.serving.response_accumulator import ResponseAccumulator
-from paged_llm.serving.triton_codec import parse_request
+from paged_llm.triton_model.response_accumulator import ResponseAccumulator
+from paged_llm.triton_model.triton_codec import parse_request
 
 LIMITS = RequestLimits()
 

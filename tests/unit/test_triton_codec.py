@@ -9,7 +9,7 @@ import pytest
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import RequestLimits
-from paged_llm.serving.triton_codec import parse_request, request_parameter_mapping, wants_error_output
+from paged_llm.triton_model.triton_codec import parse_request, request_parameter_mapping, wants_error_output
 
 LIMITS = RequestLimits()
 
@@ -68,7 +68,11 @@ def test_malformed_inputs_name_the_field(inputs, field):
 
 
 def test_forwarded_errors_round_trip_through_their_output():
-    from paged_llm.serving.triton_codec import decode_forwarded_error, encode_forwarded_error, is_forwarded
+    from paged_llm.triton_model.triton_codec import (
+        decode_forwarded_error,
+        encode_forwarded_error,
+        is_forwarded,
+    )
 
     array = encode_forwarded_error("cancelled", "the server is shutting down\twith a tab")
     assert array.dtype == object and array.shape == (1,)
@@ -89,7 +93,7 @@ def test_error_output_is_asked_for_by_a_parameter_or_a_forwarded_id_and_is_no_sa
 
 
 def test_a_forwarded_authorization_header_is_found_and_is_no_sampling_parameter():
-    from paged_llm.serving.triton_codec import authorization_of
+    from paged_llm.triton_model.triton_codec import authorization_of
 
     assert authorization_of('{"Authorization": "Bearer one", "max_tokens": 2}') == "Bearer one"
     assert authorization_of("") is None
@@ -138,7 +142,7 @@ def test_a_close_needs_no_prompt_and_session_errors_name_their_field():
 
 def test_paged_llm_outputs_narrows_the_outputs_a_generate_request_gets():
     """Triton's HTTP generate asks for every output; the parameter names the ones to build."""
-    from paged_llm.serving.triton_codec import requested_outputs
+    from paged_llm.triton_model.triton_codec import requested_outputs
 
     every = ["text_output", "output_ids", "finish_reason", "num_output_tokens"]
     assert requested_outputs(every, "") == frozenset(every)
@@ -160,7 +164,7 @@ def test_paged_llm_outputs_narrows_the_outputs_a_generate_request_gets():
 def test_the_models_parameters_are_found_by_key_not_by_their_text():
     """A value that spells a parameter's name is a value (a stop string once turned a request into
     an abort, and another into a paged_llm_outputs error)."""
-    from paged_llm.serving.triton_codec import has_request_parameter, requested_outputs
+    from paged_llm.triton_model.triton_codec import has_request_parameter, requested_outputs
 
     as_value = json.dumps({"stop": "paged_llm_outputs", "note": "paged_llm_abort_forwarded_request"})
     assert not has_request_parameter(as_value, "paged_llm_outputs")
@@ -174,7 +178,7 @@ def test_the_models_parameters_are_found_by_key_not_by_their_text():
 
 def test_lone_surrogates_are_refused_by_field_and_error_text_can_always_be_sent():
     from paged_llm.errors import wire_text
-    from paged_llm.serving.triton_codec import decode_forwarded_error, encode_forwarded_error
+    from paged_llm.triton_model.triton_codec import decode_forwarded_error, encode_forwarded_error
 
     for sampling_parameters, field in [
         ('{"bad_words": ["\\ud800"]}', "bad_words"),

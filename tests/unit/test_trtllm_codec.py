@@ -1,4 +1,4 @@
-"""The TensorRT-LLM convention's codec (serving/trtllm_codec.py) and the three models' configs."""
+"""The TensorRT-LLM convention's codec (triton_model/trtllm_codec.py) and the three models' configs."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from paged_llm.errors import InvalidRequestError
-from paged_llm.paths import repo_root
-from paged_llm.serving.trtllm_codec import (
+from paged_llm.paths import model_repository_template
+from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES
+from paged_llm.triton_model.trtllm_codec import (
     INPUT_NAMES,
     MAX_BATCH_SIZE,
     TrtllmResponseState,
     split_batch,
     to_llm_request,
 )
-from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES
 
 
 def batch(value, dtype=None) -> np.ndarray:
@@ -128,7 +128,7 @@ def test_a_batch_becomes_one_llm_request_per_row():
 
 
 def _config(name: str) -> str:
-    return (repo_root() / "model_repository" / name / "config.pbtxt").read_text()
+    return (model_repository_template() / name / "config.pbtxt").read_text()
 
 
 def _inputs(config: str) -> dict[str, str]:
@@ -148,8 +148,8 @@ def test_the_three_models_take_the_same_inputs_the_codec_reads_and_pick_their_la
     for name in ("ensemble", "tensorrt_llm_bls"):
         assert f"max_batch_size: {MAX_BATCH_SIZE}" in _config(name)
     for name in TRTLLM_MODEL_NAMES:  # one implementation, imported (not a copy)
-        model_py = repo_root() / "model_repository" / name / "1" / "model.py"
-        assert "from paged_llm.serving.trtllm_model import TritonPythonModel" in model_py.read_text()
+        model_py = model_repository_template() / name / "1" / "model.py"
+        assert "from paged_llm.triton_model.trtllm_model import TritonPythonModel" in model_py.read_text()
 
 
 def test_the_ensemble_names_have_tensorrt_llms_input_types():

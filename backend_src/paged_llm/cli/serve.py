@@ -36,7 +36,6 @@ from pathlib import Path
 from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.paths import paged_llm_home
-from paged_llm.serving.auth import API_KEY_VERIFIER_ENV, make_verifier
 from paged_llm.tools.guard_process import (
     DEFAULT_MAX_BODY_BYTES,
     TRITON_LOOPBACK,
@@ -64,6 +63,7 @@ from paged_llm.tools.supervise import (
     describe_server_exit,
     exit_status,
 )
+from paged_llm.triton_model.auth import API_KEY_VERIFIER_ENV, make_verifier
 
 EXIT_TIMEOUT_S = 5
 _POLL_S = 0.25
@@ -197,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
     keys = list(api_keys(args.api_key))
     args.has_keys = bool(keys)
     extra_server_args: list[str] = []
-    # The keys reach the OpenAI server alone; the llm model gets a salted verifier (serving/auth.py).
+    # The keys reach the OpenAI server alone; the llm model gets a salted verifier (triton_model/auth.py).
     triton_env = server_env()
     triton_env.pop(API_KEY_ENV, None)
     if keys:  # the same keys guard inference on Triton's ports

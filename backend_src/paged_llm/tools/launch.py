@@ -27,7 +27,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_llm.paths import paged_llm_home, repo_root
+from paged_llm.paths import model_repository_template, paged_llm_home
 from paged_llm.tools import private_files, triton_args
 from paged_llm.tools.guard_process import guarded_ports, start_guard, stop_guard
 from paged_llm.tools.supervise import run_supervised
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="build the backend directory, tool libraries and the tiny model")
     serve = sub.add_parser("serve", help="run tritonserver on a model repository")
-    serve.add_argument("--model-repository", default=str(repo_root() / "model_repository"))
+    serve.add_argument("--model-repository", default=str(model_repository_template()))
     serve.add_argument("--address", default=os.environ.get("TRITON_ADDRESS", "127.0.0.1"))
     serve.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
     serve.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))

@@ -1,5 +1,5 @@
 """A tritonserver child process on fresh ports, for tests, benchmarks and the soak script, and copies
-of the project's model repository with overridden engine settings.
+of the package's model repository with overridden engine settings.
 
 Started with `start_server` (waits until /v2/health/ready), stopped by pid (`stop`): SIGTERM to its
 process group, SIGKILL if it has not exited in time. A short exit timeout (3 s) keeps restarts fast.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_llm.parent_death import parent_death_signal
-from paged_llm.paths import repo_root
+from paged_llm.paths import model_repository_template
 from paged_llm.tools.launch import ServerPorts, endpoint_disabled, server_command, server_env
 from paged_llm.tools.procfs import process_group_members
 from paged_llm.tools.shm_regions import (  # noqa: F401 (re-exported: tests and scripts use them here)
@@ -185,10 +185,11 @@ def make_model_repository(
     instance_count: int | None = None,
     instance_gpus: list[int] | None = None,
 ) -> Path:
-    """Copies the repository's models into `target`, overriding `parameters` of the llm model (and
-    its instance_group count: that many Triton instances, sharing one engine core). `instance_gpus`:
-    a KIND_GPU group instead, `instance_count` instances on each listed GPU, one engine per GPU."""
-    source = source or repo_root() / "model_repository"
+    """Copies the models of `source` (default: the package's template) into `target`, overriding
+    `parameters` of the llm model (and its instance_group count: that many Triton instances, sharing
+    one engine core). `instance_gpus`: a KIND_GPU group instead, `instance_count` instances on each
+    listed GPU, one engine per GPU."""
+    source = source or model_repository_template()
     for name in models:
         shutil.rmtree(target / name, ignore_errors=True)  # a fresh copy each time
         shutil.copytree(source / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))

@@ -2,7 +2,7 @@
 
 tritonserver 2.51 handles SIGINT / SIGTERM by unloading its models for up to --exit-timeout-secs,
 but it hangs in its own teardown when it gives up on a model that a client's open gRPC stream keeps
-alive (serving/server_watch.py). So: the first SIGINT or SIGTERM is passed on (Ctrl-C reaches the
+alive (triton_model/server_watch.py). So: the first SIGINT or SIGTERM is passed on (Ctrl-C reaches the
 whole process group anyway); if the server has not exited `grace_s` after its exit timeout, it and
 whatever it started are killed. The exit status is the server's (128 + signal if it was killed).
 

@@ -1,5 +1,5 @@
-"""Every metric family this backend exports, declared once against `pb_utils` (see serving/metrics.py
-for how and when they are updated). Histograms are Triton histogram families (serving/histograms.py).
+"""Every metric family this backend exports, declared once against `pb_utils` (see triton_model/metrics.py
+for how and when they are updated). Histograms are Triton histogram families (triton_model/histograms.py).
 
 | metric | kind | meaning |
 |---|---|---|
@@ -59,7 +59,7 @@ from __future__ import annotations
 from typing import Any
 
 from paged_llm.gc_pauses import LONG_PAUSE_S
-from paged_llm.serving.histograms import Histogram, buckets_1_2_5
+from paged_llm.triton_model.histograms import Histogram, buckets_1_2_5
 
 _TTFT_BUCKETS = [
     0.001,
@@ -127,7 +127,7 @@ FINAL_CODES = ("success", "cancelled", "invalid_arg", "unavailable", "not_found"
 
 
 class _Gauge:
-    """A gauge moved by increments (serving/metrics.py's docstring says why not `set`)."""
+    """A gauge moved by increments (triton_model/metrics.py's docstring says why not `set`)."""
 
     def __init__(self, metric: Any) -> None:
         self._metric = metric
@@ -310,7 +310,7 @@ class MetricFamilies:
                  [float(b) for b in _VLLM_N_BUCKETS], "request_n"),
             )
         ]  # fmt: skip
-        # every histogram and the LatencyObservations field it observes (serving/histogram_writer.py)
+        # every histogram and the LatencyObservations field it observes (triton_model/histogram_writer.py)
         self.histogram_sources = [
             (self.ttft, "time_to_first_token_s"),
             (self.itl, "inter_token_latency_s"),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paged_llm.engine.outputs import PositionLogprobs, RequestOutput
-from paged_llm.serving.triton_codec import ParsedRequest, logprobs_json
+from paged_llm.triton_model.triton_codec import ParsedRequest, logprobs_json
 
 
 @dataclass

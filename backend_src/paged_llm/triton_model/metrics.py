@@ -1,13 +1,13 @@
 """Engine statistics -> Prometheus metrics on Triton's /metrics endpoint.
 
-Triton's Python backend exposes custom metrics through `pb_utils.MetricFamily`; model.py passes the
+Triton's Python backend exposes custom metrics through `pb_utils.MetricFamily`; llm_model.py passes the
 `pb_utils` module in, so this module has no import-time dependency on Triton. Every metric operation
 of the Python backend is a round trip to the server process (measured on a 2-core machine: 25-45 us
 each, on the same channel as the responses), so updates cost calls for what changed only:
 
 * `update_requests()`: the request counters (tokens, outcomes, streamed responses), advanced by
   what changed since the previous update. `before_final()` calls it and then waits for the
-  histogram writer to settle (serving/histogram_writer.py: the histograms' observations, one round
+  histogram writer to settle (triton_model/histogram_writer.py: the histograms' observations, one round
   trip each, go out on a thread of their own), so a client that reads /metrics after its last
   response sees its request counted; ResponseStreams calls it before a request's FINAL response.
 * `update()`: every ~0.5 s on the housekeeping thread: the engine state (gauges, prefix cache,
@@ -20,7 +20,7 @@ threads incrementing the same counter at once crashed tritonserver 2.51), so eac
 has its own lock (the histograms their own thread), and a request finishing never waits for a whole
 engine-state refresh.
 
-The metrics themselves (names, kinds, buckets, vllm_backend's series): serving/metric_families.py.
+The metrics themselves (names, kinds, buckets, vllm_backend's series): triton_model/metric_families.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import threading
 from typing import Any
 
 from paged_llm.engine.stats import EngineStats, StatsSnapshot
-from paged_llm.serving.histogram_writer import HistogramWriter
-from paged_llm.serving.metric_families import MetricFamilies, _Gauge
+from paged_llm.triton_model.histogram_writer import HistogramWriter
+from paged_llm.triton_model.metric_families import MetricFamilies, _Gauge
 
 ENGINE_UP_METRIC = "paged_llm_engine_up"
 

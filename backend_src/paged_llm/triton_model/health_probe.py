@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from paged_llm.errors import EngineDeadError, wire_text
-from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
+from paged_llm.triton_model.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
 HEALTH_PROBE_PARAMETER = "paged_llm_health_probe"
 logger = logging.getLogger(__name__)

@@ -1,23 +1,25 @@
-"""Triton adapter for the paged_llm engine (decoupled Python backend).
+"""The `llm` model: Triton adapter for the paged_llm engine (decoupled Python backend). The
+model repository's `llm/1/model.py` imports this class; everything here runs in Triton's stub.
 
-Thin on purpose. This stub process is the front end only: `execute()` parses, tokenizes and
-validates each request (errors answered at once) and hands it to AsyncLLM, whose engine core runs in
-its own process (`engine_mode: process`, the default) and owns the device. AsyncLLM's output thread
-detokenizes and hands RequestOutputs to ResponseStreams, which sends them from that thread: one
-response per engine step while it keeps up, merged steps when it falls behind, and exactly one
-FINAL. A thread polls cancellation; a housekeeping thread refreshes metrics and watches the server.
+This stub process is the front end only: `execute()` parses, tokenizes and validates each request
+(errors answered at once) and hands it to AsyncLLM, whose engine core runs in its own process
+(`engine_mode: process`, the default) and owns the device. AsyncLLM's output thread detokenizes and
+hands RequestOutputs to ResponseStreams (one response per engine step while it keeps up, merged
+steps when it falls behind, and exactly one FINAL; response_streams.py says which threads send).
+Threads of this class: two tokenize large prompts, one polls cancellation, one (housekeeping)
+refreshes metrics and watches for the server shutting down, one watches for our model's unload,
+and one leaves with a server that shuts down without unloading us. What concerns the stub process
+itself (its log, SIGINT, stack dumps, the exit the launcher watches) is in stub_process.py.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import itertools
 import json
 import logging
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -27,24 +29,31 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+import paged_llm
 from paged_llm.config import EngineConfig
 from paged_llm.engine.async_llm import AsyncLLM
-from paged_llm.engine.restart_policy import GAVE_UP_EXIT_STATUS
 from paged_llm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from paged_llm.models.builtin import resolve_model_dir
-from paged_llm.serving.auth import ApiKeyCheck
-from paged_llm.serving.health_probe import HEALTH_PROBE_PARAMETER, answer_health_probe
-from paged_llm.serving.instance_device import instance_device
-from paged_llm.serving.metrics import TritonMetrics
-from paged_llm.serving.response_accumulator import ResponseAccumulator
-from paged_llm.serving.response_streams import ResponseStreams
-from paged_llm.serving.server_watch import (
+from paged_llm.triton_model.auth import ApiKeyCheck
+from paged_llm.triton_model.health_probe import HEALTH_PROBE_PARAMETER, answer_health_probe
+from paged_llm.triton_model.instance_device import instance_device
+from paged_llm.triton_model.metrics import TritonMetrics
+from paged_llm.triton_model.response_accumulator import ResponseAccumulator
+from paged_llm.triton_model.response_streams import ResponseStreams
+from paged_llm.triton_model.server_watch import (
     ModelUnloadWatch,
     ServerDeathWatch,
     ServerShutdownWatch,
     endpoint_of_process,
 )
-from paged_llm.serving.triton_codec import (
+from paged_llm.triton_model.stub_process import (
+    cancel_stack_dump,
+    dump_stacks_if_stuck,
+    exit_for_the_launcher,
+    ignore_ctrl_c,
+    log_to_triton,
+)
+from paged_llm.triton_model.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
     INPUT_NAMES,
     authorization_of,
@@ -61,47 +70,13 @@ _METRICS_INTERVAL_S = 0.5  # gauges and engine state (request figures go with ea
 _UNLOAD_POLL_INTERVAL_S = 0.5
 _INLINE_TOKENIZE_CHARS = 16384  # longer text prompts are tokenized on a worker thread
 _TOKENIZE_THREADS = 2
-_STUCK_SHUTDOWN_DUMP_S = 30.0  # an unload or finalize() still going after this writes every stack
 logger = logging.getLogger("paged_llm")
-
-
-class _TritonLogHandler(logging.Handler):
-    """Routes the package's `logging` records into Triton's log, or to stderr once the server is
-    gone: a pb_utils.Logger call then blocks forever holding the GIL, and the stub cannot exit."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._server_pid = os.getppid()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = self.format(record)
-        if os.getppid() != self._server_pid:
-            print(f"paged_llm: {message}", file=sys.stderr, flush=True)
-        elif record.levelno >= logging.ERROR:
-            pb_utils.Logger.log_error(message)
-        elif record.levelno >= logging.WARNING:
-            pb_utils.Logger.log_warn(message)
-        else:
-            pb_utils.Logger.log_info(message)
-
-
-def _ignore_ctrl_c() -> None:
-    """Ctrl-C on `make serve` sends SIGINT to the whole process group. tritonserver handles it by
-    unloading its models, which calls finalize(); a KeyboardInterrupt raised in this stub at the
-    same time would break that unload (the server then gives up on the model and crashes on exit),
-    so the stub leaves SIGINT to the server. (The engine core process ignores it too.)"""
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: nothing raises KeyboardInterrupt here then either
-        logger.info("initialize() does not run on the stub's main thread; SIGINT left as it is")
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        if not any(isinstance(h, _TritonLogHandler) for h in logger.handlers):
-            logger.addHandler(_TritonLogHandler())
-            logger.setLevel(logging.INFO)
-        _ignore_ctrl_c()
+        log_to_triton(pb_utils.Logger)
+        ignore_ctrl_c()
         # First of all: every pb_utils call below (metrics, logging) blocks for ever once the server
         # is gone, so a server killed while this model loads must not leave the stub waiting.
         self._server_death_watch = ServerDeathWatch(os.getppid())
@@ -145,7 +120,7 @@ class TritonPythonModel:
             max_merged_steps=self.config.serving.max_merged_steps,
             watch_pid=os.getppid(),  # tritonserver
             share_name=share_name,
-            on_give_up=_exit_for_the_launcher,
+            on_give_up=exit_for_the_launcher,
         )
         self.metrics = TritonMetrics(
             pb_utils,
@@ -188,6 +163,8 @@ class TritonPythonModel:
             target=self._watch_for_unload, name="paged_llm-unload-watch", daemon=True
         )
         self._unload_watch_thread.start()
+        # Which installation serves (a wheel, an editable checkout) is the first question of a log.
+        logger.info("model %s ready; paged_llm from %s", args["model_name"], Path(paged_llm.__file__).parent)
         # What initialize() built lives as long as the model: keep it out of every later garbage
         # collection, which then scans only what the requests create (shorter pauses of the stub).
         gc.freeze()
@@ -341,7 +318,7 @@ class TritonPythonModel:
     def _check_server_shutdown(self) -> None:
         """The server closed its endpoints (SIGINT/SIGTERM): its clients are gone, and it cannot
         unload us while requests are open, so end them all now, stop the engine core, and leave if
-        Triton never finalizes us (see serving/server_watch.py)."""
+        Triton never finalizes us (see triton_model/server_watch.py)."""
         if not self.engine.is_accepting or not self._server_watch.shutting_down():
             return
         count = self.engine.abort_all(RequestAbortedError("the server is shutting down"))
@@ -365,7 +342,7 @@ class TritonPythonModel:
             self.config.serving.shutdown_grace_s,
         )
         if not self._finalized.is_set():  # (finalize() cancels the dump as it returns)
-            _dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
+            dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
         self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
 
     def _leave_with_the_server(self) -> None:
@@ -384,7 +361,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stops accepting work, gives in-flight requests a bounded grace period, cancels the rest
         (each gets its CANCELLED final), then stops the engine core and our threads."""
-        _dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
+        dump_stacks_if_stuck(self.config.serving.shutdown_grace_s)
         self._finalized.set()
         self.engine.shutdown(grace_s=self.config.serving.shutdown_grace_s)
         for _ in self._tokenize_threads:  # what waits there is answered UNAVAILABLE now
@@ -413,19 +390,4 @@ class TritonPythonModel:
             self._housekeeping.is_alive(),
             ", ".join(left) or "none",
         )
-        faulthandler.cancel_dump_traceback_later()
-
-
-def _exit_for_the_launcher(reason: str) -> None:
-    """AsyncLLM gave up on its engine core (restarted too often): a stub that cannot serve must not
-    look alive. Triton 2.51 keeps the model READY after its stub exits, which is exactly what the
-    launcher's stub watch reports: it stops the server and exits non-zero (tools/stub_watch.py)."""
-    print(f"paged_llm: {reason}; the stub exits ({GAVE_UP_EXIT_STATUS})", file=sys.stderr, flush=True)
-    os._exit(GAVE_UP_EXIT_STATUS)
-
-
-def _dump_stacks_if_stuck(grace_s: float) -> None:
-    """Unloading must end in seconds: if it has not _STUCK_SHUTDOWN_DUMP_S after the grace period
-    (finalize() never came, or hangs), every thread's stack goes to stderr (the server's log).
-    finalize() cancels it as it returns."""
-    faulthandler.dump_traceback_later(grace_s + _STUCK_SHUTDOWN_DUMP_S, exit=False, file=sys.stderr)
+        cancel_stack_dump()

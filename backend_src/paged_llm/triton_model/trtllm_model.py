@@ -2,7 +2,7 @@
 
 The models `llm_trtllm`, `ensemble` and `tensorrt_llm_bls` of the model repository all run this class
 (their model.py imports it); their config.pbtxt picks the response layout (`response_layout`:
-`tensorrt_llm` or `ensemble`, see serving/trtllm_codec.py).
+`tensorrt_llm` or `ensemble`, see triton_model/trtllm_codec.py).
 
 One thread per in-flight request iterates the `llm` responses (BLS `exec(decoupled=True)` blocks) and
 sends the converted ones through this request's sender; the FINAL flag is passed through once.
@@ -14,7 +14,7 @@ waits forever), so llm sends a forwarded request's error as an ordinary FINAL ho
 Cancellation: Triton 2.51's BLS cannot cancel a request it sent (the response iterator's cancel()
 came in a later release), so a watcher thread asks each in-flight request's `is_cancelled()`
 (a cancelled gRPC stream, a `generate_stream` client that went away) and, when it is, sends `llm`
-a second request naming the forwarded one (serving/triton_codec.py: FORWARDED_ABORT_PARAMETER);
+a second request naming the forwarded one (triton_model/triton_codec.py: FORWARDED_ABORT_PARAMETER);
 `llm` ends it with CANCELLED, which comes back through the forwarding thread.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from paged_llm.errors import InvalidRequestError, wire_text
-from paged_llm.serving.triton_codec import (
+from paged_llm.triton_model.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
     FORWARDED_ERROR_OUTPUT,
     FORWARDED_REQUEST_ID_PREFIX,
@@ -37,7 +37,7 @@ from paged_llm.serving.triton_codec import (
     decode_forwarded_error,
     read_inputs,
 )
-from paged_llm.serving.trtllm_codec import (
+from paged_llm.triton_model.trtllm_codec import (
     INPUT_NAMES,
     LAYOUTS,
     TrtllmResponseState,
@@ -140,7 +140,7 @@ class TritonPythonModel:
                 requested_output_names=_LLM_OUTPUTS,
                 timeout=client.request.timeout(),
                 request_id=forwarded_id,
-                parameters=_authorization(client.request),  # llm checks the API key (serving/auth.py)
+                parameters=_authorization(client.request),  # llm checks the API key (triton_model/auth.py)
             )
             with client.lock:
                 if client.done:  # another row failed before this one started

@@ -24,7 +24,7 @@ import numpy as np
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.serving.triton_codec import request_parameter_mapping
+from paged_llm.triton_model.triton_codec import request_parameter_mapping
 
 # name -> (sampling parameter it becomes, kind)
 _SCALARS: dict[str, tuple[str, str]] = {

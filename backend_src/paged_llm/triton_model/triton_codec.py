@@ -1,6 +1,6 @@
 """numpy tensors -> (prompt, SamplingParams, flags): parsing and validating a request's inputs.
 
-No `triton_python_backend_utils` here: model.py turns pb_utils tensors into numpy arrays and back.
+No `triton_python_backend_utils` here: llm_model.py turns pb_utils tensors into numpy arrays and back.
 The request contract is shared/design/API.md (vllm_backend-compatible).
 """
 
@@ -17,7 +17,7 @@ from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError, wire_text
 from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json, parse_bool
-from paged_llm.serving.auth import AUTHORIZATION_PARAMETER
+from paged_llm.triton_model.auth import AUTHORIZATION_PARAMETER
 
 RETURN_FLAGS = (
     "return_finish_reason",

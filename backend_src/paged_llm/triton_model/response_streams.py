@@ -2,17 +2,16 @@
 response sender, and cancellation polling.
 
 AsyncLLM's output thread calls `on_outputs` once per pass with one RequestOutput per request that
-has news, and the responses go out right there, in that thread. Sending from a pool of threads was
-measured and lost (docs/benchmarks.md, "Sending responses"): a send is a round trip to the server
-that releases the GIL, but building a response needs it, and the threads spent their time waiting
-for each other's GIL slices (streamed responses carried 3.4-5.3 tokens instead of 2.9 at 64-256
-streams on an H100).
+has news and builds the responses there; `num_send_threads` threads (`response_send_threads`, 8 by
+default) only transmit them. A send is a round trip to the server with the GIL released, so several
+in flight keep streamed responses small (config.py: ServingConfig gives the figures); with 0 the
+output thread sends them itself.
 
 A sender is touched under its stream's lock, and never once the FINAL response is out (`closed`):
 Triton frees the request's response factory with the FINAL, and is_cancelled() on it afterwards
 crashes tritonserver 2.51 (TRITONBACKEND_ResponseFactoryIsCancelled).
 
-No `triton_python_backend_utils` import here: model.py passes the module in.
+No `triton_python_backend_utils` import here: llm_model.py passes the module in.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from paged_llm.errors import (
     SessionNotFoundError,
     wire_text,
 )
-from paged_llm.serving.cancel_pacing import CancelPollPacing
-from paged_llm.serving.response_accumulator import Response, ResponseAccumulator
-from paged_llm.serving.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
+from paged_llm.triton_model.cancel_pacing import CancelPollPacing
+from paged_llm.triton_model.response_accumulator import Response, ResponseAccumulator
+from paged_llm.triton_model.triton_codec import FORWARDED_ERROR_OUTPUT, encode_forwarded_error
 
 logger = logging.getLogger(__name__)
 # vllm_backend's log lines for a request its client cancelled (its tests and log-based alerts look
@@ -275,7 +274,7 @@ class ResponseStreams:
     # ------------------------------------------------------------------------------ housekeeping
     def poll_cancellations(self) -> float:
         """Asks every open stream whether its client cancelled; returns the seconds until the next
-        poll should start (serving/cancel_pacing.py)."""
+        poll should start (triton_model/cancel_pacing.py)."""
         start = time.monotonic()
         num_checks = 0
         with self._lock:

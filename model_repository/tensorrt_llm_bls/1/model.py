@@ -1,5 +1,0 @@
-"""The TensorRT-LLM client convention under the name `tensorrt_llm_bls`: paged_llm/serving/trtllm_model.py."""
-
-from paged_llm.serving.trtllm_model import TritonPythonModel
-
-__all__ = ["TritonPythonModel"]
