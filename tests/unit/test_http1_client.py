@@ -170,6 +170,7 @@ def test_a_large_response_left_unread_does_not_stall_the_next_request() -> None:
         async with _Server(answer) as server:
             client = Http1Client("127.0.0.1", server.port)
             response = await client.post_streamed("/x", b"big")
+
             async def arrived_unread() -> None:  # however slow the machine (no timing window)
                 while response._connection is None or not response._connection.complete:
                     await asyncio.sleep(0.01)
