@@ -21,9 +21,8 @@ from dataclasses import dataclass, field, replace
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, SequenceUpdate
 from paged_llm.core.sessions import SessionManager, SessionTurn
-from paged_llm.core.stop_rules import SequenceUpdate
 from paged_llm.engine.core_types import (
     AbortRequest,
     CoreError,
