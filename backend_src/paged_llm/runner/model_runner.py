@@ -37,8 +37,8 @@ from paged_llm.runner.tensor_parallel import TensorParallelWorkers
 from paged_llm.runner.tp_channel import CMD_ALLOCATE, CMD_PROFILE
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from paged_llm.sampling.verify import VerifyOutput, verify
 from paged_llm.sequence import Sequence
-from paged_llm.spec_decode.verify import VerifyOutput, verify
 
 logger = logging.getLogger(__name__)
 
