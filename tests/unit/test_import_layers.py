@@ -6,20 +6,20 @@ still a dependency a reader has to follow up the stack.
 
 The layers, lowest first (the one list; a new top-level package or module goes into it):
 
-  0. foundation    errors, paths, gc_pauses, processes, sampling_params, config, sequence
-                   (the package's own top-level modules: plain data and process helpers)
+  0. foundation    errors, paths, gc_pauses, processes, device_kind, sampling_params, config,
+                   sequence (the package's top-level modules: plain data and process helpers)
   1. core          scheduler, KV cache, sessions: torch-free, stdlib and the foundation only
   2. tokenizer     tokenizers, detokenizer, stop strings
   3. sampling      sampler, penalties, noise, verification of speculative proposals
   4. layers        model building blocks and kernels (attention, linear, fused ops)
   5. models        checkpoint configs, loaders, the decoder
   6. runner        the model runner, its device, tensor parallelism, CUDA graphs
-  8. spec_decode   proposers (n-gram, draft model: a runner of its own)
-  9. engine        EngineCore, its process, its clients, AsyncLLM, output processing
- 10. serving       the Triton stub's glue (codecs, response streams, metrics)
- 11. tools         launch, supervision, process utilities
- 12. frontend      the OpenAI-compatible server
- 13. cli           `paged-llm` commands
+  7. spec_decode   proposers (n-gram, draft model: a runner of its own)
+  8. engine        EngineCore, its process, its clients, AsyncLLM, output processing
+  9. serving       the Triton stub's glue (codecs, response streams, metrics)
+ 10. tools         launch, supervision, process utilities
+ 11. frontend      the OpenAI-compatible server
+ 12. cli           `paged-llm` commands
 
 A module may import any module of its own layer (the cycle check keeps those acyclic) or of a
 layer below. `core` is stricter: besides the foundation it may import only the standard library
@@ -37,7 +37,7 @@ PACKAGE = "paged_llm"
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "backend_src" / PACKAGE
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "paths", "gc_pauses", "processes", "sampling_params", "config", "sequence"),
+    ("errors", "paths", "gc_pauses", "processes", "device_kind", "sampling_params", "config", "sequence"),
     ("core",),
     ("tokenizer",),
     ("sampling",),
@@ -213,3 +213,9 @@ def test_core_imports_only_stdlib_and_the_foundation() -> None:
         outside.append(f"  {module}:{line} imports {imported}")
     message = "core/ may import only the standard library and the layers at or below it:\n"
     assert not outside, message + "\n".join(outside)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    """The checks above pass on a clean tree: this one shows that they can fail."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
