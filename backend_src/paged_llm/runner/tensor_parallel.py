@@ -30,7 +30,9 @@ worker has taken the header (gloo), so a worker that is alive but stuck stops th
 error instead of holding it.
 
 Workers are fresh interpreters (`python -m paged_llm.runner.tp_worker`, never forked: CUDA),
-given their runner's arguments on stdin; they exit when rank 0's process is gone.
+given their runner's arguments on stdin; they exit when rank 0's process is gone. This module is
+rank 0's side (TensorParallelWorkers) and what every rank shares to join the group; a worker's
+own loop is runner/tp_worker.py.
 """
 
 from __future__ import annotations
