@@ -19,7 +19,7 @@ from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfi
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.layers.parallel import ONE_SHOT_MAX_BYTES, TensorParallelGroup
 from paged_llm.models.random_model import write_random_model
-from paged_llm.parent_death import process_is_alive
+from paged_llm.processes import process_is_alive
 from paged_llm.runner.tensor_parallel import WORKER_MODULE
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.tools.procfs import live_processes_running

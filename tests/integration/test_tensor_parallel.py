@@ -17,7 +17,7 @@ from paged_llm.config import ConfigError, DeviceConfig, EngineConfig, ModelConfi
 from paged_llm.errors import EngineDeadError, TensorParallelError, WorkerDiedError
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import write_random_model
-from paged_llm.parent_death import process_is_alive
+from paged_llm.processes import process_is_alive
 from paged_llm.runner.device import Device
 from paged_llm.runner.tensor_parallel import WORKER_MODULE, check_tensor_parallel
 from paged_llm.sampling_params import SamplingParams

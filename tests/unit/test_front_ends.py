@@ -6,9 +6,9 @@ from paged_llm.engine.core_types import (
     EngineCoreOutputs,
     FinishedRequest,
     FinishedSequence,
-    TokenLogprobs,
 )
 from paged_llm.engine.front_ends import front_end_of, split_outputs
+from paged_llm.sampling.token_logprobs import TokenLogprobs
 
 
 def test_front_end_of_reads_the_prefix_and_defaults_to_the_first():

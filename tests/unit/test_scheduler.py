@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 
 from paged_llm.config import SchedulerConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import Scheduler, SchedulerOutput
-from paged_llm.core.stop_rules import SequenceUpdate
+from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 

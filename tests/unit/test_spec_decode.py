@@ -7,8 +7,8 @@ import random
 
 import torch
 
+from paged_llm.sampling.rejection import REJECTED, rejection_sample
 from paged_llm.spec_decode.ngram import NgramIndex, propose_ngram
-from paged_llm.spec_decode.rejection import REJECTED, rejection_sample
 
 # chi-square critical values at alpha = 0.001 by degrees of freedom (tables)
 CHI2_CRITICAL_0_001 = {5: 20.515}
@@ -123,9 +123,9 @@ def test_verify_emits_tokens_that_follow_the_sampling_distribution():
     over 60,000 sequences with different seeds, a one-hot proposal at position 0 and a ragged
     second sequence layout, the first emitted token follows softmax(top-k(logits) / T), the second
     (after an accepted first proposal) the next position's, and the acceptance rate is p(draft)."""
+    from paged_llm.sampling.verify import VerifyRows, verify
     from paged_llm.sampling_params import SamplingParams
     from paged_llm.sequence import Sequence
-    from paged_llm.spec_decode.verify import VerifyRows, verify
 
     vocab, temperature, top_k = 8, 0.7, 6
     row_logits = torch.tensor(

@@ -35,9 +35,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from paged_llm.config import SchedulerConfig
-from paged_llm.core import stop_rules
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.stop_rules import SequenceUpdate, reaches_length_limit
+from paged_llm.core.stop_rules import apply_verified, check_stop, reaches_length_limit
 from paged_llm.sequence import Sequence, SequenceStatus
 
 
@@ -66,6 +65,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SequenceUpdate:
+    """What a finished step did to one scheduled sequence."""
+
+    seq: Sequence
+    new_token_id: int | None  # the sampled token; None for a prefill chunk that sampled nothing
+    # With speculative decoding: every token the step emitted, in order (new_token_id is the last).
+    new_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -375,9 +384,44 @@ class Scheduler:
         sampled_token_ids: Mapping[str, int],
         spec_token_ids: Mapping[str, list[int]] | None = None,
     ) -> list[SequenceUpdate]:
-        """Applies a finished step (core/stop_rules.py): one update per scheduled sequence still live;
-        sequences that finished here are already freed."""
-        return stop_rules.update_from_output(self, output, sampled_token_ids, spec_token_ids)
+        """Applies a finished step: one update per scheduled sequence still live. `spec_token_ids`:
+        for each sequence that verified proposals, the tokens the verification emitted.
+
+        Sequences that finished here (EOS, stop token, max_tokens, max_model_len: core/stop_rules.py)
+        are already freed.
+        """
+        if not output.launched:
+            self.on_launched(output)
+        updates: list[SequenceUpdate] = []
+        for scheduled in output.scheduled:
+            seq = scheduled.seq
+            if seq.is_finished:
+                continue  # finished between schedule() and now (abort); nothing to apply
+            if not scheduled.needs_sample:
+                self.kv_cache.cache_computed_blocks(seq)
+                updates.append(SequenceUpdate(seq, None))
+                continue
+            new_token_ids = None
+            if scheduled.draft_token_ids:
+                assert spec_token_ids is not None, f"{seq.seq_id}: proposals verified, no result"
+                first_new = seq.num_output_tokens - seq.num_pending_tokens
+                drafts, emitted = scheduled.draft_token_ids, spec_token_ids[seq.seq_id]
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += len(drafts)
+                self.spec_num_accepted_tokens += len(emitted) - 1
+                status = apply_verified(seq, drafts, emitted, self.max_model_len)
+                new_token_ids = seq.output_token_ids[first_new:]
+                token_id = new_token_ids[-1]
+            else:
+                token_id = sampled_token_ids[seq.seq_id]
+                num_output_tokens = seq.resolve_pending_token(token_id) + 1
+                status = check_stop(seq, token_id, num_output_tokens, self.max_model_len)
+            self.kv_cache.cache_computed_blocks(seq)
+            if status is not None:
+                # Running, or preempted while this step ran (asynchronous scheduling): it ends either way.
+                self.finish_sequences([seq.seq_id], status)
+            updates.append(SequenceUpdate(seq, token_id, new_token_ids))
+        return updates
 
     # ------------------------------------------------------------------------------------- state
     def stats(self) -> SchedulerStats:

@@ -37,7 +37,7 @@ from paged_llm.engine.restart_policy import RestartPolicy
 from paged_llm.engine.stats import EngineStats
 from paged_llm.engine.validation import validate_context_fit, validate_params, validate_prompt
 from paged_llm.errors import EngineCoreDiedError, EngineDeadError, RequestAbortedError
-from paged_llm.parent_death import process_is_alive
+from paged_llm.processes import process_is_alive
 from paged_llm.sampling.bad_words import with_bad_words_tokenized
 from paged_llm.sampling_params import SamplingParams
 

@@ -6,8 +6,9 @@ One client request with `n` samples becomes `n` sequences. The first one runs th
 are added once its prompt KV is computed, so they take the prompt's full blocks from the prefix
 cache instead of recomputing them.
 
-Request expiry (deadlines, queue waits) is engine/expiry.py's; what a failed model step does,
-engine/faults.py's.
+The requests and their sequences are the request table's (engine/request_table.py), which every
+path that ends a request goes through: request expiry (deadlines, queue waits, engine/expiry.py),
+a failed model step (engine/faults.py) and the core itself.
 
 The same class runs in the engine core process (engine/core_process.py), in a thread of the caller
 (engine/core_client.py) or stepped directly by the offline LLMEngine.
@@ -15,15 +16,13 @@ The same class runs in the engine core process (engine/core_process.py), in a th
 
 from __future__ import annotations
 
-import logging
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from paged_llm.core.sessions import SessionManager, SessionTurn
-from paged_llm.core.stop_rules import SequenceUpdate
+from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, SequenceUpdate
+from paged_llm.core.sessions import SessionManager
 from paged_llm.engine.core_types import (
     AbortRequest,
     CoreError,
@@ -33,8 +32,9 @@ from paged_llm.engine.core_types import (
     FinishedSequence,
 )
 from paged_llm.engine.expiry import expire_deadlines, expire_queue_waits
-from paged_llm.engine.faults import fail_launched_after_fault, fail_step
+from paged_llm.engine.faults import StepFaults
 from paged_llm.engine.model_setup import load_engine_model
+from paged_llm.engine.request_table import CoreRequest, RequestTable
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses
@@ -44,7 +44,6 @@ from paged_llm.spec_decode.draft_model import DraftModelProposer
 from paged_llm.spec_decode.proposer import make_proposer
 from paged_llm.spec_decode.speculator import Speculator
 
-logger = logging.getLogger(__name__)
 _UINT64_MASK = (1 << 64) - 1
 
 
@@ -56,27 +55,6 @@ def derive_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
     return z ^ (z >> 31)
-
-
-@dataclass
-class _CoreRequest:
-    """The core's record of one client request: its sequences, started or waiting to start."""
-
-    request_id: str
-    sequences: list[Sequence]  # started; index in this list = the sample's index
-    unstarted: list[Sequence]  # samples 1..n-1, started once sample 0 computed the prompt
-    deadline: float | None
-    arrival_time: float
-    reported_finished: set[int] = field(default_factory=set)  # indices whose end was published
-    session: SessionTurn | None = None
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.sequences) + len(self.unstarted)
-
-    @property
-    def is_finished(self) -> bool:
-        return len(self.reported_finished) == self.num_samples
 
 
 @dataclass
@@ -101,11 +79,14 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
         self.sessions = SessionManager(config.sessions, self.kv_cache, max_model_len)
         self.scheduler.reclaim_kv = self.sessions.reclaim_idle_kv
-        self._requests: dict[str, _CoreRequest] = {}
-        self._owner: dict[str, tuple[_CoreRequest, int]] = {}  # live sequence id -> (request, index)
+        self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
+        self.requests = RequestTable(self.scheduler, self.sessions, lambda: self._outputs)
+        # Looked up at each fault: a test may swap the runner.
+        self.faults = StepFaults(
+            self.requests, self.kv_cache, self.sessions, lambda: self.runner.check_workers()
+        )
         self._seed_rng = random.Random(config.model.seed)
         self.num_steps = 0
-        self.num_step_faults = 0
         mode = config.scheduler.async_scheduling
         # Launch a step before the previous one's tokens are on the host (step_pipelined).
         self.launch_ahead = mode == "on" or (mode == "auto" and self.device.is_accelerator)
@@ -125,12 +106,11 @@ class EngineCore:
         self._in_flight: InFlightStep | None = None  # step_pipelined's launched, unfinished step
         self.num_steps_launched_ahead = 0  # steps launched before the previous step's tokens arrived
         process_gc_pauses()  # counting starts now
-        self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
 
     # ---------------------------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request. InvalidRequestError / QueueFullError: it was not queued."""
-        if request.request_id in self._requests:
+        if request.request_id in self.requests:
             raise InvalidRequestError("request id", f"{request.request_id!r} is already in flight")
         if request.session is not None and request.session.closes_only(request.prompt_token_ids):
             self._close_session(request)
@@ -151,7 +131,7 @@ class EngineCore:
                     f"{params.n} samples can never run at once "
                     f"(max_num_seqs={scheduler_config.max_num_seqs})",
                 )
-            num_live = sum(r.num_samples - len(r.reported_finished) for r in self._requests.values())
+            num_live = sum(r.num_samples - len(r.reported_finished) for r in self.requests)
             if num_live + params.n > scheduler_config.max_num_seqs:
                 raise QueueFullError(
                     f"the engine is at capacity ({num_live} of max_num_seqs={scheduler_config.max_num_seqs}"
@@ -180,7 +160,7 @@ class EngineCore:
             )
             for index in range(params.n)
         ]
-        record = _CoreRequest(
+        record = CoreRequest(
             request_id=request.request_id,
             sequences=[],
             unstarted=sequences[1:],
@@ -190,8 +170,7 @@ class EngineCore:
         )
         if request.session is not None:
             self.sessions.attach(request.session.session_id, sequences[0])
-        self._requests[request.request_id] = record
-        self._start(record, sequences[0])
+        self.requests.add(record, sequences[0])
 
     def _close_session(self, request: EngineCoreRequest) -> None:
         """A request with no new tokens that ends a session: closes it, generates nothing."""
@@ -208,39 +187,9 @@ class EngineCore:
         self.sessions.close(session.session_id)
         self._outputs.finished_requests.append(FinishedRequest(request.request_id))
 
-    def _start(self, record: _CoreRequest, seq: Sequence) -> None:
-        self._owner[seq.seq_id] = (record, len(record.sequences))
-        record.sequences.append(seq)
-        self.scheduler.add_sequence(seq)
-
-    def _start_siblings(self, record: _CoreRequest) -> None:
-        first = record.sequences[0]
-        for seq in record.unstarted:
-            seq.arrival_seq = first.arrival_seq  # same place in the queue as the first sample
-            self._start(record, seq)
-        record.unstarted = []
-
     def abort_request(self, request_id: str, seq_index: int | None = None, reason: str = "cancelled") -> None:
         """Ends a request (or one of its sequences) now; what ended is published by the next step()."""
-        record = self._requests.get(request_id)
-        if record is None:
-            return
-        if seq_index is not None:
-            if seq_index < len(record.sequences):
-                self._end_sequences(record, [record.sequences[seq_index]], SequenceStatus.FINISHED_ABORTED)
-            if record.is_finished:
-                self._close(record)
-            return
-        live = [s for s in record.sequences if not s.is_finished]
-        logger.info(
-            "request %s aborted (%s) while %s, after %d generated tokens",
-            request_id,
-            reason,
-            "/".join(sorted({s.status.value for s in live})) or "finished",
-            sum(s.num_output_tokens - s.num_pending_tokens for s in record.sequences),
-        )
-        self._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
-        self._close(record, CoreError("aborted", reason))
+        self.requests.abort(request_id, seq_index, reason)
 
     def apply_abort(self, abort: AbortRequest) -> None:
         """What a front end's AbortRequest asks: a stop string's end, or an abort."""
@@ -253,7 +202,7 @@ class EngineCore:
         """A stop string ended a sequence after `num_output_tokens` output tokens (the front end
         found it in the text): it ends as stopped, not aborted, so a session's turn extends the
         history, with the tokens after that point (steps the core ran meanwhile) dropped."""
-        record = self._requests.get(request_id)
+        record = self.requests.get(request_id)
         if record is None:  # the core ended it already (EOS, its length): a session cuts its history
             self.sessions.stop_last_turn(request_id, num_output_tokens)
             return
@@ -264,9 +213,9 @@ class EngineCore:
             return
         if seq.keep_kv_owner is not None:
             self.scheduler.truncate_output(seq, num_output_tokens)
-        self._end_sequences(record, [seq], SequenceStatus.FINISHED_STOPPED)
+        self.requests.end_sequences(record, [seq], SequenceStatus.FINISHED_STOPPED)
         if record.is_finished:
-            self._close(record)
+            self.requests.close(record)
 
     def close(self) -> None:
         """Releases what outlives a garbage collection: the tensor-parallel worker processes."""
@@ -274,43 +223,25 @@ class EngineCore:
 
     def abort_all(self, reason: str, request_id_prefix: str = "") -> None:
         """Ends every request (whose id starts with `request_id_prefix`)."""
-        for request_id in list(self._requests):
-            if request_id.startswith(request_id_prefix):
-                self.abort_request(request_id, reason=reason)
-
-    def _end_sequences(self, record: _CoreRequest, seqs: list[Sequence], status: SequenceStatus) -> None:
-        """Finishes live sequences (abort, fault) and publishes their end."""
-        live = [s for s in seqs if not s.is_finished]
-        self.scheduler.finish_sequences([s.seq_id for s in live], status)
-        for seq in live:
-            _record, index = self._owner.pop(seq.seq_id)
-            record.reported_finished.add(index)
-            self._outputs.finished_sequences.append(
-                FinishedSequence(record.request_id, index, status.finish_reason or "abort")
-            )
-
-    def _close(self, record: _CoreRequest, error: CoreError | None = None) -> None:
-        """Forgets a request whose sequences all ended (or that failed) and publishes that."""
-        del self._requests[record.request_id]
-        for seq in record.sequences:
-            self._owner.pop(seq.seq_id, None)
-        record.unstarted = []
-        if record.session is not None:
-            self.sessions.end_turn(
-                record.session.session_id, record.sequences[0] if record.sequences else None
-            )
-        self._outputs.finished_requests.append(FinishedRequest(record.request_id, error))
+        for record in self.requests:
+            if record.request_id.startswith(request_id_prefix):
+                self.abort_request(record.request_id, reason=reason)
 
     def reject(self, request_id: str, error: CoreError) -> None:
         """Publishes that a request was refused before it was queued (it never existed here)."""
         self._outputs.finished_requests.append(FinishedRequest(request_id, error))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self.requests)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.requests)
+
+    @property
+    def num_step_faults(self) -> int:
+        """Model steps that raised, since start."""
+        return self.faults.num_step_faults
 
     # -------------------------------------------------------------------------------------- step
     def step(self) -> EngineCoreOutputs:
@@ -341,7 +272,10 @@ class EngineCore:
             num_faults = self.num_step_faults
             outputs = self.finish_step(previous)
             if self.num_step_faults > num_faults and self._in_flight is not None:
-                fail_launched_after_fault(self, self._in_flight)
+                failed = self._in_flight
+                self.faults.fail_launched_after_fault(
+                    failed.launched, failed.scheduler_output.scheduled, failed.step_number
+                )
                 self._in_flight = None
         return outputs if outputs is not None else self.take_outputs()
 
@@ -370,10 +304,10 @@ class EngineCore:
         their blocks are only reused by a later schedule(), after this step's sync (or, on the
         device, after this step in stream order). `previous`: a launched step not finished yet,
         whose sampled tokens this step takes as inputs on the device (asynchronous scheduling)."""
-        expire_deadlines(self)
+        expire_deadlines(self.requests)
         self.sessions.expire_idle()
         if self.config.scheduler.queue_max_wait_s > 0.0:
-            expire_queue_waits(self)
+            expire_queue_waits(self.requests, self.scheduler.waiting, self.config.scheduler.queue_max_wait_s)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
@@ -389,7 +323,7 @@ class EngineCore:
         except TensorParallelError:
             raise  # no step can run any more: the core stops
         except Exception as error:  # a model fault must not take the server down
-            fail_step(self, scheduler_output.scheduled, error, self.num_steps)
+            self.faults.fail_step(scheduler_output.scheduled, error, self.num_steps)
             return None
 
     def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
@@ -398,7 +332,7 @@ class EngineCore:
             try:
                 runner_output = in_flight.launched.result()
             except Exception as error:
-                fail_step(self, in_flight.scheduler_output.scheduled, error, in_flight.step_number)
+                self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
             else:
                 updates = self.scheduler.update_from_output(
                     in_flight.scheduler_output, runner_output.sampled_token_ids, runner_output.spec_token_ids
@@ -424,7 +358,9 @@ class EngineCore:
             seq, token_id = update.seq, update.new_token_id
             if token_id is None:
                 continue  # a prefill chunk
-            record, index = self._owner[seq.seq_id]
+            owner = self.requests.owner(seq.seq_id)
+            assert owner is not None, f"{seq.seq_id}: an update for a sequence no request owns"
+            record, index = owner
             if update.new_token_ids is not None:  # verified proposals: every emitted token, in order
                 for earlier in update.new_token_ids[:-1]:
                     out.request_ids.append(record.request_id)
@@ -438,10 +374,9 @@ class EngineCore:
             if logprobs is not None:
                 out.logprobs[row] = logprobs
             if record.unstarted and index == 0:
-                self._start_siblings(record)  # the prompt's KV is computed: share it
+                self.requests.start_siblings(record)  # the prompt's KV is computed: share it
             if seq.is_finished:
-                del self._owner[seq.seq_id]
-                record.reported_finished.add(index)
+                self.requests.finished(record, index)
                 stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
                 out.finished_sequences.append(
                     FinishedSequence(
@@ -449,7 +384,7 @@ class EngineCore:
                     )
                 )
                 if record.is_finished:
-                    self._close(record)
+                    self.requests.close(record)
 
     # ---------------------------------------------------------------------------------- utility
     def record_utility_result(self, call_id: int, result: tuple[bool, object]) -> None:
@@ -464,8 +399,4 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity(self.sessions.kv_holders)
         self.sessions.check_integrity()
-        live = {s.seq_id for r in self._requests.values() for s in r.sequences if not s.is_finished}
-        assert live == set(self.scheduler.sequences), "requests and scheduler disagree on live sequences"
-        assert set(self._owner) == live, "owner map out of sync"
-        for record in self._requests.values():
-            assert not record.is_finished, f"request {record.request_id} finished but not closed"
+        self.requests.check_integrity()

@@ -34,7 +34,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, Shutdown
 from paged_llm.engine.front_ends import FrontEnds
 from paged_llm.engine.ipc import FramedSocket
 from paged_llm.engine.share_files import ShareFiles
-from paged_llm.parent_death import parent_death_signal, process_is_alive
+from paged_llm.processes import parent_death_signal, watch_parent
 
 logger = logging.getLogger("paged_llm.core")
 EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
@@ -68,26 +67,22 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         _exit(1)
 
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                logger.error("the front end process %d is gone: exiting", parent_pid)
-                _exit(1)
-            if watch_pid is not None and not process_is_alive(watch_pid):
-                # The stub that started this core goes too: it notices the server's death by itself,
-                # but not while a Triton call it is blocked in holds its GIL (seen: a stub in
-                # initialize() outlived a server stopped with SIGTERM by more than 10 s).
-                logger.error(
-                    "the server process %d is gone: exiting, and ending stub %d", watch_pid, parent_pid
-                )
-                try:
-                    os.kill(parent_pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                _exit(1)
+    def parent_gone() -> None:
+        logger.error("the front end process %d is gone: exiting", parent_pid)
+        _exit(1)
 
-    threading.Thread(target=watch, name="paged_llm-core-watchdog", daemon=True).start()
+    def server_gone() -> None:
+        # The stub that started this core goes too: it notices the server's death by itself,
+        # but not while a Triton call it is blocked in holds its GIL (seen: a stub in
+        # initialize() outlived a server stopped with SIGTERM by more than 10 s).
+        logger.error("the server process %d is gone: exiting, and ending stub %d", watch_pid, parent_pid)
+        try:
+            os.kill(parent_pid, signal.SIGKILL)
+        except OSError:
+            pass
+        _exit(1)
+
+    watch_parent(parent_pid, parent_gone, "paged_llm-core-watchdog", watch_pid, server_gone)
 
 
 def _exit_on_worker_death(message: str) -> None:

@@ -14,17 +14,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import paged_llm
 from paged_llm.config import ConfigError, EngineConfig
 from paged_llm.engine.attach_gate import ACK, hello, peer_credentials, recv_exactly
 from paged_llm.engine.core_types import (
@@ -41,26 +37,10 @@ from paged_llm.engine.core_types import (
 from paged_llm.engine.ipc import FramedSocket
 from paged_llm.engine.share_files import ShareFiles, ShareFilesError, remove_if_unused, remove_stale_shares
 from paged_llm.errors import EngineDeadError
+from paged_llm.processes import python_executable, spawn_module
 
 logger = logging.getLogger(__name__)
-
-
-def python_executable() -> str:
-    """The interpreter to start the core with. Inside Triton's stub `sys.executable` may be the stub
-    binary, so fall back to this environment's own `bin/python3`, then to `python3` on PATH (the
-    interpreter whose environment the stub itself uses)."""
-    if sys.executable and Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    for candidate in (
-        Path(sys.exec_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}",
-        Path(sys.exec_prefix) / "bin" / "python3",
-    ):
-        if os.access(candidate, os.X_OK):
-            return str(candidate)
-    found = shutil.which("python3")
-    if found is None:
-        raise RuntimeError("cannot find a python3 executable to start the engine core process")
-    return found
+CORE_PROCESS_MODULE = "paged_llm.engine.core_process"  # what the core process runs (`python -m`)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -173,13 +153,7 @@ class ProcessCoreClient(_LinkedCoreClient):
     def _supervise(self) -> None:
         """Starts the core process and waits for it. The process's parent-death signal is tied to
         this thread, which lives exactly as long as the process."""
-        package_root = str(Path(paged_llm.__file__).resolve().parents[1])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-        command = [
-            self._python,
-            "-m",
-            "paged_llm.engine.core_process",
+        args = [
             "--fd",
             str(self._theirs.fileno()),
             "--parent-pid",
@@ -189,14 +163,16 @@ class ProcessCoreClient(_LinkedCoreClient):
         ]
         pass_fds = [self._theirs.fileno()]
         if self._watch_pid is not None:
-            command += ["--watch-pid", str(self._watch_pid)]
+            args += ["--watch-pid", str(self._watch_pid)]
         if self._share is not None:
             listen_fd, lock_fd = self._share.listener.fileno(), self._share.lock_fd
-            command += ["--listen-fd", str(listen_fd), "--lock-fd", str(lock_fd)]
-            command += ["--share-files", str(self._share.files.prefix)]
+            args += ["--listen-fd", str(listen_fd), "--lock-fd", str(lock_fd)]
+            args += ["--share-files", str(self._share.files.prefix)]
             pass_fds += [listen_fd, lock_fd]
         try:
-            self.process = subprocess.Popen(command, pass_fds=pass_fds, env=env, close_fds=True)
+            self.process = spawn_module(
+                CORE_PROCESS_MODULE, args, python=self._python, pass_fds=pass_fds, close_fds=True
+            )
         except OSError as error:
             self._start_error = error
             self._started.set()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats, SessionTurn
 from paged_llm.gc_pauses import GcPauses
+from paged_llm.sampling.token_logprobs import TokenLogprobs
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -108,16 +109,6 @@ class AbortFrontEnd:
 
 
 CoreInput = EngineCoreRequest | AbortRequest | UtilityCall | AbortFrontEnd | Shutdown
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled position (raw model logprobs, before any sampling transform)."""
-
-    sampled_logprob: float
-    sampled_rank: int  # 1 = the most likely token
-    top_token_ids: list[int]  # the `logprobs` most likely alternatives, most likely first
-    top_logprobs: list[float]
 
 
 @dataclass

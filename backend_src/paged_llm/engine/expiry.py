@@ -1,38 +1,36 @@
 """Request expiry: ends requests past their deadline (request timeout) and requests that waited in the
-queue longer than queue_max_wait_s without starting. EngineCore.launch_step runs both before it
-schedules."""
+queue longer than queue_max_wait_s without starting, through the core's request table.
+EngineCore.launch_step runs both before it schedules."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from paged_llm.engine.core_types import CoreError
-from paged_llm.sequence import SequenceStatus
-
-if TYPE_CHECKING:
-    from paged_llm.engine.core import EngineCore
+from paged_llm.engine.request_table import RequestTable
+from paged_llm.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 
-def expire_deadlines(core: EngineCore) -> None:
+def expire_deadlines(requests: RequestTable) -> None:
     now = time.monotonic()
-    expired = [r for r in core._requests.values() if r.deadline is not None and r.deadline <= now]
+    expired = [r for r in requests if r.deadline is not None and r.deadline <= now]
     for record in expired:
         waited = now - record.arrival_time
-        core.abort_request(record.request_id, reason=f"timed out after {waited:.3f} s (request timeout)")
+        requests.abort(record.request_id, reason=f"timed out after {waited:.3f} s (request timeout)")
 
 
-def expire_queue_waits(core: EngineCore) -> None:
+def expire_queue_waits(requests: RequestTable, waiting: Iterable[Sequence], max_wait_s: float) -> None:
     """Ends requests that waited longer than queue_max_wait_s without starting (UNAVAILABLE);
-    a preempted sequence waits again, but it has run, so it is not counted as queued."""
+    a preempted sequence waits again, but it has run, so it is not counted as queued. `waiting`:
+    the scheduler's waiting queue (only that, not every request)."""
     now = time.monotonic()
-    max_wait_s = core.config.scheduler.queue_max_wait_s
     expired = []
-    for seq in core.scheduler.waiting:  # the waiting queue only, not every request
-        owner = core._owner.get(seq.seq_id)
+    for seq in waiting:
+        owner = requests.owner(seq.seq_id)
         if owner is None or seq.first_scheduled_time is not None:
             continue
         record, index = owner
@@ -41,8 +39,8 @@ def expire_queue_waits(core: EngineCore) -> None:
     for record in expired:
         waited_s = now - record.arrival_time
         logger.info("request %s never started within queue_max_wait_s (%.3f s)", record.request_id, waited_s)
-        core._end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
-        core._close(
+        requests.end_sequences(record, record.sequences, SequenceStatus.FINISHED_ABORTED)
+        requests.close(
             record,
             CoreError(
                 "unavailable",

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.engine.core_types import AbortRequest, CoreError, EngineCoreOutputs, TokenLogprobs
+from paged_llm.engine.core_types import AbortRequest, CoreError, EngineCoreOutputs
 from paged_llm.engine.outputs import PositionLogprobs, RequestOutput, SequenceDelta, TopLogprob
 from paged_llm.engine.stats import EngineStats
 from paged_llm.errors import (
@@ -28,6 +28,7 @@ from paged_llm.errors import (
     RequestAbortedError,
     SessionNotFoundError,
 )
+from paged_llm.sampling.token_logprobs import TokenLogprobs
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.tokenizer.detokenizer import IncrementalDetokenizer, decode_token
 

@@ -51,7 +51,7 @@ from paged_llm.frontend.responses import (
 from paged_llm.frontend.sse_stream import sse_body
 from paged_llm.frontend.triton_backend import TritonBackend
 from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
-from paged_llm.parent_death import process_is_alive
+from paged_llm.processes import process_is_alive
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

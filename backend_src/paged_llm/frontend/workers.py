@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Any
 
-from paged_llm.parent_death import parent_death_signal
+from paged_llm.processes import parent_death_signal
 
 logger = logging.getLogger(__name__)
 _STOP_WAIT_S = 8.0  # uvicorn's graceful shutdown of 3 s, plus its own exit

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from paged_llm.device_kind import is_cuda
+
 logger = logging.getLogger(__name__)
 
 TABLES_DIR = Path(__file__).resolve().parent / "gemv_tables"
@@ -112,7 +114,7 @@ def gemv_config(n: int, k: int, device: torch.device, kernel: str = "gemv") -> G
     else the default rule."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown GEMV kernel {kernel!r} (one of {', '.join(KERNELS)})")
-    if device.type == "cuda":
+    if is_cuda(device):
         tuned = _table_for(_device_name(device.index or 0)).get(kernel, {}).get((n, k))
         if tuned is not None:
             return tuned

@@ -33,12 +33,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from paged_llm.config import ConfigError
-from paged_llm.models.hf_config import ModelSpec
+from paged_llm.device_kind import is_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,22 @@ logger = logging.getLogger(__name__)
 # traffic grows with world_size x bytes; decode batches of up to 64 rows of hidden 4096 in bf16.
 ONE_SHOT_MAX_BYTES = 512 * 1024
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernel sums
+
+
+class ModelShape(Protocol):
+    """The dimensions that split over ranks. A model's ModelSpec (models/hf_config.py) is one: the
+    layers below the models name only what they read."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +78,7 @@ class ShardPlan:
     vocab_rows: int  # embedding / LM-head rows per rank (the last rank's may run past vocab_size)
 
     @staticmethod
-    def of(spec: ModelSpec, rank: int = 0, world_size: int = 1) -> ShardPlan:
+    def of(spec: ModelShape, rank: int = 0, world_size: int = 1) -> ShardPlan:
         check_divisible(spec, world_size)
         if spec.num_kv_heads >= world_size:
             num_kv_heads = spec.num_kv_heads // world_size
@@ -83,7 +100,7 @@ class ShardPlan:
     def vocab_start(self) -> int:
         return self.rank * self.vocab_rows
 
-    def rows_of(self, part: str, spec: ModelSpec) -> tuple[int, int]:
+    def rows_of(self, part: str, spec: ModelShape) -> tuple[int, int]:
         """[start, end) of this rank's rows (output features) of a column-parallel checkpoint
         tensor, `part` one of q, kv, intermediate, vocab."""
         head_dim = spec.head_dim
@@ -98,7 +115,7 @@ class ShardPlan:
         raise ValueError(part)
 
 
-def check_divisible(spec: ModelSpec, world_size: int) -> None:
+def check_divisible(spec: ModelShape, world_size: int) -> None:
     """Startup fails here, naming the numbers, when the model cannot split over `world_size` ranks."""
     if world_size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {world_size}")
@@ -153,7 +170,7 @@ class TensorParallelGroup:
         """Sets up the one-shot all-reduce for tensors of `dtype` (a collective: every rank calls it,
         after the process group is up). False where it does not apply (not CUDA, one rank, a dtype
         the kernel does not sum, a torch without it): NCCL does every all-reduce then."""
-        if self.world_size == 1 or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
+        if self.world_size == 1 or not is_cuda(device) or dtype not in ONE_SHOT_DTYPES:
             return False
         # Only peer-to-peer loads are used. Without this, torch may also set up NVLink multicast
         # objects for the buffer, which some shared hosts must not have (set for the process: the

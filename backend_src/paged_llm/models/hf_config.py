@@ -46,11 +46,6 @@ class ModelSpec:
     checkpoint_dtype: str  # "bfloat16", "float16" or "float32"
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
-    @property
-    def kv_bytes_per_token_per_element(self) -> int:
-        """KV elements one token occupies across all layers (multiply by the element size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
     config_path = Path(model_dir) / "config.json"

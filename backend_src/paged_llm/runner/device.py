@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_llm.device_kind import CUDA
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,6 +55,10 @@ class Device:
     @property
     def is_cpu(self) -> bool:
         return self.kind == "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == CUDA
 
     @property
     def is_accelerator(self) -> bool:
@@ -117,9 +123,6 @@ class Device:
     def new_event(self):
         """A device event (record() / synchronize()); None on CPU."""
         return self._module().Event() if self.is_accelerator else None
-
-    def new_stream(self):
-        return self._module().Stream(self.torch_device) if self.is_accelerator else None
 
     @contextlib.contextmanager
     def stream(self, stream) -> Iterator[None]:

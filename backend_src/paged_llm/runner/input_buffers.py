@@ -24,8 +24,8 @@ import torch
 
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.sampling.verify import VerifyRows
 from paged_llm.sequence import PENDING_TOKEN, Sequence
-from paged_llm.spec_decode.verify import VerifyRows
 
 
 @dataclass

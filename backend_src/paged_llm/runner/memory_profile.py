@@ -1,23 +1,44 @@
-"""How much device memory the KV pool may take: profile a worst-case step, subtract it."""
+"""How much device memory the KV pool may take: profile a worst-case step, subtract it.
+
+It reads the runner through `ProfiledRunner`, the part of a ModelRunner (runner/model_runner.py) it
+needs, so the runner can call it without the two modules importing each other.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.parallel import ShardPlan
+from paged_llm.models.decoder import CausalLM
+from paged_llm.models.hf_config import ModelSpec
 from paged_llm.runner.cuda_graphs import MAX_MIXED_GRAPH_SEQS, graph_batch_sizes, mixed_step_token_buckets
-
-if TYPE_CHECKING:
-    from paged_llm.runner.model_runner import ModelRunner
+from paged_llm.runner.device import Device
 
 logger = logging.getLogger(__name__)
 GRAPH_POOL_MARGIN_BYTES = 64 << 20  # allocator rounding, cuBLAS workspaces of the capture stream
 
 
-def graph_pool_bytes(runner: ModelRunner, step_peak_bytes: int) -> int:
+class ProfiledRunner(Protocol):
+    """What the memory profile reads of a ModelRunner, and `graph_pool_reserve_bytes`, which it sets."""
+
+    model: CausalLM | None
+    device: Device
+    spec: ModelSpec
+    shard: ShardPlan
+    dtype: torch.dtype
+    max_model_len: int
+    block_size_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    use_cuda_graphs: bool
+    graph_pool_reserve_bytes: int | None
+
+
+def graph_pool_bytes(runner: ProfiledRunner, step_peak_bytes: int) -> int:
     """Estimated private memory of the CUDA graphs captured after the KV pool: the logits that every
     graph keeps as its output (one row per decode batch slot, MAX_MIXED_GRAPH_SEQS rows per mixed-step
     bucket), plus the largest graph's transient activations, taken as the worst step's peak scaled
@@ -33,7 +54,7 @@ def graph_pool_bytes(runner: ModelRunner, step_peak_bytes: int) -> int:
 
 
 @torch.inference_mode()
-def profile_free_kv_bytes(runner: ModelRunner, gpu_memory_utilization: float) -> int:
+def profile_free_kv_bytes(runner: ProfiledRunner, gpu_memory_utilization: float) -> int:
     """The utilisation share of device memory, minus what is in use now (weights, CUDA context, other
     processes), minus the peak of a worst-case step (the whole token budget, logits for
     max_num_seqs rows and the sampler's float32 copy), minus the graphs' pool (graph_pool_bytes)."""

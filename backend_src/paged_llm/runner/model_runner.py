@@ -32,13 +32,13 @@ from paged_llm.runner.decode_compile import OpaqueToCompiler, compile_decode_for
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers
 from paged_llm.runner.memory_profile import profile_free_kv_bytes
-from paged_llm.runner.step_types import LaunchedStep, ModelRunnerOutput
+from paged_llm.runner.step_types import LaunchedStep
 from paged_llm.runner.tensor_parallel import TensorParallelWorkers
 from paged_llm.runner.tp_channel import CMD_ALLOCATE, CMD_PROFILE
 from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from paged_llm.sampling.verify import VerifyOutput, verify
 from paged_llm.sequence import Sequence
-from paged_llm.spec_decode.verify import VerifyOutput, verify
 
 logger = logging.getLogger(__name__)
 
@@ -270,9 +270,6 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, metadata))
 
     # --------------------------------------------------------------------------------------- step
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(scheduler_output).result()
-
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueues the step's model forward and sampling on the device and returns at once (on an

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.engine.core_types import TokenLogprobs
 from paged_llm.runner.input_buffers import PendingTokens
 from paged_llm.sampling.sampler import SamplerOutput
+from paged_llm.sampling.token_logprobs import TokenLogprobs
+from paged_llm.sampling.verify import VerifyOutput
 from paged_llm.sequence import Sequence
-from paged_llm.spec_decode.verify import VerifyOutput
 
 
 @dataclass

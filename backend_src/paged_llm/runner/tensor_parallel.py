@@ -29,8 +29,10 @@ joining, every collective of a step, and rank 0's header send, which returns onl
 worker has taken the header (gloo), so a worker that is alive but stuck stops the engine with an
 error instead of holding it.
 
-Workers are fresh interpreters (`python -m paged_llm.runner.tensor_parallel`, never forked: CUDA),
-given their runner's arguments on stdin; they exit when rank 0's process is gone.
+Workers are fresh interpreters (`python -m paged_llm.runner.tp_worker`, never forked: CUDA),
+given their runner's arguments on stdin; they exit when rank 0's process is gone. This module is
+rank 0's side (TensorParallelWorkers) and what every rank shares to join the group; a worker's
+own loop is runner/tp_worker.py.
 """
 
 from __future__ import annotations
@@ -39,27 +41,21 @@ import logging
 import os
 import pickle
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paged_llm.errors import WorkerDiedError
+from paged_llm.processes import spawn_module
 from paged_llm.runner.tp_channel import (
-    CMD_ALLOCATE,
-    CMD_PROFILE,
     CMD_SHUTDOWN,
-    CMD_STEP,
     Channel,
     StepHeader,
     collective_timeout,
     pack_step,
-    payload_size,
-    unpack_step,
 )
 
 if TYPE_CHECKING:
@@ -67,11 +63,10 @@ if TYPE_CHECKING:
     from paged_llm.models.hf_config import ModelSpec
     from paged_llm.runner.device import Device
     from paged_llm.runner.input_buffers import StepInputs
-    from paged_llm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-WORKER_MODULE = "paged_llm.runner.tensor_parallel"  # what a worker process runs (`python -m`)
+WORKER_MODULE = "paged_llm.runner.tp_worker"  # what a worker process runs (`python -m`)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
@@ -84,9 +79,9 @@ def check_tensor_parallel(config: EngineConfig, spec: ModelSpec, device: Device)
     if world_size == 1:
         return
     check_divisible(spec, world_size)
-    if device.kind not in ("cuda", "cpu"):
+    if not (device.is_cuda or device.is_cpu):
         raise ConfigError(f"tensor_parallel_size > 1 is supported on cuda and cpu, not {device.kind}")
-    if device.kind == "cuda":
+    if device.is_cuda:
         first = device.index or 0
         available = torch.cuda.device_count()
         if first + world_size > available:
@@ -99,9 +94,9 @@ def check_tensor_parallel(config: EngineConfig, spec: ModelSpec, device: Device)
 
 
 def distributed_backend(device: Device) -> str:
-    if device.kind == "cuda":
+    if device.is_cuda:
         return "nccl"
-    if device.kind == "cpu":
+    if device.is_cpu:
         return "gloo"
     raise ValueError(f"tensor parallelism is not supported on {device.kind}")
 
@@ -139,7 +134,7 @@ def init_process_group(
     # which a container may not resolve: every rank is on this host, so loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kwargs: dict[str, Any] = {}
-    if device.kind == "cuda":
+    if device.is_cuda:
         kwargs["device_id"] = torch.device("cuda", device.index or 0)
     torch.distributed.init_process_group(
         distributed_backend(device),
@@ -182,16 +177,10 @@ class TensorParallelWorkers:
     def _start_workers(self, runner_kwargs: dict[str, Any]) -> None:
         """One interpreter per rank (inside Triton's stub sys.executable is the stub binary: the
         engine core's own way of finding python3 is used), this package first on its path."""
-        from paged_llm.engine.core_process_client import python_executable
-
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
         arguments = pickle.dumps(runner_kwargs)
         for rank in range(1, self.world_size):
-            command = [python_executable(), "-m", WORKER_MODULE, str(rank)]
-            command += [str(self.world_size), str(self._store.port), str(os.getpid())]
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+            args = [str(rank), str(self.world_size), str(self._store.port), str(os.getpid())]
+            process = spawn_module(WORKER_MODULE, args, stdin=subprocess.PIPE)
             self.processes.append(process)
             assert process.stdin is not None
             process.stdin.write(arguments)
@@ -246,11 +235,11 @@ class TensorParallelWorkers:
             try:
                 if not self.dead_workers():
                     self.send_command(CMD_SHUTDOWN)
-                    _bounded(self.device.synchronize, SHUTDOWN_TIMEOUT_S, "finishing the last steps")
+                    bounded(self.device.synchronize, SHUTDOWN_TIMEOUT_S, "finishing the last steps")
             except Exception:  # a broken group: the workers are killed below
                 logger.exception("could not send the shutdown command to the tensor-parallel workers")
         if torch.distributed.is_initialized() and hasattr(self, "channel"):
-            _bounded(torch.distributed.destroy_process_group, SHUTDOWN_TIMEOUT_S, "leaving the group")
+            bounded(torch.distributed.destroy_process_group, SHUTDOWN_TIMEOUT_S, "leaving the group")
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for rank, process in enumerate(self.processes, start=1):
             try:
@@ -261,7 +250,7 @@ class TensorParallelWorkers:
                 process.wait(timeout=5.0)
 
 
-def _bounded(call: Callable[[], object], timeout_s: float, what: str) -> None:
+def bounded(call: Callable[[], object], timeout_s: float, what: str) -> None:
     """Runs `call` on a thread and gives up waiting after `timeout_s` (a peer that died can leave a
     device wait or NCCL's teardown hanging)."""
     done = threading.Event()
@@ -276,69 +265,3 @@ def _bounded(call: Callable[[], object], timeout_s: float, what: str) -> None:
     threading.Thread(target=run, name="paged_llm-tp-bounded", daemon=True).start()
     if not done.wait(timeout_s):
         logger.warning("tensor parallelism: %s took over %.0f s: given up", what, timeout_s)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker must not outlive rank 0 (it would wait in a broadcast for ever)."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="paged_llm-tp-watchdog", daemon=True).start()
-
-
-def run_worker(
-    rank: int, world_size: int, store_port: int, runner_kwargs: dict[str, Any], parent_pid: int
-) -> None:
-    """Entry point of a worker process: load this rank's shard, then follow rank 0's commands."""
-    from paged_llm.layers.parallel import TensorParallelGroup
-    from paged_llm.runner.model_runner import ModelRunner
-
-    _exit_with_parent(parent_pid)
-    logging.basicConfig(level=logging.WARNING, format=f"paged_llm tp rank {rank} %(levelname)s: %(message)s")
-    device = rank_device(runner_kwargs["device"], rank)
-    device.activate()
-    control = init_process_group(device, rank, world_size, open_store(rank, world_size, store_port))
-    runner = ModelRunner(
-        **{**runner_kwargs, "device": device}, parallel=TensorParallelGroup(rank, world_size)
-    )
-    runner.load(show_progress=False)
-    channel = Channel(device.torch_device, control)
-    with_host_lists = not device.supports_triton
-    with torch.inference_mode():
-        _follow(runner, channel, with_host_lists)
-    runner.release_graphs()
-    _bounded(torch.distributed.destroy_process_group, SHUTDOWN_TIMEOUT_S, "leaving the group")
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter teardown: CUDA graphs and NCCL state go with the process
-
-
-def _follow(runner: ModelRunner, channel: Channel, with_host_lists: bool) -> None:
-    """Runs rank 0's commands until it says shutdown."""
-    while True:
-        header = channel.receive_header()
-        if header.command == CMD_STEP:
-            payload = channel.receive_payload(payload_size(header))
-            ids, positions, metadata, sample_indices = unpack_step(header, payload, with_host_lists)
-            runner.forward_step(ids, positions, metadata, sample_indices)
-        elif header.command == CMD_PROFILE:
-            runner.profile_free_kv_bytes(header.argument / 1e6)
-        elif header.command == CMD_ALLOCATE:
-            runner.allocate_kv_cache(header.argument)
-        elif header.command == CMD_SHUTDOWN:
-            return
-        else:
-            raise RuntimeError(f"unknown tensor-parallel command {header.command}")
-
-
-def main() -> None:
-    rank, world_size, store_port, parent_pid = (int(arg) for arg in sys.argv[1:5])
-    runner_kwargs = pickle.loads(sys.stdin.buffer.read())
-    run_worker(rank, world_size, store_port, runner_kwargs, parent_pid)
-
-
-if __name__ == "__main__":
-    main()

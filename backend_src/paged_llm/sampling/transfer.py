@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from paged_llm.device_kind import is_cuda
+
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
+    if is_cuda(device):
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

@@ -1,1 +1,2 @@
-"""Speculative decoding (issue "Speculative decoding"): proposers and the verification rule."""
+"""Speculative decoding: the proposers (n-gram, draft model) and when to speculate. Verifying the
+proposals is sampling's (sampling/verify.py, sampling/rejection.py)."""

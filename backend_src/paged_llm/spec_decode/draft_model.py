@@ -17,7 +17,7 @@ cannot give proposes nothing this step.
 Which draft KV is still valid at the next proposal: the positions whose input equals the sequence's
 token there now (the accepted proposals); a preempted sequence starts over (its blocks were freed).
 Greedy proposals are deterministic given the sequence, so the target verifies them as one-hot
-proposals (spec_decode/rejection.py): sampled requests keep the target's distribution exactly.
+proposals (sampling/rejection.py): sampled requests keep the target's distribution exactly.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Proposers: before each step the engine core asks one for the next tokens of every sequence that
 may speculate (`can_speculate`); it writes them to `seq.spec_token_ids` and the scheduler takes them
-into the step (core/scheduler.py), which verifies them (spec_decode/verify.py).
+into the step (core/scheduler.py), which verifies them (sampling/verify.py).
 
 A sequence speculates when the server has a proposer and the request did not turn it off
 (`speculative_decoding: false`), and sampling needs nothing that the proposals would have to be

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from paged_llm.parent_death import parent_death_signal
+from paged_llm.processes import parent_death_signal
 
 # The guard's body cap (tools/http_guard.py). Here, not there: starting the guard must not need
 # httptools in the launcher's own environment (the guard process imports it).

@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_llm.parent_death import parent_death_signal
 from paged_llm.paths import model_repository_template
+from paged_llm.processes import parent_death_signal
 from paged_llm.tools.launch import ServerPorts, endpoint_disabled, server_command, server_env
 from paged_llm.tools.procfs import process_group_members
 from paged_llm.tools.shm_regions import (  # noqa: F401 (re-exported: tests and scripts use them here)

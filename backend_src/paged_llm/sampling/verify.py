@@ -13,7 +13,7 @@ Greedy rows compare the proposals with the target argmax (exact: the tokens are 
 one at a time). Random rows compare them with the token the sampler draws at each position (the
 same draw as without speculation: counter-based noise keyed by seed and output position): for
 proposals fixed before the step this is rejection sampling with a one-hot q (see _verify_sampled),
-and a request's tokens do not depend on speculation or on its batch. spec_decode/rejection.py has
+and a request's tokens do not depend on speculation or on its batch. sampling/rejection.py has
 the general rule for proposals drawn from a draft distribution q.
 """
 
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_llm.sampling.rejection import REJECTED
 from paged_llm.sampling.sampler import Sampler, SamplingMetadata, SamplingRow
 from paged_llm.sampling.transfer import host_to_device
 from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS
 from paged_llm.sequence import Sequence
-from paged_llm.spec_decode.rejection import REJECTED
 
 
 @dataclass
