@@ -533,7 +533,7 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
 def _start_frontend(
     grpc_url: str, model: str, num_workers: int, http_url: str | None = None
 ) -> tuple[Any, str]:
-    """The OpenAI server (python -m paged_llm.frontend) in front of `grpc_url` (generation requests
+    """The OpenAI server (python -m paged_llm.openai) in front of `grpc_url` (generation requests
     over Triton's HTTP generate_stream when `http_url` is given), once healthy."""
     import subprocess
     import urllib.request
@@ -542,7 +542,7 @@ def _start_frontend(
 
     [port] = free_ports(1)
     process = subprocess.Popen(
-        [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url, "--port", str(port),
+        [sys.executable, "-m", "paged_llm.openai", "--triton-url", grpc_url, "--port", str(port),
          "--health-model", model, "--workers", str(num_workers),
          *(["--triton-http-url", http_url] if http_url else [])]
     )  # fmt: skip

@@ -112,12 +112,12 @@ def _stop_group(process: subprocess.Popen, signum: int = signal.SIGINT, timeout_
 
 
 def _start_frontend(grpc_url: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """The OpenAI server alone (python -m paged_llm.frontend, no keys) in front of `grpc_url`, once
+    """The OpenAI server alone (python -m paged_llm.openai, no keys) in front of `grpc_url`, once
     healthy: (process, base URL). The caller stops it (_stop_group)."""
     [port] = free_ports(1)
     with open(log_path, "w") as log:
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url,
+            [sys.executable, "-m", "paged_llm.openai", "--triton-url", grpc_url,
              "--port", str(port), *args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -1002,7 +1002,7 @@ def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_
     log_path = tmp_path / "frontend.log"
     with open(log_path, "w") as log:
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", f"127.0.0.1:{dead_port}",
+            [sys.executable, "-m", "paged_llm.openai", "--triton-url", f"127.0.0.1:{dead_port}",
              "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip

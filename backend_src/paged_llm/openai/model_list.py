@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from paged_llm.frontend.errors import OpenAIError
+from paged_llm.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 

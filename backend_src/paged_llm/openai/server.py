@@ -1,8 +1,8 @@
-"""`python -m paged_llm.frontend`: the OpenAI-compatible server in front of a running tritonserver.
+"""`python -m paged_llm.openai`: the OpenAI-compatible server in front of a running tritonserver.
 
-python -m paged_llm.frontend --triton-url 127.0.0.1:8001 --triton-http-url 127.0.0.1:8000 --port 9000 \\
+python -m paged_llm.openai --triton-url 127.0.0.1:8001 --triton-http-url 127.0.0.1:8000 --port 9000 \\
     --tokenizer llm=/ckpt/Qwen3-0.6B
-PAGED_LLM_API_KEY=secret python -m paged_llm.frontend ...   (or --api-key, repeatable)
+PAGED_LLM_API_KEY=secret python -m paged_llm.openai ...   (or --api-key, repeatable)
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from paged_llm.frontend.app import FrontendSettings, create_app
-from paged_llm.frontend.workers import LOG_FORMAT, run_workers
+from paged_llm.openai.app import FrontendSettings, create_app
+from paged_llm.openai.workers import LOG_FORMAT, run_workers
 from paged_llm.tools.launch import port_bind_error
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
@@ -52,7 +52,7 @@ def api_keys(values: list[str], environ: dict[str, str] | None = None) -> tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m paged_llm.frontend", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.openai", description=__doc__.split("\n")[0])
     parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (host:port)")
     parser.add_argument(
         "--triton-http-url",
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     del options["host"], options["port"]
     try:
         return run_workers(
-            args.workers, "paged_llm.frontend.server:app_from_environment", args.host, args.port, options
+            args.workers, "paged_llm.openai.server:app_from_environment", args.host, args.port, options
         )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paged_llm.frontend.triton_request import (
+from paged_llm.openai.triton_request import (
     GenerationRequest,
     StreamRefused,
     TritonUnreachable,

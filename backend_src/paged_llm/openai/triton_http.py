@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from paged_llm.frontend import fast_json
-from paged_llm.frontend.http1 import ConnectFailed, Http1Client
-from paged_llm.frontend.triton_request import (
+from paged_llm.openai import fast_json
+from paged_llm.openai.http1 import ConnectFailed, Http1Client
+from paged_llm.openai.triton_request import (
     OUTPUTS_PARAMETER,
     GenerationRequest,
     StreamRefused,

@@ -24,10 +24,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.triton_grpc import GrpcStreams, channel_options
-from paged_llm.frontend.triton_http import GenerateStreams
-from paged_llm.frontend.triton_request import (
+from paged_llm.openai.errors import OpenAIError
+from paged_llm.openai.triton_grpc import GrpcStreams, channel_options
+from paged_llm.openai.triton_http import GenerateStreams
+from paged_llm.openai.triton_request import (
     ADD_SPECIAL_TOKENS_PARAMETER,
     CONTEXT_MUST_FIT_PARAMETER,
     ERROR_OUTPUT,

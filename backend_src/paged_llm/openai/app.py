@@ -28,8 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paged_llm.frontend.chat_template import ChatTemplates
-from paged_llm.frontend.edge import (
+from paged_llm.openai.chat_template import ChatTemplates
+from paged_llm.openai.edge import (
     ApiKeyMiddleware,
     ClientDisconnected,
     ClosingStreamingResponse,
@@ -37,20 +37,20 @@ from paged_llm.frontend.edge import (
     read_body,
     until_disconnect,
 )
-from paged_llm.frontend.errors import INTERNAL_ERROR, OpenAIError
-from paged_llm.frontend.generation import Generation, merge_streams
-from paged_llm.frontend.metrics import FrontendMetrics
-from paged_llm.frontend.model_list import ModelList
-from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from paged_llm.frontend.responses import (
+from paged_llm.openai.errors import INTERNAL_ERROR, OpenAIError
+from paged_llm.openai.generation import Generation, merge_streams
+from paged_llm.openai.metrics import FrontendMetrics
+from paged_llm.openai.model_list import ModelList
+from paged_llm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from paged_llm.openai.responses import (
     CompletionLogprobs,
     ResponseBuilder,
     chat_logprobs,
     sse,
 )
-from paged_llm.frontend.sse_stream import sse_body
-from paged_llm.frontend.triton_backend import TritonBackend
-from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
+from paged_llm.openai.sse_stream import sse_body
+from paged_llm.openai.triton_client import TritonBackend
+from paged_llm.openai.triton_request import GenerationChunk, GenerationRequest
 from paged_llm.parent_death import process_is_alive
 
 logger = logging.getLogger(__name__)
