@@ -68,7 +68,7 @@ def test_a_template_that_does_not_render_is_a_400_naming_the_field(
 
 
 def test_a_dead_stub_and_a_broken_or_missing_tritonserver_are_503s_without_library_text():
-    from paged_llm.openai.triton_client import BackendError, TritonBackend, classify_error_message
+    from paged_llm.openai.triton_client import BackendError, TritonClient, classify_error_message
     from paged_llm.openai.triton_request import GenerationRequest
 
     dead = _clean(classify_error_message("Stub process 'llm_0_0' is not healthy."))
@@ -80,7 +80,7 @@ def test_a_dead_stub_and_a_broken_or_missing_tritonserver_are_503s_without_libra
 
     async def generate() -> BackendError:
         address = f"127.0.0.1:{port}"
-        backend = TritonBackend(address, http_url=address)
+        backend = TritonClient(address, http_url=address)
         try:
             with pytest.raises(BackendError) as info:
                 async for _chunk in backend.generate(GenerationRequest("llm", [1], {}, True, False, "r")):

@@ -9,7 +9,7 @@ import pytest
 
 from paged_llm.openai.errors import OpenAIError
 from paged_llm.openai.generation import Generation
-from paged_llm.openai.metrics import FrontendMetrics
+from paged_llm.openai.metrics import OpenAIMetrics
 from paged_llm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.openai.responses import CompletionLogprobs, ResponseBuilder, chat_logprobs, sse
 from paged_llm.openai.triton_client import error_from_output
@@ -149,7 +149,7 @@ def test_logprobs_shapes():
 
 
 def test_metrics_render_prometheus_text():
-    metrics = FrontendMetrics()
+    metrics = OpenAIMetrics()
     metrics.started()
     metrics.first_token("completions", 0.03)
     metrics.tokens(5, 7)
@@ -424,7 +424,7 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport,
 
     monkeypatch.setattr(triton_grpc, "RECONNECT_WAIT_S", 0.2)  # (how long a request waits for a channel)
 
-    from paged_llm.openai.triton_client import BackendError, TritonBackend
+    from paged_llm.openai.triton_client import BackendError, TritonClient
     from paged_llm.openai.triton_request import GenerationRequest
 
     with socket.socket() as sock:  # a port nothing listens on (bound, then closed)
@@ -433,7 +433,7 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport,
 
     async def generate() -> BackendError:
         address = f"127.0.0.1:{port}"
-        backend = TritonBackend(address, http_url=address if transport == "http" else None)
+        backend = TritonClient(address, http_url=address if transport == "http" else None)
         try:
             with pytest.raises(BackendError) as info:
                 async for _chunk in backend.generate(GenerationRequest("llm", [1], {}, True, False, "r")):
@@ -506,21 +506,21 @@ def test_generate_events_become_output_lists_and_the_final_one_is_known():
     assert is_final_response(streamed, stream=False)  # a request that is not streamed has one response
 
 
-def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_model_does():
+def test_the_openai_server_names_the_llm_models_inputs_outputs_and_parameters_as_the_model_does():
     """The OpenAI server does not import the engine: its spellings of our llm model's transport
     parameters, inputs and outputs must be the model's own (serving/triton_codec.py, config.pbtxt)."""
     import re
     from pathlib import Path
 
-    from paged_llm.openai import triton_request as frontend
+    from paged_llm.openai import triton_request
     from paged_llm.serving import triton_codec as model
 
-    assert frontend.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
-    assert frontend.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
-    assert frontend.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
-    assert frontend.CONTEXT_MUST_FIT_PARAMETER == model.CONTEXT_MUST_FIT_PARAMETER
-    assert frontend.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
-    assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
+    assert triton_request.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
+    assert triton_request.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
+    assert triton_request.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
+    assert triton_request.CONTEXT_MUST_FIT_PARAMETER == model.CONTEXT_MUST_FIT_PARAMETER
+    assert triton_request.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
+    assert triton_request.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
     from paged_llm.openai.triton_client import HEALTH_PROBE_PARAMETER
     from paged_llm.serving.health_probe import HEALTH_PROBE_PARAMETER as MODEL_HEALTH_PROBE_PARAMETER
 
@@ -533,10 +533,10 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     start = config.index("\noutput [")
     output_section = config[start : config.index("\n]", start)]
     output_names = set(re.findall(r'name:\s*"([^"]+)"', output_section))
-    assert set(frontend.PAGED_LLM_OUTPUTS) | {"logprobs"} <= output_names
+    assert set(triton_request.PAGED_LLM_OUTPUTS) | {"logprobs"} <= output_names
     for prompt, session in (("text", None), ([1, 2], {"session_id": "s", "session_end": True})):
-        request = frontend.GenerationRequest("llm", prompt, {}, True, True, "r", session)
-        assert set(frontend.request_inputs(request)) <= set(model.INPUT_NAMES)
+        request = triton_request.GenerationRequest("llm", prompt, {}, True, True, "r", session)
+        assert set(triton_request.request_inputs(request)) <= set(model.INPUT_NAMES)
 
 
 def test_generation_config_sampling_defaults_are_read_as_vllm_reads_them(tmp_path):

@@ -1,4 +1,4 @@
-"""FastAPI application: the OpenAI routes over TritonBackend.
+"""FastAPI application: the OpenAI routes over TritonClient.
 
 A request's life: API key (ASGI middleware, before the body is read) -> body read up to
 max_body_bytes (413 past it) -> validated (protocol.py, 400 naming the field) -> model known (404)
@@ -39,7 +39,7 @@ from paged_llm.openai.edge import (
 )
 from paged_llm.openai.errors import INTERNAL_ERROR, OpenAIError
 from paged_llm.openai.generation import Generation, merge_streams
-from paged_llm.openai.metrics import FrontendMetrics
+from paged_llm.openai.metrics import OpenAIMetrics
 from paged_llm.openai.model_list import ModelList
 from paged_llm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from paged_llm.openai.responses import (
@@ -49,7 +49,7 @@ from paged_llm.openai.responses import (
     sse,
 )
 from paged_llm.openai.sse_stream import sse_body
-from paged_llm.openai.triton_client import TritonBackend
+from paged_llm.openai.triton_client import TritonClient
 from paged_llm.openai.triton_request import GenerationChunk, GenerationRequest
 from paged_llm.parent_death import process_is_alive
 
@@ -68,7 +68,7 @@ WARM_UP_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
-class FrontendSettings:
+class OpenAISettings:
     triton_url: str  # host:port of Triton's gRPC endpoint
     # host:port of Triton's HTTP endpoint: generation requests then go over HTTP generate_stream
     # (cheaper per streamed response in Python than gRPC, triton_http.py); None: over gRPC.
@@ -103,9 +103,9 @@ class FrontendSettings:
         )
 
     @staticmethod
-    def from_json(text: str) -> FrontendSettings:
+    def from_json(text: str) -> OpenAISettings:
         data = json.loads(text)
-        return FrontendSettings(
+        return OpenAISettings(
             triton_url=data["triton_url"],
             triton_http_url=data.get("triton_http_url"),
             api_keys=tuple(data["api_keys"]),
@@ -120,13 +120,13 @@ class FrontendSettings:
         )
 
 
-def create_app(settings: FrontendSettings) -> FastAPI:
-    metrics = FrontendMetrics()
+def create_app(settings: OpenAISettings) -> FastAPI:
+    metrics = OpenAIMetrics()
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        backend = TritonBackend(
+        backend = TritonClient(
             settings.triton_url, settings.api_keys[0] if settings.api_keys else None, settings.triton_http_url
         )
         state["backend"] = backend

@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from paged_llm.openai.app import FrontendSettings, create_app
+from paged_llm.openai.app import OpenAISettings, create_app
 from paged_llm.openai.workers import LOG_FORMAT, run_workers
 from paged_llm.tools.launch import port_bind_error
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
-_SETTINGS_ENV = "PAGED_LLM_FRONTEND_SETTINGS"
+_SETTINGS_ENV = "PAGED_LLM_OPENAI_SETTINGS"
 
 
 def parse_tokenizers(values: list[str]) -> tuple[dict[str, Path], Path | None]:
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (directory / "tokenizer_config.json").is_file():
             print(f"error: --tokenizer {directory}: no tokenizer_config.json there", file=sys.stderr)
             return 2
-    metrics_dir = Path(tempfile.mkdtemp(prefix="paged_llm_frontend_metrics.")) if args.workers > 1 else None
-    settings = FrontendSettings(
+    metrics_dir = Path(tempfile.mkdtemp(prefix="paged_llm_openai_metrics.")) if args.workers > 1 else None
+    settings = OpenAISettings(
         metrics_dir=metrics_dir,
         triton_url=args.triton_url,
         triton_http_url=args.triton_http_url,
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def app_from_environment() -> Any:
     """uvicorn's factory in each worker process (--workers > 1)."""
-    return create_app(FrontendSettings.from_json(os.environ[_SETTINGS_ENV]))
+    return create_app(OpenAISettings.from_json(os.environ[_SETTINGS_ENV]))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def _openai_param(engine_field: str | None) -> str | None:
     return engine_field
 
 
-class TritonBackend:
+class TritonClient:
     """The Triton server behind the OpenAI routes (one aio gRPC channel for the generation streams,
     tritonclient's for the other calls, one HTTP connection pool)."""
 
