@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from paged_llm.openai.app import OpenAISettings, create_app
+from paged_llm.openai.app import create_app
+from paged_llm.openai.settings import OpenAISettings
 from paged_llm.openai.workers import LOG_FORMAT, run_workers
 from paged_llm.tools.launch import port_bind_error
 
