@@ -576,3 +576,30 @@ def test_generation_defaults_are_asked_again_while_triton_does_not_answer(tiny_m
     templates = ChatTemplates({}, None, backend=Backend())
     assert asyncio.run(templates.generation_defaults("llm")) == {}
     assert asyncio.run(templates.generation_defaults("llm")) == {"temperature": 0.6}
+
+
+def test_the_openai_server_package_does_not_shadow_the_openai_sdk():
+    import openai
+
+    import paged_llm.openai
+
+    assert openai is not paged_llm.openai and hasattr(openai, "OpenAI")  # (absolute imports)
+
+
+def test_create_app_mounts_every_route_once():
+    from paged_llm.openai.app import create_app
+    from paged_llm.openai.settings import OpenAISettings
+
+    app = create_app(OpenAISettings("127.0.0.1:1"))  # (no lifespan: nothing connects)
+    served = [(route.path, sorted(route.methods)) for route in app.routes if route.path[:5] != "/docs"]
+    assert served == [
+        ("/openapi.json", ["GET", "HEAD"]),
+        ("/redoc", ["GET", "HEAD"]),
+        ("/health", ["GET"]),
+        ("/version", ["GET"]),
+        ("/metrics", ["GET"]),
+        ("/v1/models", ["GET"]),
+        ("/v1/models/{model:path}", ["GET"]),
+        ("/v1/completions", ["POST"]),
+        ("/v1/chat/completions", ["POST"]),
+    ]
