@@ -32,6 +32,14 @@ def build_parameters(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def finish_reason(value: Any) -> str | None:
+    """The reason the answer ended, None while it goes on: Triton's streamed responses carry the
+    text "None" (vllm_backend's str(None)) until the last, which a user need not see every token."""
+    reasons = value if isinstance(value, list) else [value]
+    real = [str(reason) for reason in reasons if reason not in (None, "", "None")]
+    return ", ".join(real) if real else None
+
+
 def stream_grpc(url: str, model: str, prompt: str, params: dict[str, Any], timeout_s: float) -> int:
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -64,9 +72,10 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict[str, Any], timeo
             if text is not None:
                 print("".join(t.decode("utf-8") for t in text), end="", flush=True)
             if response.parameters["triton_final_response"].bool_param:
-                reason = result.as_numpy("finish_reason")
+                reasons = result.as_numpy("finish_reason")
+                reason = finish_reason(reasons[0].decode()) if reasons is not None else None
                 if reason is not None:
-                    print(f"\n[finish_reason: {reason[0].decode()}]", file=sys.stderr)
+                    print(f"\n[finish_reason: {reason}]", file=sys.stderr)
                 return 0
     finally:
         client.stop_stream()
@@ -98,8 +107,9 @@ def stream_http(url: str, model: str, prompt: str, params: dict[str, Any], timeo
                     print(f"\nerror: {event['error']}", file=sys.stderr)
                     return 1
                 print(event.get("text_output", ""), end="", flush=True)
-                if "finish_reason" in event:
-                    print(f"\n[finish_reason: {event['finish_reason']}]", file=sys.stderr)
+                reason = finish_reason(event.get("finish_reason"))
+                if reason is not None:
+                    print(f"\n[finish_reason: {reason}]", file=sys.stderr)
     except urllib.error.HTTPError as error:
         print(f"error: HTTP {error.code}: {error.read().decode()}", file=sys.stderr)
         return 1

@@ -530,10 +530,10 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _start_frontend(
+def _start_openai_server(
     grpc_url: str, model: str, num_workers: int, http_url: str | None = None
 ) -> tuple[Any, str]:
-    """The OpenAI server (python -m paged_llm.frontend) in front of `grpc_url` (generation requests
+    """The OpenAI server (python -m paged_llm.openai) in front of `grpc_url` (generation requests
     over Triton's HTTP generate_stream when `http_url` is given), once healthy."""
     import subprocess
     import urllib.request
@@ -542,7 +542,7 @@ def _start_frontend(
 
     [port] = free_ports(1)
     process = subprocess.Popen(
-        [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url, "--port", str(port),
+        [sys.executable, "-m", "paged_llm.openai", "--triton-url", grpc_url, "--port", str(port),
          "--health-model", model, "--workers", str(num_workers),
          *(["--triton-http-url", http_url] if http_url else [])]
     )  # fmt: skip
@@ -726,7 +726,7 @@ def main() -> int:
             if server is None and args.triton_http_url is None:
                 parser.error("--openai-transport http needs --triton-http-url (or --launch)")
             http_url = server.http_url if server else args.triton_http_url
-        frontend, openai_url = _start_frontend(url, args.model, args.openai_workers, http_url)
+        frontend, openai_url = _start_openai_server(url, args.model, args.openai_workers, http_url)
     try:
         if warmup:
             run_served(url, args.model, warmup, len(warmup), 1)

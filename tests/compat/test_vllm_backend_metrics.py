@@ -137,7 +137,7 @@ def test_vllm_histograms_are_prometheus_histograms_with_ordered_cumulative_bucke
 
 
 def test_the_health_probe_is_answered_without_counting_in_the_request_metrics(server):
-    """The OpenAI server's /health probe (the OpenAI server's Triton client) is answered by the llm model
+    """The OpenAI server's /health probe (openai/triton_client.py) is answered by the llm model
     from the engine's state: no tokens, no vllm:* or paged_llm request figure moves (Triton's own
     nv_inference_* counters count it, as they count every request)."""
     before = read_metrics(server)

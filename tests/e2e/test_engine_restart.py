@@ -22,7 +22,7 @@ from paged_llm.tools.launch import ServerPorts
 from paged_llm.tools.server_process import RunningServer, free_ports, make_model_repository, start_server
 from tests.e2e.client import make_inputs, stream_many
 from tests.e2e.metrics import value, wait_for
-from tests.e2e.test_openai import _get, _start_frontend, _stop_group, post
+from tests.e2e.test_openai import _get, _start_openai_server, _stop_group, post
 from tests.e2e.test_robustness import StreamClient, our_processes
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,7 +66,7 @@ def _core_pids(server: RunningServer) -> list[int]:
 
 def test_a_killed_core_under_load_fails_each_stream_once_says_503_and_serves_again(gated_server, tmp_path):
     server, gate = gated_server
-    frontend, base_url = _start_frontend(server.grpc_url, tmp_path / "frontend.log")
+    frontend, base_url = _start_openai_server(server.grpc_url, tmp_path / "frontend.log")
     clients: list[StreamClient] = []
     try:
         assert wait_for(lambda: value(server.metrics(), ENGINE_UP) == 1)

@@ -111,13 +111,13 @@ def _stop_group(process: subprocess.Popen, signum: int = signal.SIGINT, timeout_
             process.wait()
 
 
-def _start_frontend(grpc_url: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """The OpenAI server alone (python -m paged_llm.frontend, no keys) in front of `grpc_url`, once
+def _start_openai_server(grpc_url: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """The OpenAI server alone (python -m paged_llm.openai, no keys) in front of `grpc_url`, once
     healthy: (process, base URL). The caller stops it (_stop_group)."""
     [port] = free_ports(1)
     with open(log_path, "w") as log:
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", grpc_url,
+            [sys.executable, "-m", "paged_llm.openai", "--triton-url", grpc_url,
              "--port", str(port), *args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -589,7 +589,7 @@ def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Itera
         shutil.move(root / f"staging_{name}" / "llm", repository / name)
     server = start_server(repository, root / "server.log")
     try:  # the server stops even if the OpenAI server never becomes healthy
-        frontend, base_url = _start_frontend(
+        frontend, base_url = _start_openai_server(
             server.grpc_url, root / "frontend.log", "--health-model", "llm_reject",
             "--triton-http-url", server.http_url,
         )  # fmt: skip
@@ -672,7 +672,7 @@ def grpc_transport(admission, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """A second OpenAI server on the admission fixture's tritonserver, streaming over gRPC."""
     server, _ = admission
     log_path = tmp_path_factory.mktemp("grpc_transport") / "frontend.log"
-    frontend, base_url = _start_frontend(server.grpc_url, log_path, "--health-model", "llm_reject")
+    frontend, base_url = _start_openai_server(server.grpc_url, log_path, "--health-model", "llm_reject")
     try:
         yield base_url
     finally:
@@ -688,7 +688,7 @@ def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(tiny_model_dir / name, checkpoint / name)
     (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
-    frontend, base_url = _start_frontend(
+    frontend, base_url = _start_openai_server(
         server.grpc_url,
         tmp_path / "frontend.log",
         "--health-model",
@@ -781,7 +781,7 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
     log_path = tmp_path / "frontend.log"
     frontend = None
     try:
-        frontend, base_url = _start_frontend(server.grpc_url, log_path)
+        frontend, base_url = _start_openai_server(server.grpc_url, log_path)
         stubs = [
             p for p in psutil.Process(server.process.pid).children() if p.name().startswith("triton_python_b")
         ]
@@ -821,7 +821,7 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
         return status, answer
 
     try:
-        frontend, base_url = _start_frontend(
+        frontend, base_url = _start_openai_server(
             server.grpc_url, tmp_path / "frontend.log", "--triton-http-url", server.http_url
         )
         assert completion(streamed)[0] == 200 and completion(plain)[0] == 200
@@ -870,7 +870,7 @@ def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir
     frontend = None
     chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
-        frontend, base_url = _start_frontend(
+        frontend, base_url = _start_openai_server(
             server.grpc_url, log_path, "--triton-http-url", server.http_url, "--workers", "2",
             "--log-level", "info",
         )  # fmt: skip
@@ -1002,7 +1002,7 @@ def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_
     log_path = tmp_path / "frontend.log"
     with open(log_path, "w") as log:
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.frontend", "--triton-url", f"127.0.0.1:{dead_port}",
+            [sys.executable, "-m", "paged_llm.openai", "--triton-url", f"127.0.0.1:{dead_port}",
              "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip

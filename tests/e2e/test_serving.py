@@ -143,6 +143,7 @@ def test_client_cli_streams_over_grpc_and_http(server):
         assert completed.returncode == 0, completed.stderr
         assert completed.stdout.strip()
         assert "finish_reason: length" in completed.stderr
+        assert completed.stderr.count("finish_reason") == 1  # not "None" after every token
 
 
 def test_serving_benchmark_mixed_sends_half_the_streams_through_the_openai_server(tmp_path):

@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, parse_body
+from paged_llm.openai.errors import OpenAIError
+from paged_llm.openai.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, parse_body
 
 # A module path or a call (jinja2.environment.Template.render(), int()), a class name, a pid.
 _INTERNALS = re.compile(
@@ -42,7 +42,7 @@ def test_a_reserved_chat_template_kwarg_is_a_400_naming_it_and_the_reserved_keys
 
 
 def _render(tiny_model_dir, messages, template_kwargs) -> OpenAIError:
-    from paged_llm.frontend.chat_template import ChatTemplates
+    from paged_llm.openai.chat_template import ChatTemplates
 
     templates = ChatTemplates({"llm": tiny_model_dir}, None, backend=None)
     with pytest.raises(OpenAIError) as info:
@@ -68,8 +68,8 @@ def test_a_template_that_does_not_render_is_a_400_naming_the_field(
 
 
 def test_a_dead_stub_and_a_broken_or_missing_tritonserver_are_503s_without_library_text():
-    from paged_llm.frontend.triton_backend import BackendError, TritonBackend, classify_error_message
-    from paged_llm.frontend.triton_request import GenerationRequest
+    from paged_llm.openai.triton_client import BackendError, TritonClient, classify_error_message
+    from paged_llm.openai.triton_request import GenerationRequest
 
     dead = _clean(classify_error_message("Stub process 'llm_0_0' is not healthy."))
     assert dead.status_code == 503 and "llm_0_0" not in dead.message
@@ -80,7 +80,7 @@ def test_a_dead_stub_and_a_broken_or_missing_tritonserver_are_503s_without_libra
 
     async def generate() -> BackendError:
         address = f"127.0.0.1:{port}"
-        backend = TritonBackend(address, http_url=address)
+        backend = TritonClient(address, http_url=address)
         try:
             with pytest.raises(BackendError) as info:
                 async for _chunk in backend.generate(GenerationRequest("llm", [1], {}, True, False, "r")):
@@ -96,7 +96,7 @@ def test_a_dead_stub_and_a_broken_or_missing_tritonserver_are_503s_without_libra
 def test_a_model_list_tritonserver_does_not_answer_is_a_503_without_its_client_librarys_text():
     from tritonclient.utils import InferenceServerException
 
-    from paged_llm.frontend.model_list import ModelList
+    from paged_llm.openai.model_list import ModelList
 
     async def fetch() -> list[str]:
         raise InferenceServerException("[StatusCode.UNAVAILABLE] failed to connect to all addresses")

@@ -1,4 +1,4 @@
-"""The OpenAI server's HTTP/1.1 client (frontend/http1.py) against a local asyncio server that
+"""The OpenAI server's HTTP/1.1 client (openai/http1.py) against a local asyncio server that
 answers the way Triton's HTTP server does (chunked streams, Content-Length errors, kept-alive
 connections), and the ways a server can break off."""
 
@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from paged_llm.frontend import fast_json
-from paged_llm.frontend.http1 import ConnectFailed, Http1Client
+from paged_llm.openai import fast_json
+from paged_llm.openai.http1 import ConnectFailed, Http1Client
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes, bytes], Awaitable[bool]]
 

@@ -19,7 +19,7 @@ The layers, lowest first (the one list; a new top-level package or module goes i
   9. triton_model  the Triton model: everything that runs inside a Triton stub (codecs, response
                    streams, metrics, the llm model itself)
  10. tools         launch, supervision, process utilities
- 11. frontend      the OpenAI-compatible server
+ 11. openai        the OpenAI-compatible server (a client of tritonserver)
  12. cli           `paged-llm` commands
  13. model_repository  the Triton model repository template (package data): its model.py shims
 
@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("triton_model",),
     ("tools",),
-    ("frontend",),
+    ("openai",),
     ("cli",),
     ("model_repository",),
 ]

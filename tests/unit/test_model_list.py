@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.model_list import ModelList
+from paged_llm.openai.errors import OpenAIError
+from paged_llm.openai.model_list import ModelList
 
 
 class Repository:

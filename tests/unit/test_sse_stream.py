@@ -10,9 +10,9 @@ import re
 import pytest
 from starlette.requests import Request
 
-from paged_llm.frontend.edge import ClosingStreamingResponse, DisconnectWatch
-from paged_llm.frontend.sse_stream import sse_body
-from paged_llm.frontend.triton_backend import BackendError
+from paged_llm.openai.edge import ClosingStreamingResponse, DisconnectWatch
+from paged_llm.openai.sse_stream import sse_body
+from paged_llm.openai.triton_client import BackendError
 
 _INTERNALS = re.compile(r"Error\b|Exception\b|\bpid\b|\w+\.\w+\(|Traceback")
 

@@ -5,7 +5,7 @@
 
 Steps: write a model repository for the checkpoint under $PAGED_LLM_HOME/serve/<name>, start
 tritonserver on it (every port on --address, loopback by default), wait until the model is ready,
-start the OpenAI server (python -m paged_llm.frontend) on --port, wait until its /health is ready,
+start the OpenAI server (python -m paged_llm.openai) on --port, wait until its /health is ready,
 print the URLs and a curl line. Ctrl-C (or SIGTERM) stops both and waits for them; tritonserver is
 killed if it has not exited within its exit timeout (supervise.py says why).
 
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_llm.frontend.server import API_KEY_ENV, api_keys
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
+from paged_llm.openai.server import API_KEY_ENV, api_keys
 from paged_llm.paths import paged_llm_home
 from paged_llm.tools.guard_process import (
     DEFAULT_MAX_BODY_BYTES,
@@ -244,7 +244,7 @@ def serve(args: argparse.Namespace) -> int:
             watch.check()  # the stubs are known before anyone is told the server is up
             watch.server_up = True
             frontend_command = [
-                sys.executable, "-m", "paged_llm.frontend",
+                sys.executable, "-m", "paged_llm.openai",
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
                 *(["--triton-http-url", _triton_http(guard_ports)] if args.openai_transport == "http"
                   else []),

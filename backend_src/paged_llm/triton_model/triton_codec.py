@@ -1,7 +1,7 @@
 """numpy tensors -> (prompt, SamplingParams, flags): parsing and validating a request's inputs.
 
 No `triton_python_backend_utils` here: llm_model.py turns pb_utils tensors into numpy arrays and back.
-The request contract is shared/design/API.md (vllm_backend-compatible).
+The request contract is docs/api.md (vllm_backend-compatible).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ RETURN_FLAGS = (
     "return_num_output_tokens",
 )
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
-# A session's turn (shared/design/API.md): as inputs, or as request parameters of the same names.
+# A session's turn (docs/api.md): as inputs, or as request parameters of the same names.
 SESSION_INPUTS = ("session_id", "session_start", "session_end")
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS, *SESSION_INPUTS)
 # A streaming client that sets this request parameter to true gets finish_reason, num_input_tokens and

@@ -8,9 +8,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.frontend.responses import Choice, usage
-from paged_llm.frontend.triton_backend import TritonBackend
-from paged_llm.frontend.triton_request import GenerationChunk, GenerationRequest
+from paged_llm.openai.responses import Choice, usage
+from paged_llm.openai.triton_client import TritonClient
+from paged_llm.openai.triton_request import GenerationChunk, GenerationRequest
 
 
 class _Done:
@@ -18,7 +18,7 @@ class _Done:
 
 
 async def merge_streams(
-    backend: TritonBackend, requests: list[GenerationRequest]
+    backend: TritonClient, requests: list[GenerationRequest]
 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
     """The chunks of several requests as they come, tagged with the request's position."""
     if len(requests) == 1:

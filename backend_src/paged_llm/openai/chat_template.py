@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from paged_llm.frontend.errors import OpenAIError, bad_request
+from paged_llm.openai.errors import OpenAIError, bad_request
 
 logger = logging.getLogger(__name__)
 # Stands for the answer a session's later turn follows; the template renders the messages after it.

@@ -5,7 +5,7 @@ stream costs about twice what reading one SSE event off an aiohttp connection co
 included, and opening a gRPC call per request about twice an HTTP request on a kept-alive
 connection (measured on the 2-core VM against one tritonserver, client CPU per request: 16
 responses 3.7-4.8 ms over gRPC, 1.7-2.0 ms over HTTP; 2 responses 1.25-1.47 / 0.67-0.94 ms). The
-gRPC transport stays: for requests that are not streamed, and for a TritonBackend without an HTTP URL.
+gRPC transport stays: for requests that are not streamed, and for a TritonClient without an HTTP URL.
 
 The request is one JSON object: keys that name the model's inputs become inputs (prompt, flags,
 sampling_parameters), the others request parameters (paged_llm_error_output, ...). Triton asks a
@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from paged_llm.frontend import fast_json
-from paged_llm.frontend.http1 import ConnectFailed, Http1Client
-from paged_llm.frontend.triton_request import (
+from paged_llm.openai import fast_json
+from paged_llm.openai.http1 import ConnectFailed, Http1Client
+from paged_llm.openai.triton_request import (
     OUTPUTS_PARAMETER,
     GenerationRequest,
     StreamRefused,

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from typing import TypeVar
 
-from paged_llm.frontend.edge import LastChunk
-from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.responses import SSE_DONE, sse
+from paged_llm.openai.edge import LastChunk
+from paged_llm.openai.errors import OpenAIError
+from paged_llm.openai.responses import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 Item = TypeVar("Item")

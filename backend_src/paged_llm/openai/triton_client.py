@@ -24,10 +24,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.triton_grpc import GrpcStreams, channel_options
-from paged_llm.frontend.triton_http import GenerateStreams
-from paged_llm.frontend.triton_request import (
+from paged_llm.openai.errors import OpenAIError
+from paged_llm.openai.triton_grpc import GrpcStreams, channel_options
+from paged_llm.openai.triton_http import GenerateStreams
+from paged_llm.openai.triton_request import (
     ADD_SPECIAL_TOKENS_PARAMETER,
     CONTEXT_MUST_FIT_PARAMETER,
     ERROR_OUTPUT,
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 # /health sends no probe when the model answered a request this recently, and none failed meanwhile
 PROBE_SKIP_S = 5.0
 PROBE_TIMEOUT_S = 3.0  # below the usual 5 s of a readiness probe's own timeout
-# Our llm model answers a request with this parameter from its own state (serving/health_probe.py):
+# Our llm model answers a request with this parameter from its own state (triton_model/health_probe.py):
 # an empty final while its engine serves, its UNAVAILABLE error while not; no inference, no metrics.
 HEALTH_PROBE_PARAMETER = "paged_llm_health_probe"
 # Our llm model's errors that say its engine does not serve (a dead or restarting core).
@@ -98,7 +98,7 @@ def _openai_param(engine_field: str | None) -> str | None:
     return engine_field
 
 
-class TritonBackend:
+class TritonClient:
     """The Triton server behind the OpenAI routes (one aio gRPC channel for the generation streams,
     tritonclient's for the other calls, one HTTP connection pool)."""
 

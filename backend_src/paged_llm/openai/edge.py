@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_llm.frontend.errors import OpenAIError
+from paged_llm.openai.errors import OpenAIError
 
 T = TypeVar("T")
 OPEN_PATHS = frozenset({"/health"})

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paged_llm.frontend.triton_request import (
+from paged_llm.openai.triton_request import (
     GenerationRequest,
     StreamRefused,
     TritonUnreachable,
@@ -135,7 +135,7 @@ class GrpcStreams:
 
         self.url = url
         # Sent with each request: Triton forwards it to the model, which checks it when
-        # `paged-llm serve --api-key` gave it a verifier of the keys (serving/auth.py).
+        # `paged-llm serve --api-key` gave it a verifier of the keys (triton_model/auth.py).
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel = grpc.aio.insecure_channel(url, options=channel_options())
         self._stream_infer = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer

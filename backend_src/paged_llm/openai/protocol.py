@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from paged_llm.frontend import fast_json
-from paged_llm.frontend.errors import OpenAIError, bad_request
+from paged_llm.openai import fast_json
+from paged_llm.openai.errors import OpenAIError, bad_request
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the llm model takes INT32 ids
 MAX_PROMPTS = 2048  # OpenAI's limit on a completions prompt list

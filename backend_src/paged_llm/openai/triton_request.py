@@ -1,10 +1,10 @@
 """What one generation request to a Triton model with vllm_backend's interface holds, and what its
 responses become, whichever transport carries them (triton_grpc.py, triton_http.py).
 
-`request_inputs` is the one place a request's inputs are named (shared/design/API.md): the gRPC
+`request_inputs` is the one place a request's inputs are named (docs/api.md): the gRPC
 protobuf and the HTTP generate body are both built from it, so a new flag cannot reach one
 transport only. The parameter names here are the ones our llm model reads
-(serving/triton_codec.py; this package does not import the engine's, a unit test ties them).
+(triton_model/triton_codec.py; this package does not import the engine's, a unit test ties them).
 """
 
 from __future__ import annotations

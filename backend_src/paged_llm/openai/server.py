@@ -1,8 +1,8 @@
-"""`python -m paged_llm.frontend`: the OpenAI-compatible server in front of a running tritonserver.
+"""`python -m paged_llm.openai`: the OpenAI-compatible server in front of a running tritonserver.
 
-python -m paged_llm.frontend --triton-url 127.0.0.1:8001 --triton-http-url 127.0.0.1:8000 --port 9000 \\
+python -m paged_llm.openai --triton-url 127.0.0.1:8001 --triton-http-url 127.0.0.1:8000 --port 9000 \\
     --tokenizer llm=/ckpt/Qwen3-0.6B
-PAGED_LLM_API_KEY=secret python -m paged_llm.frontend ...   (or --api-key, repeatable)
+PAGED_LLM_API_KEY=secret python -m paged_llm.openai ...   (or --api-key, repeatable)
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from paged_llm.frontend.app import FrontendSettings, create_app
-from paged_llm.frontend.workers import LOG_FORMAT, run_workers
+from paged_llm.openai.app import create_app
+from paged_llm.openai.settings import OpenAISettings
+from paged_llm.openai.workers import LOG_FORMAT, run_workers
 from paged_llm.tools.launch import port_bind_error
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
-_SETTINGS_ENV = "PAGED_LLM_FRONTEND_SETTINGS"
+_SETTINGS_ENV = "PAGED_LLM_OPENAI_SETTINGS"
 
 
 def parse_tokenizers(values: list[str]) -> tuple[dict[str, Path], Path | None]:
@@ -52,7 +53,7 @@ def api_keys(values: list[str], environ: dict[str, str] | None = None) -> tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m paged_llm.frontend", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.openai", description=__doc__.split("\n")[0])
     parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (host:port)")
     parser.add_argument(
         "--triton-http-url",
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (directory / "tokenizer_config.json").is_file():
             print(f"error: --tokenizer {directory}: no tokenizer_config.json there", file=sys.stderr)
             return 2
-    metrics_dir = Path(tempfile.mkdtemp(prefix="paged_llm_frontend_metrics.")) if args.workers > 1 else None
-    settings = FrontendSettings(
+    metrics_dir = Path(tempfile.mkdtemp(prefix="paged_llm_openai_metrics.")) if args.workers > 1 else None
+    settings = OpenAISettings(
         metrics_dir=metrics_dir,
         triton_url=args.triton_url,
         triton_http_url=args.triton_http_url,
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     del options["host"], options["port"]
     try:
         return run_workers(
-            args.workers, "paged_llm.frontend.server:app_from_environment", args.host, args.port, options
+            args.workers, "paged_llm.openai.server:app_from_environment", args.host, args.port, options
         )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def app_from_environment() -> Any:
     """uvicorn's factory in each worker process (--workers > 1)."""
-    return create_app(FrontendSettings.from_json(os.environ[_SETTINGS_ENV]))
+    return create_app(OpenAISettings.from_json(os.environ[_SETTINGS_ENV]))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_llm.frontend.triton_request import SequenceDelta
+from paged_llm.openai.triton_request import SequenceDelta
 
 Position = dict[str, dict[str, Any]]  # {token_id: {logprob, rank, decoded_token}}, sampled token first
 

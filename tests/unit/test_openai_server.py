@@ -7,14 +7,14 @@ import struct
 
 import pytest
 
-from paged_llm.frontend.errors import OpenAIError
-from paged_llm.frontend.generation import Generation
-from paged_llm.frontend.metrics import FrontendMetrics
-from paged_llm.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from paged_llm.frontend.responses import CompletionLogprobs, ResponseBuilder, chat_logprobs, sse
-from paged_llm.frontend.triton_backend import error_from_output
-from paged_llm.frontend.triton_grpc import response_outputs
-from paged_llm.frontend.triton_request import GenerationChunk, SequenceDelta, parse_outputs
+from paged_llm.openai.errors import OpenAIError
+from paged_llm.openai.generation import Generation
+from paged_llm.openai.metrics import OpenAIMetrics
+from paged_llm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from paged_llm.openai.responses import CompletionLogprobs, ResponseBuilder, chat_logprobs, sse
+from paged_llm.openai.triton_client import error_from_output
+from paged_llm.openai.triton_grpc import response_outputs
+from paged_llm.openai.triton_request import GenerationChunk, SequenceDelta, parse_outputs
 
 
 def _error(raw: bytes, model=CompletionRequest) -> OpenAIError:
@@ -149,7 +149,7 @@ def test_logprobs_shapes():
 
 
 def test_metrics_render_prometheus_text():
-    metrics = FrontendMetrics()
+    metrics = OpenAIMetrics()
     metrics.started()
     metrics.first_token("completions", 0.03)
     metrics.tokens(5, 7)
@@ -193,8 +193,8 @@ def _raw_inputs(proto) -> dict[str, bytes]:
 
 def test_requests_share_only_constant_flag_headers():
     """build_request reuses one BOOL tensor header per name; each request has its own values."""
-    from paged_llm.frontend.triton_grpc import build_request
-    from paged_llm.frontend.triton_request import GenerationRequest
+    from paged_llm.openai.triton_grpc import build_request
+    from paged_llm.openai.triton_request import GenerationRequest
 
     def flags(request: GenerationRequest) -> dict[str, bool]:
         raw = _raw_inputs(build_request(request))
@@ -223,8 +223,8 @@ def test_request_protobuf_equals_what_tritonclient_builds(prompt, session):
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.grpc._utils import _get_inference_request
 
-    from paged_llm.frontend.triton_grpc import build_request
-    from paged_llm.frontend.triton_request import GenerationRequest
+    from paged_llm.openai.triton_grpc import build_request
+    from paged_llm.openai.triton_request import GenerationRequest
 
     request = GenerationRequest("llm", prompt, {"max_tokens": 3, "stop": ["é"]}, True, True, "req-1", session)
     outputs = ("text_output", "finish_reason")
@@ -275,7 +275,7 @@ def test_chat_template_kwargs_may_not_replace_the_template():
 
 
 def test_api_keys_refuse_empty_and_separator_characters():
-    from paged_llm.frontend.server import api_keys
+    from paged_llm.openai.server import api_keys
 
     assert api_keys(["a1"], {"PAGED_LLM_API_KEY": "b2, c3"}) == ("a1", "b2", "c3")
     for bad in ([""], ["a,b"], ["a b"]):
@@ -292,7 +292,7 @@ def test_a_closing_streaming_response_closes_its_generator_and_reports_a_client_
 
     from starlette.requests import Request
 
-    from paged_llm.frontend.edge import ClosingStreamingResponse, DisconnectWatch, LastChunk
+    from paged_llm.openai.edge import ClosingStreamingResponse, DisconnectWatch, LastChunk
 
     closed: list[str] = []
     statuses: list[int] = []
@@ -348,7 +348,7 @@ def test_a_disconnect_whose_cancellation_was_swallowed_still_ends_the_request():
 
     from starlette.requests import Request
 
-    from paged_llm.frontend.edge import ClientDisconnected, DisconnectWatch, until_disconnect
+    from paged_llm.openai.edge import ClientDisconnected, DisconnectWatch, until_disconnect
 
     async def swallowing() -> str:
         try:
@@ -383,7 +383,7 @@ def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir,
     turn's prompt, the answer and its end-of-turn token), is the whole conversation's prompt."""
     import asyncio
 
-    from paged_llm.frontend.chat_template import ChatTemplates
+    from paged_llm.openai.chat_template import ChatTemplates
 
     templates = ChatTemplates({"llm": tiny_model_dir}, None, backend=None)
 
@@ -403,7 +403,7 @@ def test_a_session_turn_renders_what_follows_the_previous_answer(tiny_model_dir,
 def test_a_developer_message_is_a_system_message_to_a_template_that_does_not_know_the_role(tiny_model_dir):
     import asyncio
 
-    from paged_llm.frontend.chat_template import ChatTemplates
+    from paged_llm.openai.chat_template import ChatTemplates
 
     templates = ChatTemplates({"llm": tiny_model_dir}, None, backend=None)
 
@@ -420,12 +420,12 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport,
     import asyncio
     import socket
 
-    from paged_llm.frontend import triton_grpc
+    from paged_llm.openai import triton_grpc
 
     monkeypatch.setattr(triton_grpc, "RECONNECT_WAIT_S", 0.2)  # (how long a request waits for a channel)
 
-    from paged_llm.frontend.triton_backend import BackendError, TritonBackend
-    from paged_llm.frontend.triton_request import GenerationRequest
+    from paged_llm.openai.triton_client import BackendError, TritonClient
+    from paged_llm.openai.triton_request import GenerationRequest
 
     with socket.socket() as sock:  # a port nothing listens on (bound, then closed)
         sock.bind(("127.0.0.1", 0))
@@ -433,7 +433,7 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport,
 
     async def generate() -> BackendError:
         address = f"127.0.0.1:{port}"
-        backend = TritonBackend(address, http_url=address if transport == "http" else None)
+        backend = TritonClient(address, http_url=address if transport == "http" else None)
         try:
             with pytest.raises(BackendError) as info:
                 async for _chunk in backend.generate(GenerationRequest("llm", [1], {}, True, False, "r")):
@@ -449,9 +449,9 @@ def test_a_tritonserver_that_is_not_there_is_a_503_naming_its_address(transport,
 def test_a_generate_request_carries_the_grpc_requests_inputs_by_name():
     """Over HTTP generate the same inputs as the gRPC protobuf (API.md), the transport flags as
     request parameters, and the outputs to build in paged_llm_outputs."""
-    from paged_llm.frontend.triton_grpc import build_request
-    from paged_llm.frontend.triton_http import generate_body
-    from paged_llm.frontend.triton_request import GenerationRequest
+    from paged_llm.openai.triton_grpc import build_request
+    from paged_llm.openai.triton_http import generate_body
+    from paged_llm.openai.triton_request import GenerationRequest
 
     session = {"session_id": "s1", "session_start": True}
     for prompt in ("héllo", [5, 6, 70000]):
@@ -479,7 +479,7 @@ def test_a_generate_request_carries_the_grpc_requests_inputs_by_name():
 
 
 def test_sse_events_cut_anywhere_come_out_whole():
-    from paged_llm.frontend.triton_http import EventSplitter
+    from paged_llm.openai.triton_http import EventSplitter
 
     events = [{"text_output": "a\n\nb", "model_name": "llm"}, {"text_output": ["x", "y"]}, {"error": "boom"}]
     body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
@@ -492,7 +492,7 @@ def test_sse_events_cut_anywhere_come_out_whole():
 
 
 def test_generate_events_become_output_lists_and_the_final_one_is_known():
-    from paged_llm.frontend.triton_http import event_outputs, is_final_response
+    from paged_llm.openai.triton_http import event_outputs, is_final_response
 
     outputs = event_outputs(
         {"model_name": "llm", "model_version": "1", "text_output": "a", "num_output_tokens": [3, 4]}
@@ -506,26 +506,26 @@ def test_generate_events_become_output_lists_and_the_final_one_is_known():
     assert is_final_response(streamed, stream=False)  # a request that is not streamed has one response
 
 
-def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_model_does():
+def test_the_openai_server_names_the_llm_models_inputs_outputs_and_parameters_as_the_model_does():
     """The OpenAI server does not import the engine: its spellings of our llm model's transport
     parameters, inputs and outputs must be the model's own (triton_model/triton_codec.py, config.pbtxt)."""
     import re
     from pathlib import Path
 
-    from paged_llm.frontend import triton_request as frontend
+    from paged_llm.openai import triton_request
     from paged_llm.triton_model import triton_codec as model
 
-    assert frontend.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
-    assert frontend.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
-    assert frontend.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
-    assert frontend.CONTEXT_MUST_FIT_PARAMETER == model.CONTEXT_MUST_FIT_PARAMETER
-    assert frontend.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
-    assert frontend.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
-    from paged_llm.frontend.triton_backend import HEALTH_PROBE_PARAMETER
+    assert triton_request.ERROR_OUTPUT_PARAMETER == model.ERROR_OUTPUT_PARAMETER
+    assert triton_request.TOTALS_ON_FINAL_PARAMETER == model.TOTALS_ON_FINAL_PARAMETER
+    assert triton_request.OUTPUTS_PARAMETER == model.OUTPUTS_PARAMETER
+    assert triton_request.CONTEXT_MUST_FIT_PARAMETER == model.CONTEXT_MUST_FIT_PARAMETER
+    assert triton_request.ADD_SPECIAL_TOKENS_PARAMETER == model.ADD_SPECIAL_TOKENS_PARAMETER
+    assert triton_request.ERROR_OUTPUT == model.FORWARDED_ERROR_OUTPUT
+    from paged_llm.openai.triton_client import HEALTH_PROBE_PARAMETER
     from paged_llm.triton_model.health_probe import HEALTH_PROBE_PARAMETER as MODEL_HEALTH_PROBE_PARAMETER
 
     assert HEALTH_PROBE_PARAMETER == MODEL_HEALTH_PROBE_PARAMETER
-    from paged_llm.frontend.triton_backend import _STATUS_OF_LABEL
+    from paged_llm.openai.triton_client import _STATUS_OF_LABEL
     from paged_llm.triton_model.metric_families import FINAL_CODES
 
     assert set(_STATUS_OF_LABEL) == set(FINAL_CODES) - {"success"}  # every error label has a status
@@ -533,14 +533,14 @@ def test_the_frontend_names_the_llm_models_inputs_outputs_and_parameters_as_the_
     start = config.index("\noutput [")
     output_section = config[start : config.index("\n]", start)]
     output_names = set(re.findall(r'name:\s*"([^"]+)"', output_section))
-    assert set(frontend.PAGED_LLM_OUTPUTS) | {"logprobs"} <= output_names
+    assert set(triton_request.PAGED_LLM_OUTPUTS) | {"logprobs"} <= output_names
     for prompt, session in (("text", None), ([1, 2], {"session_id": "s", "session_end": True})):
-        request = frontend.GenerationRequest("llm", prompt, {}, True, True, "r", session)
-        assert set(frontend.request_inputs(request)) <= set(model.INPUT_NAMES)
+        request = triton_request.GenerationRequest("llm", prompt, {}, True, True, "r", session)
+        assert set(triton_request.request_inputs(request)) <= set(model.INPUT_NAMES)
 
 
 def test_generation_config_sampling_defaults_are_read_as_vllm_reads_them(tmp_path):
-    from paged_llm.frontend.chat_template import generation_defaults_of
+    from paged_llm.openai.chat_template import generation_defaults_of
 
     assert generation_defaults_of(None) == {} and generation_defaults_of(tmp_path) == {}
     (tmp_path / "generation_config.json").write_text(
@@ -557,7 +557,7 @@ def test_generation_defaults_are_asked_again_while_triton_does_not_answer(tiny_m
     import asyncio
     import shutil
 
-    from paged_llm.frontend.chat_template import ChatTemplates
+    from paged_llm.openai.chat_template import ChatTemplates
 
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(tiny_model_dir, checkpoint)
@@ -576,3 +576,30 @@ def test_generation_defaults_are_asked_again_while_triton_does_not_answer(tiny_m
     templates = ChatTemplates({}, None, backend=Backend())
     assert asyncio.run(templates.generation_defaults("llm")) == {}
     assert asyncio.run(templates.generation_defaults("llm")) == {"temperature": 0.6}
+
+
+def test_the_openai_server_package_does_not_shadow_the_openai_sdk():
+    import openai
+
+    import paged_llm.openai
+
+    assert openai is not paged_llm.openai and hasattr(openai, "OpenAI")  # (absolute imports)
+
+
+def test_create_app_mounts_every_route_once():
+    from paged_llm.openai.app import create_app
+    from paged_llm.openai.settings import OpenAISettings
+
+    app = create_app(OpenAISettings("127.0.0.1:1"))  # (no lifespan: nothing connects)
+    served = [(route.path, sorted(route.methods)) for route in app.routes if route.path[:5] != "/docs"]
+    assert served == [
+        ("/openapi.json", ["GET", "HEAD"]),
+        ("/redoc", ["GET", "HEAD"]),
+        ("/health", ["GET"]),
+        ("/version", ["GET"]),
+        ("/metrics", ["GET"]),
+        ("/v1/models", ["GET"]),
+        ("/v1/models/{model:path}", ["GET"]),
+        ("/v1/completions", ["POST"]),
+        ("/v1/chat/completions", ["POST"]),
+    ]

@@ -9,14 +9,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from paged_llm.frontend.errors import OpenAIError
+from paged_llm.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
 
 class ModelList:
     def __init__(self, fetch: Callable[[], Awaitable[list[str]]], max_age_s: float = 2.0) -> None:
-        self._fetch = fetch  # Triton's ready models (TritonBackend.ready_models)
+        self._fetch = fetch  # Triton's ready models (TritonClient.ready_models)
         self.max_age_s = max_age_s
         self.names: tuple[str, ...] = ()
         self._read_at = float("-inf")

@@ -42,7 +42,7 @@ class _Histogram:
         return out
 
 
-class FrontendMetrics:
+class OpenAIMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (route, status) -> count

@@ -93,7 +93,7 @@ def run_workers(num_workers: int, app_factory: str, host: str, port: int, option
                     restarts.popleft()
                 if len(restarts) >= _MAX_RESTARTS:
                     print(
-                        f"paged_llm.frontend: workers keep exiting (the last with code {worker.exitcode}); "
+                        f"paged_llm.openai: workers keep exiting (the last with code {worker.exitcode}); "
                         "stopping",
                         file=sys.stderr,
                     )

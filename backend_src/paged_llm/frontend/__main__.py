@@ -1,3 +1,0 @@
-from paged_llm.frontend.server import main
-
-raise SystemExit(main())

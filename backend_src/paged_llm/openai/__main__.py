@@ -1,0 +1,3 @@
+from paged_llm.openai.server import main
+
+raise SystemExit(main())

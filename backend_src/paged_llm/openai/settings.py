@@ -1,0 +1,60 @@
+"""The OpenAI server's settings: what its command line (server.py) gives each worker's app."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class OpenAISettings:
+    triton_url: str  # host:port of Triton's gRPC endpoint
+    # host:port of Triton's HTTP endpoint: generation requests then go over HTTP generate_stream
+    # (cheaper per streamed response in Python than gRPC, triton_http.py); None: over gRPC.
+    triton_http_url: str | None = None
+    api_keys: tuple[str, ...] = ()  # none: no key needed
+    health_model: str = "llm"  # /health is ready when Triton and this model are
+    tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # model -> checkpoint dir (chat, echo)
+    default_tokenizer_dir: Path | None = None
+    max_body_bytes: int = 16 << 20
+    # "auto": sampling parameters a request leaves unset take the checkpoint's generation_config.json
+    # values (vLLM's default); "vllm": the engine's defaults (temperature 1, no top_p / top_k)
+    generation_config: str = "auto"
+    # With several worker processes: each writes its figures here every second, and /metrics in
+    # any of them answers the sum.
+    metrics_dir: Path | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "triton_url": self.triton_url,
+                "triton_http_url": self.triton_http_url,
+                "api_keys": list(self.api_keys),
+                "health_model": self.health_model,
+                "tokenizer_dirs": {k: str(v) for k, v in self.tokenizer_dirs.items()},
+                "default_tokenizer_dir": str(self.default_tokenizer_dir)
+                if self.default_tokenizer_dir
+                else None,
+                "max_body_bytes": self.max_body_bytes,
+                "generation_config": self.generation_config,
+                "metrics_dir": str(self.metrics_dir) if self.metrics_dir else None,
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str) -> OpenAISettings:
+        data = json.loads(text)
+        return OpenAISettings(
+            triton_url=data["triton_url"],
+            triton_http_url=data.get("triton_http_url"),
+            api_keys=tuple(data["api_keys"]),
+            health_model=data["health_model"],
+            tokenizer_dirs={k: Path(v) for k, v in data["tokenizer_dirs"].items()},
+            default_tokenizer_dir=Path(data["default_tokenizer_dir"])
+            if data["default_tokenizer_dir"]
+            else None,
+            max_body_bytes=data["max_body_bytes"],
+            generation_config=data.get("generation_config", "auto"),
+            metrics_dir=Path(data["metrics_dir"]) if data["metrics_dir"] else None,
+        )
