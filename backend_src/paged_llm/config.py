@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from paged_llm.sampling_params import RequestLimits, parse_bool, parse_float, parse_int
+from paged_llm.coercion import parse_bool, parse_float, parse_int
+from paged_llm.sampling_params import RequestLimits
 
 GiB = 1 << 30
 

@@ -6,8 +6,8 @@ still a dependency a reader has to follow up the stack.
 
 The layers, lowest first (the one list; a new top-level package or module goes into it):
 
-  0. foundation    errors, paths, gc_pauses, processes, device_kind, sampling_params, config,
-                   sequence (the package's top-level modules: plain data and process helpers)
+  0. foundation    errors, paths, gc_pauses, processes, device_kind, coercion, sampling_params,
+                   config, sequence (the package's top-level modules: plain data and process helpers)
   1. core          scheduler, KV cache, sessions: torch-free, stdlib and the foundation only
   2. tokenizer     tokenizers, detokenizer, stop strings
   3. sampling      sampler, penalties, noise, verification of speculative proposals
@@ -39,7 +39,17 @@ PACKAGE = "paged_llm"
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "backend_src" / PACKAGE
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "paths", "gc_pauses", "processes", "device_kind", "sampling_params", "config", "sequence"),
+    (
+        "errors",
+        "paths",
+        "gc_pauses",
+        "processes",
+        "device_kind",
+        "coercion",
+        "sampling_params",
+        "config",
+        "sequence",
+    ),
     ("core",),
     ("tokenizer",),
     ("sampling",),

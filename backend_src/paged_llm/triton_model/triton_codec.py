@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from paged_llm.coercion import loads_request_json, parse_bool
 from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.outputs import PositionLogprobs
 from paged_llm.errors import InvalidRequestError, wire_text
-from paged_llm.sampling_params import RequestLimits, SamplingParams, loads_request_json, parse_bool
+from paged_llm.sampling_params import RequestLimits, SamplingParams
 from paged_llm.triton_model.auth import AUTHORIZATION_PARAMETER
 
 RETURN_FLAGS = (
