@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from paged_llm.coercion import lone_surrogate_field
 from paged_llm.openai import fast_json
 from paged_llm.openai.errors import OpenAIError, bad_request
 
@@ -269,12 +270,11 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         data = fast_json.loads(raw, parse_constant=_refuse_constant)
         # A lone surrogate ("\ud800") parses but cannot be encoded again: refuse it here, not
         # with a 500 when a prompt or an error message is encoded later. Only a \uD800-\uDFFF
-        # escape or a surrogate's encoded bytes make one, so most UTF-8 bodies skip the re-encoding
+        # escape or a surrogate's encoded bytes make one, so most UTF-8 bodies skip the walk
         # (json also reads UTF-16 and UTF-32 bodies, which the byte pattern would not see into).
         if json.detect_encoding(raw) != "utf-8" or _SURROGATE_ESCAPE.search(raw):
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request("the request body contains an unpaired UTF-16 surrogate") from None
+            if lone_surrogate_field(data) is not None:
+                raise bad_request("the request body contains an unpaired UTF-16 surrogate")
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         raise bad_request(f"the request body is not valid JSON ({error})") from None
     except RecursionError:
