@@ -98,20 +98,20 @@ class SamplingParams:
 
     @staticmethod
     def from_json(text: str | bytes, limits: RequestLimits | None = None) -> SamplingParams:
-        if isinstance(text, bytes):
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise InvalidRequestError("sampling_parameters", f"not valid UTF-8 ({error})") from None
-        if not text.strip():
-            return SamplingParams.from_mapping({}, limits)
-        payload = loads_request_json(text, "sampling_parameters")
-        if not isinstance(payload, dict):
-            raise InvalidRequestError("sampling_parameters", "must be a JSON object")
-        return SamplingParams.from_mapping(payload, limits)
+        return SamplingParams.from_fields(SamplingParams.parse_fields(text, limits), limits)
 
     @staticmethod
     def from_mapping(payload: Mapping[str, Any], limits: RequestLimits | None = None) -> SamplingParams:
+        return SamplingParams.from_fields(SamplingParams.parse_fields(payload, limits), limits)
+
+    @staticmethod
+    def parse_fields(
+        source: str | bytes | Mapping[str, Any], limits: RequestLimits | None = None
+    ) -> dict[str, Any]:
+        """A client's sampling parameters (JSON text or a mapping) coerced to field values, not yet
+        range-checked: a caller that fills a default of its own (the Triton codec's logprobs) does
+        so here, and `from_fields` builds and validates the params once."""
+        payload = _json_payload(source) if isinstance(source, str | bytes) else source
         limits = limits or RequestLimits()
         known = {f.name for f in fields(SamplingParams)} - _INTERNAL_FIELDS
         values: dict[str, Any] = {}
@@ -138,8 +138,13 @@ class SamplingParams:
         if "max_tokens" not in values and limits.max_tokens is not None:
             # The default (16) within a smaller server cap: a request that did not ask is not refused.
             values["max_tokens"] = min(limits.max_tokens, SamplingParams.max_tokens or limits.max_tokens)
+        return values
+
+    @staticmethod
+    def from_fields(values: Mapping[str, Any], limits: RequestLimits | None = None) -> SamplingParams:
+        """The params of `parse_fields`' values, range-checked against `limits`."""
         params = SamplingParams(**values)
-        params.validate(limits)
+        params.validate(limits or RequestLimits())
         return params
 
     def validate(self, limits: RequestLimits) -> None:
@@ -195,6 +200,20 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "stop_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def _json_payload(text: str | bytes) -> Mapping[str, Any]:
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidRequestError("sampling_parameters", f"not valid UTF-8 ({error})") from None
+    if not text.strip():
+        return {}
+    payload = loads_request_json(text, "sampling_parameters")
+    if not isinstance(payload, dict):
+        raise InvalidRequestError("sampling_parameters", "must be a JSON object")
+    return payload
 
 
 def _check_range(name: str, value: float, lower: float | None, upper: float | None) -> None:

@@ -103,15 +103,19 @@ class AsyncLLM:
         params: SamplingParams,
         deadline: float | None = None,
         session: SessionTurn | None = None,
+        *,
+        validated: bool = False,
     ) -> None:
         """Queues a request. Raises InvalidRequestError (bad input) or EngineDeadError (not serving);
         otherwise its outputs, and exactly one final, reach `on_outputs`. `session`: a turn of that
-        session (`prompt_token_ids` holds only its new tokens; none, with session.end: a close)."""
+        session (`prompt_token_ids` holds only its new tokens; none, with session.end: a close).
+        `validated`: the caller ran `validate` on these already (the Triton stub does, before it
+        opens the request's response stream), so this process checks a request once."""
         self.check_accepting()
         if self._fault_bad_word is not None and self._fault_bad_word in params.bad_words:
             raise TypeError("injected admission fault (fault_injection_bad_word)")
         params = with_bad_words_tokenized(params, self.tokenize)
-        if session is None or not session.closes_only(prompt_token_ids):
+        if not validated and (session is None or not session.closes_only(prompt_token_ids)):
             self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic()
         with self._lock:

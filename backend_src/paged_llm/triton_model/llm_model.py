@@ -55,14 +55,11 @@ from paged_llm.triton_model.stub_process import (
 )
 from paged_llm.triton_model.triton_codec import (
     FORWARDED_ABORT_PARAMETER,
-    INPUT_NAMES,
     authorization_of,
     has_request_parameter,
     is_forwarded,
-    parse_request,
-    read_inputs,
+    read_request,
     request_parameter_mapping_raw,
-    requested_outputs,
     wants_error_output,
 )
 
@@ -195,11 +192,7 @@ class TritonPythonModel:
             if has_request_parameter(parameters, FORWARDED_ABORT_PARAMETER):
                 self._abort_forwarded(parameters, sender)
                 return
-            inputs = read_inputs(request, INPUT_NAMES, pb_utils.get_input_tensor_by_name)
-            parsed = parse_request(inputs, parameters, self.config.limits)
-            parsed = replace(
-                parsed, requested_outputs=requested_outputs(request.requested_output_names(), parameters)
-            )
+            parsed = read_request(request, parameters, self.config.limits, pb_utils.get_input_tensor_by_name)
             timeout_us = request.timeout()
         except InvalidRequestError as error:
             self._streams.send_error(sender, error, errors_as_output)
@@ -227,7 +220,9 @@ class TritonPythonModel:
         triton_request_id: str = "",
         errors_as_output: bool = False,
     ) -> None:
-        """Tokenize, validate, and hand the request to the engine (or answer it with its error).
+        """Tokenize, validate against the model (the one check of this process: before the stream
+        opens, so a refusal is answered at once), and hand the request to the engine (or answer it
+        with its error).
         No is_cancelled() here: it is a round trip to the server (0.1-0.4 ms on the GPU hosts), which
         256 requests arriving at once would pay one after the other; the cancel-poll thread's
         cancellation polling finds a request its client already gave up on."""
@@ -268,7 +263,9 @@ class TritonPythonModel:
         # From here the stream is open: every way out must close it (Triton frees the request's
         # response factory once execute() raises, and polling a freed one crashes the server).
         try:
-            self.engine.add_request(request_id, prompt_ids, parsed.params, deadline, parsed.session)
+            self.engine.add_request(
+                request_id, prompt_ids, parsed.params, deadline, parsed.session, validated=True
+            )
         except (InvalidRequestError, EngineDeadError) as error:
             self._streams.fail(stream, error)
             return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -113,17 +113,34 @@ def _as_bool(name: str, array: np.ndarray) -> bool:
     raise InvalidRequestError(name, f"must be BOOL, got {array.dtype}")
 
 
+def read_request(
+    request: Any,
+    parameters: str | Mapping[str, Any] | None,
+    limits: RequestLimits,
+    get_input_tensor_by_name: Callable[[Any, str], Any],
+) -> ParsedRequest:
+    """A Triton request (pass pb_utils' getter in) and its parameters, parsed in one pass."""
+    inputs = read_inputs(request, INPUT_NAMES, get_input_tensor_by_name)
+    return parse_request(inputs, parameters, limits, request.requested_output_names())
+
+
 def parse_request(
     inputs: Mapping[str, np.ndarray],
     request_parameters: str | Mapping[str, Any] | None,
     limits: RequestLimits,
+    requested_output_names: Iterable[str] = (),
 ) -> ParsedRequest:
-    """Turns a request's input tensors (and Triton request parameters) into engine inputs."""
-    session = parse_session(inputs, request_parameters)
+    """Turns a request's input tensors (and Triton request parameters) into engine inputs: its
+    SamplingParams built and checked against `limits` once; the model's checks follow tokenizing."""
+    parameters = request_parameter_mapping_raw(request_parameters)
+    session = parse_session(inputs, parameters)
     has_text = "text_input" in inputs
     has_ids = "input_ids" in inputs
     if session is not None and session.end and not _has_prompt(inputs):
-        return ParsedRequest(None, [], False, SamplingParams(), True, session=session)  # a close
+        outputs = requested_outputs(requested_output_names, parameters)
+        return ParsedRequest(  # a close
+            None, [], False, SamplingParams(), True, requested_outputs=outputs, session=session
+        )
     if has_text == has_ids:
         raise InvalidRequestError("text_input", "give exactly one of text_input or input_ids")
     prompt_text: str | None = None
@@ -142,31 +159,28 @@ def parse_request(
         if not prompt_ids:
             raise InvalidRequestError("input_ids", "the prompt is empty")
     flags = {name: _as_bool(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
+    return_flags = frozenset(name for name in RETURN_FLAGS if flags.get(name, False))
     if "sampling_parameters" in inputs:
-        params = SamplingParams.from_json(
-            _as_text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"])),
-            limits,
+        source: str | Mapping[str, Any] = _as_text(
+            "sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"])
         )
     else:
-        mapping = request_parameter_mapping(request_parameters)
-        params = SamplingParams.from_mapping(
-            {k: v for k, v in mapping.items() if k not in SESSION_INPUTS}, limits
-        )
+        source = {k: v for k, v in _sampling_parameters(parameters).items() if k not in SESSION_INPUTS}
+    values = SamplingParams.parse_fields(source, limits)
+    logprobs_requested = values.get("logprobs") is not None
+    if {"return_logprobs", "return_cumulative_logprob"} & return_flags and not logprobs_requested:
+        values["logprobs"] = 0  # the sampled token's logprob only
+    params = SamplingParams.from_fields(values, limits)
     if flags.get("stream", False) and flags.get("exclude_input_in_output") is False:
         raise InvalidRequestError.verbatim(  # vllm_backend's words, which its clients compare
             "exclude_input_in_output",
             "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.",
         )
-    return_flags = frozenset(name for name in RETURN_FLAGS if flags.get(name, False))
-    logprobs_requested = params.logprobs is not None
-    wants_logprobs = {"return_logprobs", "return_cumulative_logprob"} & return_flags
-    if wants_logprobs and params.logprobs is None:
-        params = replace(params, logprobs=0)  # the sampled token's logprob only
     stream = flags.get("stream", False)
     return ParsedRequest(
-        totals_on_final=stream and request_flag(request_parameters, TOTALS_ON_FINAL_PARAMETER),
-        context_must_fit=request_flag(request_parameters, CONTEXT_MUST_FIT_PARAMETER),
-        add_special_tokens=_add_special_tokens(request_parameters),
+        totals_on_final=stream and parameters.get(TOTALS_ON_FINAL_PARAMETER) is True,
+        context_must_fit=parameters.get(CONTEXT_MUST_FIT_PARAMETER) is True,
+        add_special_tokens=_add_special_tokens(parameters),
         logprobs_requested=logprobs_requested,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
@@ -174,6 +188,7 @@ def parse_request(
         params=params,
         exclude_input_in_output=flags.get("exclude_input_in_output", False),
         return_flags=return_flags,
+        requested_outputs=requested_outputs(requested_output_names, parameters),
         session=session,
     )
 
@@ -191,9 +206,7 @@ def parse_session(
 ) -> SessionTurn | None:
     """The session fields, from inputs or else from request parameters (HTTP generate's top-level
     keys); None when the request names no session."""
-    parameters: dict[str, Any] = {}
-    if request_parameters and any(name in request_parameters for name in SESSION_INPUTS):
-        parameters = request_parameter_mapping_raw(request_parameters)
+    parameters = request_parameter_mapping_raw(request_parameters)
     if "session_id" in inputs:
         session_id: Any = _as_text("session_id", _scalar("session_id", inputs["session_id"]), 256)
     else:
@@ -279,11 +292,10 @@ def has_request_parameter(raw_parameters: str | Mapping[str, Any] | None, name: 
     return name in request_parameter_mapping_raw(raw_parameters)
 
 
-def _add_special_tokens(raw_parameters: str | Mapping[str, Any] | None) -> bool:
-    if not has_request_parameter(raw_parameters, ADD_SPECIAL_TOKENS_PARAMETER):
+def _add_special_tokens(parameters: Mapping[str, Any]) -> bool:
+    if ADD_SPECIAL_TOKENS_PARAMETER not in parameters:
         return True
-    value = request_parameter_mapping_raw(raw_parameters)[ADD_SPECIAL_TOKENS_PARAMETER]
-    return parse_bool(ADD_SPECIAL_TOKENS_PARAMETER, value)
+    return parse_bool(ADD_SPECIAL_TOKENS_PARAMETER, parameters[ADD_SPECIAL_TOKENS_PARAMETER])
 
 
 def encode_forwarded_error(label: str, message: str) -> np.ndarray:
@@ -298,9 +310,11 @@ def decode_forwarded_error(array: np.ndarray) -> tuple[str, str]:
 
 
 def request_parameter_mapping_raw(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """A request's Triton parameters as a dict (all of them)."""
+    """A request's Triton parameters as a dict (all of them; a dict is returned as it is)."""
     if raw is None or raw == "":
         return {}
+    if isinstance(raw, dict):
+        return raw  # parsed already (the stub parses a request's parameters once, in execute)
     if isinstance(raw, str):
         mapping = loads_request_json(raw, "parameters")
     else:
@@ -313,10 +327,13 @@ def request_parameter_mapping_raw(raw: str | Mapping[str, Any] | None) -> dict[s
 def request_parameter_mapping(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """A request's Triton parameters (HTTP generate turns unknown top-level keys into these), less
     the ones Triton's clients and ours set for transport, and a forwarded authorization header."""
-    mapping = request_parameter_mapping_raw(raw)
+    return _sampling_parameters(request_parameter_mapping_raw(raw))
+
+
+def _sampling_parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
     return {
         k: v
-        for k, v in mapping.items()
+        for k, v in parameters.items()
         if k not in _IGNORED_REQUEST_PARAMETERS and k.lower() != AUTHORIZATION_PARAMETER
     }
 
