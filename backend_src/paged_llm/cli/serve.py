@@ -9,7 +9,7 @@ start the OpenAI server (python -m paged_llm.openai) on --port, wait until its /
 print the URLs and a curl line. Ctrl-C (or SIGTERM) stops both and waits for them; tritonserver is
 killed if it has not exited within its exit timeout (supervise.py says why).
 
-Triton's HTTP and metrics ports are served by the HTTP guard (tools/http_guard.py); tritonserver
+Triton's HTTP and metrics ports are served by the HTTP guard (launcher/http_guard.py); tritonserver
 binds them on loopback. A tritonserver that crashes, or whose Python stub dies, is replaced by a
 fresh one on the same ports (the log says so; the OpenAI server keeps running, answering 503 until
 Triton serves again), at most --max-restarts times within --restart-window-s: one death more stops
@@ -33,10 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_llm.models.tiny_model import TINY_MODEL_NAME
-from paged_llm.openai.server import API_KEY_ENV, api_keys
-from paged_llm.paths import paged_llm_home
-from paged_llm.tools.guard_process import (
+from paged_llm.launcher.guard_process import (
     DEFAULT_MAX_BODY_BYTES,
     TRITON_LOOPBACK,
     GuardedPorts,
@@ -44,7 +41,7 @@ from paged_llm.tools.guard_process import (
     start_guard,
     stop_guard,
 )
-from paged_llm.tools.launch import (
+from paged_llm.launcher.launch import (
     ServerPorts,
     busy_ports,
     http_host,
@@ -52,17 +49,20 @@ from paged_llm.tools.launch import (
     server_command,
     server_env,
 )
-from paged_llm.tools.procfs import descendants
-from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, make_model_repository
-from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
-from paged_llm.tools.stub_watch import StubWatch
-from paged_llm.tools.supervise import (
+from paged_llm.launcher.procfs import descendants
+from paged_llm.launcher.repository import TRTLLM_MODEL_NAMES, make_model_repository
+from paged_llm.launcher.shm_regions import remove_unused_regions, stub_regions
+from paged_llm.launcher.stub_watch import StubWatch
+from paged_llm.launcher.supervise import (
     DEAD_STUB_EXIT_STATUS,
     KILL_MARGIN_S,
     RestartBudget,
     describe_server_exit,
     exit_status,
 )
+from paged_llm.models.tiny_model import TINY_MODEL_NAME
+from paged_llm.openai.server import API_KEY_ENV, api_keys
+from paged_llm.paths import paged_llm_home
 from paged_llm.triton_model.auth import API_KEY_VERIFIER_ENV, make_verifier
 
 EXIT_TIMEOUT_S = 5
