@@ -72,7 +72,7 @@ _POLL_S = 0.25
 @dataclass
 class _Children:
     server: subprocess.Popen
-    frontend: subprocess.Popen | None = None
+    openai_server: subprocess.Popen | None = None
     guard: subprocess.Popen | None = None  # the HTTP guard on the public HTTP and metrics ports
     regions: set[str] = field(default_factory=set)  # the stubs' shared memory, removed after exit
 
@@ -131,7 +131,7 @@ def _get_status(url: str, timeout_s: float = 2.0) -> int | None:
 
 
 def _stop(children: _Children, signum: int) -> None:
-    for process in (children.frontend, children.server):
+    for process in (children.openai_server, children.server):
         if process is not None and process.poll() is None:
             try:
                 process.send_signal(signum)
@@ -243,7 +243,7 @@ def serve(args: argparse.Namespace) -> int:
         ):
             watch.check()  # the stubs are known before anyone is told the server is up
             watch.server_up = True
-            frontend_command = [
+            openai_command = [
                 sys.executable, "-m", "paged_llm.openai",
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
                 *(["--triton-http-url", _triton_http(guard_ports)] if args.openai_transport == "http"
@@ -252,12 +252,12 @@ def serve(args: argparse.Namespace) -> int:
                 "--workers", str(args.openai_workers), "--generation-config", args.generation_config,
             ]  # fmt: skip
             if tokenizer_dir is not None:
-                frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
+                openai_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
             env = dict(os.environ)
             env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
-            children.frontend = subprocess.Popen(frontend_command, env=env)
+            children.openai_server = subprocess.Popen(openai_command, env=env)
             health_url = f"http://{host}:{args.port}/health"
-            if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
+            if _wait_until(lambda: _get_status(health_url) == 200, children.openai_server, 60.0, stopping):
                 print(_banner(args, ports), file=sys.stderr, flush=True)
         triton_ports = [(args.address, ports.grpc)]
         triton_ports += [(TRITON_LOOPBACK, getattr(guard_ports.triton, name)) for name in guard_ports.guarded]
@@ -285,7 +285,7 @@ def _stop_all(children: _Children, signum: int) -> None:
     _stop(children, signum)
     children.regions.update(stub_regions(children.server.pid))
     kill_at = time.monotonic() + EXIT_TIMEOUT_S + KILL_MARGIN_S
-    for process in (children.frontend, children.server):
+    for process in (children.openai_server, children.server):
         if process is None:
             continue
         try:
@@ -320,15 +320,16 @@ def _supervise(
         if children.server.poll() is not None:
             returncode = children.server.returncode
             death = (describe_server_exit(returncode), exit_status(returncode) or 1)
-        elif children.frontend is not None and children.frontend.poll() is not None:
+        elif children.openai_server is not None and children.openai_server.poll() is not None:
             failure = 1
-            print(f"paged-llm: the OpenAI server exited ({children.frontend.returncode})", file=sys.stderr)
+            returncode = children.openai_server.returncode
+            print(f"paged-llm: the OpenAI server exited ({returncode})", file=sys.stderr)
             break
         elif children.guard is not None and children.guard.poll() is not None:
             failure = 1
             print(f"paged-llm: the HTTP guard exited ({children.guard.returncode})", file=sys.stderr)
             break
-        elif children.frontend is None:  # startup failed or timed out
+        elif children.openai_server is None:  # startup failed or timed out
             failure = 1
             print("paged-llm: the model did not become ready; stopping", file=sys.stderr)
             break
