@@ -42,7 +42,7 @@ CORE_MODES = ("process", "thread", "inprocess")
 class EngineCoreClient(Protocol):
     info: EngineCoreInfo
     request_id_prefix: str  # every request id sent to the core starts with it
-    owns_core: bool  # False: a core shared with other front ends, which shutdown() only leaves
+    owns_core: bool  # False: a core shared with other stubs, which shutdown() only leaves
 
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
