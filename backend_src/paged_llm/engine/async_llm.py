@@ -1,4 +1,4 @@
-"""AsyncLLM: the serving front end. Requests come from any thread; outputs leave on one thread.
+"""AsyncLLM: the engine as a Triton stub runs it. Requests come from any thread; outputs leave on one thread.
 
     requests ──add_request / abort──> engine core (own process by default)
                                              │ one EngineCoreOutputs per step

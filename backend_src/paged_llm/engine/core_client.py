@@ -1,4 +1,4 @@
-"""How the front end talks to the engine core: one interface, three places for the core to run.
+"""How the stub talks to the engine core: one interface, three places for the core to run.
 
 | mode        | where the core runs                | used by                                             |
 |-------------|------------------------------------|-----------------------------------------------------|
@@ -67,10 +67,10 @@ def start_core_and_tokenizer(
     """Starts the engine core (or joins a shared one) and loads the tokenizer at the same time
     (each takes seconds)."""
     from paged_llm.models.builtin import resolve_model_dir
-    from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer
+    from paged_llm.tokenizer.fast_tokenizer import load_stub_tokenizer
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged_llm-tokenizer") as pool:
-        tokenizer = pool.submit(load_front_end_tokenizer, resolve_model_dir(config.model.model))
+        tokenizer = pool.submit(load_stub_tokenizer, resolve_model_dir(config.model.model))
         client = make_core_client(config, mode, show_progress, watch_pid, share_name)
         return client, tokenizer.result()
 

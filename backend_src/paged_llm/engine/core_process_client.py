@@ -1,4 +1,4 @@
-"""The engine core in a process of its own, seen from the front end: start it (or join the one
+"""The engine core in a process of its own, seen from the stub: start it (or join the one
 another Triton instance of the model started), then talk to it over a socket.
 
 `ProcessCoreClient` starts `python -m paged_llm.engine.core_process` and owns it;
@@ -242,7 +242,7 @@ class AttachRefused(ConnectionError):
 
 
 class AttachedCoreClient(_LinkedCoreClient):
-    """A core that another front end (another Triton instance of this model) started, reached
+    """A core that another stub (another Triton instance of this model) started, reached
     through its listening socket. Its requests carry our prefix; shutdown() only detaches."""
 
     owns_core = False

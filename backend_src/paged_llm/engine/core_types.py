@@ -1,4 +1,4 @@
-"""The messages between the front end (tokenizer, detokenizer, Triton) and the engine core.
+"""The messages between the stub side (tokenizer, detokenizer, Triton) and the engine core.
 
 They cross a process boundary once per request (`EngineCoreRequest`) and once per engine step
 (`EngineCoreOutputs`), so the per-step message is columnar: one object whose fields are lists with a
@@ -19,7 +19,7 @@ from paged_llm.sampling_params import SamplingParams
 
 @dataclass
 class EngineCoreInfo:
-    """What the core tells the front end once the model is loaded and the KV pool sized."""
+    """What the core tells the stub once the model is loaded and the KV pool sized."""
 
     model_dir: str  # the resolved checkpoint directory (the stub loads its tokenizer from here)
     architecture: str  # e.g. Qwen3ForCausalLM
@@ -74,14 +74,14 @@ class UtilityCall:
 
 @dataclass
 class Shutdown:
-    """From the front end that started the core: stop. From an attached one: it detaches."""
+    """From the stub that started the core: stop. From an attached one: it detaches."""
 
     reason: str = "shutdown requested"
 
 
 @dataclass
 class AttachStub:
-    """The first message of a further front end (another Triton instance of the same model on the
+    """The first message of a further stub (another Triton instance of the same model on the
     same device) that shares a running core instead of starting its own (engine/stub_links.py)."""
 
     pid: int
@@ -102,7 +102,7 @@ class StubAttached:
 
 @dataclass
 class AbortStub:
-    """An attached front end went away: end every request whose id starts with `request_id_prefix`."""
+    """An attached stub went away: end every request whose id starts with `request_id_prefix`."""
 
     request_id_prefix: str
     reason: str
@@ -121,7 +121,7 @@ class FinishedSequence:
 
 @dataclass
 class CoreError:
-    """Why a request failed inside the core; the front end turns `kind` into a typed error."""
+    """Why a request failed inside the core; the stub turns `kind` into a typed error."""
 
     kind: str  # "invalid_arg" | "unavailable" | "not_found" | "aborted" | "internal"
     message: str

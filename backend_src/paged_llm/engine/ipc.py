@@ -1,4 +1,4 @@
-"""Length-prefixed pickle frames over a connected stream socket (the front end <-> engine core link).
+"""Length-prefixed pickle frames over a connected stream socket (the stub <-> engine core link).
 
 A socketpair made by the stub; the core process inherits one end. Measured against pyzmq (PAIR
 over ipc://) and multiprocessing's Pipe with step-sized messages (scripts/bench_ipc.py,

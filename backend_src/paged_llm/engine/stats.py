@@ -1,4 +1,4 @@
-"""Counters and latency observations of the front end; triton_model/metrics.py turns them into metrics.
+"""Counters and latency observations of the stub; triton_model/metrics.py turns them into metrics.
 
 Written by whoever processes engine outputs (the output thread); the metrics thread reads
 `snapshot()` / `drain_observations()`, which copy under a lock, so it never sees half an update.

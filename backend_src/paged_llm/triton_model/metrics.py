@@ -45,7 +45,7 @@ class TritonMetrics:
         reports_engine_state: bool = True,
         max_model_len: int = 4096,
     ) -> None:
-        """`reports_engine_state` False: a front end that shares another's engine core leaves the
+        """`reports_engine_state` False: a stub that shares another's engine core leaves the
         core's own figures (running, waiting, KV usage, prefix cache, preemptions, engine up) to
         that one; every stub counts its own requests, tokens and responses (Triton adds them
         up). After a restart of the core its new owner reports them (the stats' `owns_core`)."""
