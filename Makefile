@@ -27,7 +27,7 @@ serve: setup
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 serve-triton: setup
-	$(PY) -m paged_llm.tools.launch serve --model-repository $(MODEL_REPOSITORY) --address $(ADDRESS) \
+	$(PY) -m paged_llm.launcher.launch serve --model-repository $(MODEL_REPOSITORY) --address $(ADDRESS) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 test: setup lint

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from paged_llm.tools.bench_workload import infer_inputs
+from paged_llm.testing.bench_workload import infer_inputs
 
 
 def _inputs(prompt: str) -> list[grpcclient.InferInput]:
@@ -106,7 +106,7 @@ def main() -> int:
     args = parser.parse_args()
     server = None
     if args.launch:
-        from paged_llm.tools.server_process import start_server
+        from paged_llm.testing.server_process import start_server
 
         log_path = Path(tempfile.mkdtemp(prefix="attack.")) / "server.log"
         print(f"starting tritonserver on {args.launch} (log: {log_path})", file=sys.stderr)

@@ -29,7 +29,7 @@ source scripts/gpu_host/bringup.sh "${WORK_DIR:-/tmp/paged_llm_host}"
 if wants serving; then
   # Three Triton instances share the engine core: one stub sends at most ~7-8k responses/s, and
   # with asynchronous scheduling the engine makes ~18k tokens/s at concurrency 64.
-  REPO="$("$STUB_PYTHON" -m paged_llm.tools.server_process make-repository "$OUT/repository" \
+  REPO="$("$STUB_PYTHON" -m paged_llm.launcher.repository make-repository "$OUT/repository" \
     --instance-count "${SERVING_INSTANCES:-3}" \
     model="$MODELS/qwen3-0.6b" device=cuda max_model_len=2048 max_num_batched_tokens=16384 \
     max_num_seqs=256 engine_python="$HOST_PYTHON")"
@@ -61,7 +61,7 @@ if wants llama; then
 fi
 if wants sessions; then
   echo "== sessions: 20 turns of 200 tokens, a session against stateless requests (served, then offline)"
-  REPO="$("$STUB_PYTHON" -m paged_llm.tools.server_process make-repository "$OUT/sessions_repository" \
+  REPO="$("$STUB_PYTHON" -m paged_llm.launcher.repository make-repository "$OUT/sessions_repository" \
     model="$MODELS/qwen3-0.6b" device=cuda max_model_len=8192 max_num_batched_tokens=16384 \
     engine_python="$HOST_PYTHON")"
   "$STUB_PYTHON" scripts/bench_sessions.py --launch "$REPO" --turns 20 --turn-tokens 200 --output-tokens 32 \

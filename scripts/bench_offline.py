@@ -35,8 +35,8 @@ from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.runner.device import Device
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.testing.bench_workload import random_workload
 from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
-from paged_llm.tools.bench_workload import random_workload
 
 
 @dataclass

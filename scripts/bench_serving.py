@@ -1,5 +1,5 @@
 """Serving benchmark: requests through a running tritonserver over gRPC streaming, one stream per
-request, like vLLM's benchmark_serving.py (metrics defined in paged_llm/tools/bench_workload.py).
+request, like vLLM's benchmark_serving.py (metrics defined in paged_llm/testing/bench_workload.py).
 
   # against a server you started (make serve, or the GPU host's bring-up script)
   .venv/bin/python scripts/bench_serving.py --url 127.0.0.1:8001 --num-prompts 64 --concurrency 1,4,16
@@ -43,7 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from paged_llm.gc_pauses import LONG_PAUSE_S, process_gc_pauses
-from paged_llm.tools.bench_workload import (
+from paged_llm.testing.bench_workload import (
     Job,
     RequestRecord,
     format_summary,
@@ -538,7 +538,7 @@ def _start_openai_server(
     import subprocess
     import urllib.request
 
-    from paged_llm.tools.server_process import free_ports
+    from paged_llm.testing.server_process import free_ports
 
     [port] = free_ports(1)
     process = subprocess.Popen(
@@ -712,7 +712,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     server = None
     if args.launch:
-        from paged_llm.tools.server_process import start_server
+        from paged_llm.testing.server_process import start_server
 
         log_path = args.server_log or Path(tempfile.mkdtemp(prefix="bench_serving.")) / "server.log"
         print(f"starting tritonserver on {args.launch} (log: {log_path})", file=sys.stderr)

@@ -31,7 +31,7 @@ import numpy as np
 def _inputs(token_ids: list[int], max_tokens: int, session: dict[str, Any] | None) -> list[Any]:
     import tritonclient.grpc as grpcclient
 
-    from paged_llm.tools.bench_workload import infer_inputs
+    from paged_llm.testing.bench_workload import infer_inputs
 
     params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
     tensors = [
@@ -207,7 +207,7 @@ def run_served(
     """TTFT per turn of each served conversation, session and stateless turns alternating."""
     from tqdm import tqdm
 
-    from paged_llm.tools.server_process import start_server
+    from paged_llm.testing.server_process import start_server
 
     served: dict[str, list[list[float]]] = {"served session": [], "served stateless": []}
     log_path = args.server_log or Path("/tmp/bench_sessions_server.log")

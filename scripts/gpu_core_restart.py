@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from paged_llm.tools.procfs import descendants, read_proc
-from paged_llm.tools.server_process import start_server
+from paged_llm.launcher.procfs import descendants, read_proc
+from paged_llm.testing.server_process import start_server
 
 
 def compute_apps() -> dict[int, int]:

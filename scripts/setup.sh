@@ -55,5 +55,5 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
 fi
 
 # 3. The Triton backend directory, libraries for perf_analyzer, and the tiny model, all done in Python
-#    (paged_llm.tools.launch knows the layout of the nvidia-pytriton wheel).
-"$VENV/bin/python" -m paged_llm.tools.launch prepare
+#    (paged_llm.launcher.launch knows the layout of the nvidia-pytriton wheel).
+"$VENV/bin/python" -m paged_llm.launcher.launch prepare

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import psutil
 
+from paged_llm.launcher.launch import perf_analyzer_env, perf_analyzer_path
 from paged_llm.paths import repo_root
-from paged_llm.tools.launch import perf_analyzer_env, perf_analyzer_path
-from paged_llm.tools.server_process import RunningServer, start_server
+from paged_llm.testing.server_process import RunningServer, start_server
 
 FAILURE_CODES = ("cancelled", "invalid_arg", "unavailable", "internal")
 

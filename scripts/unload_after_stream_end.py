@@ -37,7 +37,8 @@ import tritonclient.grpc.aio as aioclient
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from paged_llm.tools.server_process import RunningServer, make_model_repository, start_server
+from paged_llm.launcher.repository import make_model_repository
+from paged_llm.testing.server_process import RunningServer, start_server
 from tests.e2e.client import http_post, make_inputs
 from tests.e2e.metrics import wait_for
 

@@ -4,7 +4,7 @@ process ends with its parent (the kernel's parent-death signal, a watchdog threa
 another process is still alive.
 
 The engine core (engine/core_process.py), the tensor-parallel workers (runner/tp_worker.py), the
-OpenAI server's workers and the launch tools all start or watch processes through here.
+OpenAI server's workers and the launcher all start or watch processes through here.
 """
 
 from __future__ import annotations

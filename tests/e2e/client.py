@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from paged_llm.tools.bench_workload import infer_inputs
+from paged_llm.testing.bench_workload import infer_inputs
 
 
 @dataclass

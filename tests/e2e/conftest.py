@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, remove_orphaned_shm_regions
+from paged_llm.launcher.repository import TRTLLM_MODEL_NAMES
+from paged_llm.launcher.shm_regions import remove_orphaned_shm_regions
 from tests.e2e.server import RunningServer, make_model_repository, start_server
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from paged_llm.launcher.launch import perf_analyzer_env, perf_analyzer_path
 from paged_llm.paths import repo_root
-from paged_llm.tools.launch import perf_analyzer_env, perf_analyzer_path
 from tests.e2e.client import http_post, make_inputs, stream, stream_many
 from tests.e2e.metrics import value as metric_value
 from tests.e2e.metrics import wait_for, wait_idle

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from paged_llm.tools.launch import ServerPorts, server_command, server_env
-from paged_llm.tools.server_process import SHM_DIR, remove_orphaned_shm_regions
-from paged_llm.tools.supervise import DEAD_STUB_EXIT_STATUS, STUB_CHECK_INTERVAL_S
+from paged_llm.launcher.launch import ServerPorts, server_command, server_env
+from paged_llm.launcher.shm_regions import SHM_DIR, remove_orphaned_shm_regions
+from paged_llm.launcher.supervise import DEAD_STUB_EXIT_STATUS, STUB_CHECK_INTERVAL_S
 from tests.e2e.client import http_post, stream
 from tests.e2e.metrics import value, wait_for
 from tests.e2e.server import RunningServer, free_ports, make_model_repository, start_server
@@ -147,7 +147,7 @@ def _start_launcher(tmp_path, server_args: list[str] | None = None) -> tuple[sub
     http, grpc, metrics = free_ports(3)
     log = open(tmp_path / "serve.log", "w")  # the launcher writes it while it runs
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "paged_llm.tools.launch", "serve", "--model-repository", str(repository),
+        [sys.executable, "-m", "paged_llm.launcher.launch", "serve", "--model-repository", str(repository),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
          "--exit-timeout-secs", "3", *(["--", *server_args] if server_args else [])],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -261,7 +261,7 @@ def test_a_test_run_killed_hard_leaves_no_server_behind(tmp_path):
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     script = (
         "import sys, time; from pathlib import Path; "
-        "from paged_llm.tools.server_process import start_server; "
+        "from paged_llm.testing.server_process import start_server; "
         "server = start_server(Path(sys.argv[1]), Path(sys.argv[2])); "
         "print(server.process.pid, flush=True); time.sleep(600)"
     )

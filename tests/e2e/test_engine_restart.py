@@ -18,8 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from paged_llm.tools.launch import ServerPorts
-from paged_llm.tools.server_process import RunningServer, free_ports, make_model_repository, start_server
+from paged_llm.launcher.launch import ServerPorts
+from paged_llm.launcher.repository import make_model_repository
+from paged_llm.testing.server_process import RunningServer, free_ports, start_server
 from tests.e2e.client import make_inputs, stream_many
 from tests.e2e.metrics import value, wait_for
 from tests.e2e.test_openai import _get, _start_openai_server, _stop_group, post
@@ -150,7 +151,8 @@ def test_a_core_killed_each_time_it_comes_back_makes_the_launcher_exit_non_zero(
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "paged_llm.tools.launch", "serve", "--model-repository", str(repository),
+            [sys.executable, "-m", "paged_llm.launcher.launch", "serve",
+             "--model-repository", str(repository),
              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
              "--exit-timeout-secs", "3"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

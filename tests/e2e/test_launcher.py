@@ -1,5 +1,5 @@
 """`paged-llm serve` as a whole, on the tiny model: no single request on any port it opens stops
-the service (the HTTP guard in front of Triton's HTTP and metrics ports, tools/http_guard.py), and
+the service (the HTTP guard in front of Triton's HTTP and metrics ports, launcher/http_guard.py), and
 Triton's KServe HTTP clients work through the guard."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from paged_llm.tools.server_process import free_ports
+from paged_llm.testing.server_process import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 

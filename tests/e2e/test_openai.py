@@ -25,7 +25,8 @@ import openai
 import psutil
 import pytest
 
-from paged_llm.tools.server_process import free_ports, make_model_repository, start_server
+from paged_llm.launcher.repository import make_model_repository
+from paged_llm.testing.server_process import free_ports, start_server
 from tests.e2e.metrics import value, wait_for
 
 API_KEY = "test-key-123"

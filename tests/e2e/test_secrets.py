@@ -24,7 +24,8 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
-from paged_llm.tools.server_process import SHM_DIR, free_ports, stub_regions
+from paged_llm.launcher.shm_regions import SHM_DIR, stub_regions
+from paged_llm.testing.server_process import free_ports
 from tests.e2e.client import make_inputs
 
 API_KEY = "secrets-test-key-4f1c"

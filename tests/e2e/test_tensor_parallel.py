@@ -4,9 +4,9 @@ with the server."""
 
 from __future__ import annotations
 
+from paged_llm.launcher.procfs import live_processes_running
 from paged_llm.processes import process_is_alive
 from paged_llm.runner.tensor_parallel import WORKER_MODULE
-from paged_llm.tools.procfs import live_processes_running
 from tests.e2e.client import make_inputs, stream_many
 from tests.e2e.metrics import wait_idle
 from tests.e2e.server import make_model_repository, start_server

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from paged_llm.paths import repo_root
-from paged_llm.tools.server_process import free_ports
+from paged_llm.testing.server_process import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 

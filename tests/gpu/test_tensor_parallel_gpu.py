@@ -17,12 +17,12 @@ import torch.multiprocessing as mp
 
 from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.launcher.procfs import live_processes_running
 from paged_llm.layers.parallel import ONE_SHOT_MAX_BYTES, TensorParallelGroup
 from paged_llm.models.random_model import write_random_model
 from paged_llm.processes import process_is_alive
 from paged_llm.runner.tensor_parallel import WORKER_MODULE
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.tools.procfs import live_processes_running
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs")]

@@ -1,5 +1,5 @@
 """Several front ends (AsyncLLMs, as several Triton instances of one model) sharing one engine core
-process (engine/front_ends.py): routing, detaching, the core's owner stopping, and who may attach
+process (engine/stub_links.py): routing, detaching, the core's owner stopping, and who may attach
 (engine/attach_gate.py, engine/share_files.py)."""
 
 from __future__ import annotations

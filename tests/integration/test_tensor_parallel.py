@@ -15,13 +15,13 @@ import pytest
 
 from paged_llm.config import ConfigError, DeviceConfig, EngineConfig, ModelConfig
 from paged_llm.errors import EngineDeadError, TensorParallelError, WorkerDiedError
+from paged_llm.launcher.procfs import live_processes_running
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.models.random_model import write_random_model
 from paged_llm.processes import process_is_alive
 from paged_llm.runner.device import Device
 from paged_llm.runner.tensor_parallel import WORKER_MODULE, check_tensor_parallel
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.tools.procfs import live_processes_running
 from tests.integration.conftest import make_engine, run_to_completion
 
 MAX_TOKENS = 24

@@ -8,7 +8,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from paged_llm.tools.launch import prepare_backend_dir
+from paged_llm.launcher.launch import prepare_backend_dir
 
 
 @pytest.fixture(scope="module")

@@ -76,8 +76,8 @@ def test_the_front_end_imports_neither_torch_nor_transformers():
         "import paged_llm.engine.async_llm, paged_llm.triton_model.triton_codec\n"
         "import paged_llm.triton_model.metrics, paged_llm.triton_model.server_watch\n"
         "import paged_llm.triton_model.stub_process\n"
-        "from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer\n"
-        f"tokenizer = load_front_end_tokenizer({str(ensure_tiny_model())!r})\n"
+        "from paged_llm.tokenizer.fast_tokenizer import load_stub_tokenizer\n"
+        f"tokenizer = load_stub_tokenizer({str(ensure_tiny_model())!r})\n"
         "assert type(tokenizer).__name__ == 'FastTokenizer'\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )

@@ -18,10 +18,13 @@ The layers, lowest first (the one list; a new top-level package or module goes i
   8. engine        EngineCore, its process, its clients, AsyncLLM, output processing
   9. triton_model  the Triton model: everything that runs inside a Triton stub (codecs, response
                    streams, metrics, the llm model itself)
- 10. tools         launch, supervision, process utilities
+ 10. launcher      what the product runs around tritonserver: launch, the model repository copy,
+                   supervision, stub watch, HTTP guard, process utilities
  11. openai        the OpenAI-compatible server (a client of tritonserver)
  12. cli           `paged-llm` commands
  13. model_repository  the Triton model repository template (package data): its model.py shims
+ 14. testing       what only tests, benchmarks and scripts use (the tritonserver harness, the
+                   benchmark workload): the top layer, so no module of the product imports it
 
 A module may import any module of its own layer (the cycle check keeps those acyclic) or of a
 layer below. `core` is stricter: besides the foundation it may import only the standard library
@@ -59,13 +62,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode",),
     ("engine",),
     ("triton_model",),
-    ("tools",),
+    ("launcher",),
     ("openai",),
     ("cli",),
     ("model_repository",),
+    ("testing",),  # last: nothing of the product may import it (test_testing_is_the_top_layer)
 ]
 LEVEL_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
 CORE = "core"
+TESTING = "testing"
 
 
 def _module_name(path: Path) -> str:
@@ -226,6 +231,12 @@ def test_core_imports_only_stdlib_and_the_foundation() -> None:
         outside.append(f"  {module}:{line} imports {imported}")
     message = "core/ may import only the standard library and the layers at or below it:\n"
     assert not outside, message + "\n".join(outside)
+
+
+def test_testing_is_the_top_layer() -> None:
+    """`testing/` serves tests and benchmarks only: as the top layer alone, the downward rule above
+    keeps every product module from importing it."""
+    assert LAYERS[-1] == (TESTING,)
 
 
 def test_the_cycle_finder_finds_cycles() -> None:

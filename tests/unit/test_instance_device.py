@@ -34,7 +34,7 @@ def test_a_conflicting_device_parameter_is_an_error(configured):
 def test_make_repository_writes_a_gpu_instance_group(tmp_path):
     """The benchmark's repository for one engine per GPU: KIND_GPU with the listed GPUs, which
     tritonserver parses (the serving benchmark on the GPU host loads it)."""
-    from paged_llm.tools.server_process import make_model_repository
+    from paged_llm.launcher.repository import make_model_repository
 
     repository = make_model_repository(tmp_path, {"device": "cuda"}, models=("llm",), instance_count=3,
                                        instance_gpus=[0, 1])  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_llm.tools.launch import exposure_error, main
+from paged_llm.launcher.launch import exposure_error, main
 
 EXPLICIT = ["--model-control-mode=explicit"]
 HTTP_KEY = "--http-restricted-api=model-repository,shared-memory:admin-key=s3cret"
@@ -52,7 +52,7 @@ def test_serve_refuses_before_starting_anything(capsys):
     assert "refusing to serve with --model-control-mode=explicit on 0.0.0.0" in capsys.readouterr().err
 
 
-# Every way tritonserver 2.51's getopt_long reads MODE_EXPLICIT (tools/triton_args.py).
+# Every way tritonserver 2.51's getopt_long reads MODE_EXPLICIT (launcher/triton_args.py).
 EXPLICIT_SPELLINGS = [
     ["--model-control-mode=explicit"],
     ["--model-control-mode=EXPLICIT"],
@@ -141,6 +141,6 @@ def test_a_value_may_start_with_dashes():
 
 
 def test_the_vertex_ai_environment_switch_is_not_passed_on(monkeypatch):
-    from paged_llm.tools.launch import server_env
+    from paged_llm.launcher.launch import server_env
 
     assert "AIP_MODE" not in server_env({"AIP_MODE": "PREDICTION", "PATH": "/bin"})

@@ -6,8 +6,8 @@ import socket
 import subprocess
 import sys
 
-from paged_llm.tools.launch import ServerPorts, busy_ports, endpoint_disabled
-from paged_llm.tools.server_process import free_ports
+from paged_llm.launcher.launch import ServerPorts, busy_ports, endpoint_disabled
+from paged_llm.testing.server_process import free_ports
 
 
 def listener(port: int, reuse_port: bool = False) -> socket.socket:
@@ -36,7 +36,7 @@ def test_serve_on_a_busy_port_exits_before_starting_anything():
     http, grpc, metrics = free_ports(3)
     with listener(http):
         done = subprocess.run(
-            [sys.executable, "-m", "paged_llm.tools.launch", "serve",
+            [sys.executable, "-m", "paged_llm.launcher.launch", "serve",
              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip

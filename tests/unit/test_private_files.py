@@ -1,4 +1,4 @@
-"""tools/private_files.py: the wrapper tritonserver runs under (umask 077, and fchmod(fd, 0644) kept
+"""launcher/private_files.py: the wrapper tritonserver runs under (umask 077, and fchmod(fd, 0644) kept
 from widening a file, as boost::interprocess does to the Python backend's shared memory)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paged_llm.tools import private_files
-from paged_llm.tools.launch import ServerPorts, server_command
+from paged_llm.launcher import private_files
+from paged_llm.launcher.launch import ServerPorts, server_command
 
 # What boost::interprocess does to a new region (strace of Triton 2.51), then two calls that must
 # keep working: a fchmod to another mode and a chmod by path.

@@ -1,4 +1,4 @@
-"""/proc reading shared by the launchers' supervision (tools/procfs.py)."""
+"""/proc reading shared by the launchers' supervision (launcher/procfs.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from paged_llm.tools.launch import ServerPorts
-from paged_llm.tools.procfs import descendants, process_group_members, processes
-from paged_llm.tools.server_process import RunningServer
+from paged_llm.launcher.launch import ServerPorts
+from paged_llm.launcher.procfs import descendants, process_group_members, processes
+from paged_llm.testing.server_process import RunningServer
 
 
 def test_descendants_include_grandchildren_and_processes_see_parents():

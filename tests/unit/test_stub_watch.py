@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paged_llm.tools.stub_watch import StubInstance, StubWatch, parse_stub_cmdline
+from paged_llm.launcher.stub_watch import StubInstance, StubWatch, parse_stub_cmdline
 
 LLM = StubInstance("llm", "1", "llm_0_0")
 TRT = StubInstance("llm_trtllm", "1", "llm_trtllm_0_0")

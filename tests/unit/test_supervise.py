@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from paged_llm.tools.supervise import run_supervised
+from paged_llm.launcher.supervise import run_supervised
 
 
 def _child(code: str) -> list[str]:
@@ -36,7 +36,7 @@ def test_the_callers_signal_handlers_are_back_afterwards():
 
 
 def test_the_restart_budget_allows_limit_restarts_per_window():
-    from paged_llm.tools.supervise import RestartBudget
+    from paged_llm.launcher.supervise import RestartBudget
 
     now = [0.0]
     budget = RestartBudget(limit=2, window_s=60.0, clock=lambda: now[0])

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from paged_llm.errors import InvalidRequestError
+from paged_llm.launcher.repository import TRTLLM_MODEL_NAMES
 from paged_llm.paths import model_repository_template
-from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES
 from paged_llm.triton_model.trtllm_codec import (
     INPUT_NAMES,
     MAX_BATCH_SIZE,

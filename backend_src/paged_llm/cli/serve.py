@@ -9,7 +9,7 @@ start the OpenAI server (python -m paged_llm.openai) on --port, wait until its /
 print the URLs and a curl line. Ctrl-C (or SIGTERM) stops both and waits for them; tritonserver is
 killed if it has not exited within its exit timeout (supervise.py says why).
 
-Triton's HTTP and metrics ports are served by the HTTP guard (tools/http_guard.py); tritonserver
+Triton's HTTP and metrics ports are served by the HTTP guard (launcher/http_guard.py); tritonserver
 binds them on loopback. A tritonserver that crashes, or whose Python stub dies, is replaced by a
 fresh one on the same ports (the log says so; the OpenAI server keeps running, answering 503 until
 Triton serves again), at most --max-restarts times within --restart-window-s: one death more stops
@@ -33,10 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_llm.models.tiny_model import TINY_MODEL_NAME
-from paged_llm.openai.server import API_KEY_ENV, api_keys
-from paged_llm.paths import paged_llm_home
-from paged_llm.tools.guard_process import (
+from paged_llm.launcher.guard_process import (
     DEFAULT_MAX_BODY_BYTES,
     TRITON_LOOPBACK,
     GuardedPorts,
@@ -44,7 +41,7 @@ from paged_llm.tools.guard_process import (
     start_guard,
     stop_guard,
 )
-from paged_llm.tools.launch import (
+from paged_llm.launcher.launch import (
     ServerPorts,
     busy_ports,
     http_host,
@@ -52,17 +49,20 @@ from paged_llm.tools.launch import (
     server_command,
     server_env,
 )
-from paged_llm.tools.procfs import descendants
-from paged_llm.tools.server_process import TRTLLM_MODEL_NAMES, make_model_repository
-from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
-from paged_llm.tools.stub_watch import StubWatch
-from paged_llm.tools.supervise import (
+from paged_llm.launcher.procfs import descendants
+from paged_llm.launcher.repository import TRTLLM_MODEL_NAMES, make_model_repository
+from paged_llm.launcher.shm_regions import remove_unused_regions, stub_regions
+from paged_llm.launcher.stub_watch import StubWatch
+from paged_llm.launcher.supervise import (
     DEAD_STUB_EXIT_STATUS,
     KILL_MARGIN_S,
     RestartBudget,
     describe_server_exit,
     exit_status,
 )
+from paged_llm.models.tiny_model import TINY_MODEL_NAME
+from paged_llm.openai.server import API_KEY_ENV, api_keys
+from paged_llm.paths import paged_llm_home
 from paged_llm.triton_model.auth import API_KEY_VERIFIER_ENV, make_verifier
 
 EXIT_TIMEOUT_S = 5
@@ -72,7 +72,7 @@ _POLL_S = 0.25
 @dataclass
 class _Children:
     server: subprocess.Popen
-    frontend: subprocess.Popen | None = None
+    openai_server: subprocess.Popen | None = None
     guard: subprocess.Popen | None = None  # the HTTP guard on the public HTTP and metrics ports
     regions: set[str] = field(default_factory=set)  # the stubs' shared memory, removed after exit
 
@@ -131,7 +131,7 @@ def _get_status(url: str, timeout_s: float = 2.0) -> int | None:
 
 
 def _stop(children: _Children, signum: int) -> None:
-    for process in (children.frontend, children.server):
+    for process in (children.openai_server, children.server):
         if process is not None and process.poll() is None:
             try:
                 process.send_signal(signum)
@@ -243,7 +243,7 @@ def serve(args: argparse.Namespace) -> int:
         ):
             watch.check()  # the stubs are known before anyone is told the server is up
             watch.server_up = True
-            frontend_command = [
+            openai_command = [
                 sys.executable, "-m", "paged_llm.openai",
                 "--triton-url", f"{host}:{ports.grpc}", "--host", args.address, "--port", str(args.port),
                 *(["--triton-http-url", _triton_http(guard_ports)] if args.openai_transport == "http"
@@ -252,12 +252,12 @@ def serve(args: argparse.Namespace) -> int:
                 "--workers", str(args.openai_workers), "--generation-config", args.generation_config,
             ]  # fmt: skip
             if tokenizer_dir is not None:
-                frontend_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
+                openai_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
             env = dict(os.environ)
             env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
-            children.frontend = subprocess.Popen(frontend_command, env=env)
+            children.openai_server = subprocess.Popen(openai_command, env=env)
             health_url = f"http://{host}:{args.port}/health"
-            if _wait_until(lambda: _get_status(health_url) == 200, children.frontend, 60.0, stopping):
+            if _wait_until(lambda: _get_status(health_url) == 200, children.openai_server, 60.0, stopping):
                 print(_banner(args, ports), file=sys.stderr, flush=True)
         triton_ports = [(args.address, ports.grpc)]
         triton_ports += [(TRITON_LOOPBACK, getattr(guard_ports.triton, name)) for name in guard_ports.guarded]
@@ -285,7 +285,7 @@ def _stop_all(children: _Children, signum: int) -> None:
     _stop(children, signum)
     children.regions.update(stub_regions(children.server.pid))
     kill_at = time.monotonic() + EXIT_TIMEOUT_S + KILL_MARGIN_S
-    for process in (children.frontend, children.server):
+    for process in (children.openai_server, children.server):
         if process is None:
             continue
         try:
@@ -320,15 +320,16 @@ def _supervise(
         if children.server.poll() is not None:
             returncode = children.server.returncode
             death = (describe_server_exit(returncode), exit_status(returncode) or 1)
-        elif children.frontend is not None and children.frontend.poll() is not None:
+        elif children.openai_server is not None and children.openai_server.poll() is not None:
             failure = 1
-            print(f"paged-llm: the OpenAI server exited ({children.frontend.returncode})", file=sys.stderr)
+            returncode = children.openai_server.returncode
+            print(f"paged-llm: the OpenAI server exited ({returncode})", file=sys.stderr)
             break
         elif children.guard is not None and children.guard.poll() is not None:
             failure = 1
             print(f"paged-llm: the HTTP guard exited ({children.guard.returncode})", file=sys.stderr)
             break
-        elif children.frontend is None:  # startup failed or timed out
+        elif children.openai_server is None:  # startup failed or timed out
             failure = 1
             print("paged-llm: the model did not become ready; stopping", file=sys.stderr)
             break

@@ -61,7 +61,7 @@ class Session:
     # history every turn was O(history) on the way to the first token).
     block_hashes: list[bytes] = field(default_factory=list)
     # (request id, prompt tokens) of the turn that last extended token_ids, until the next begins:
-    # a stop string the front end finds in it after the core ended it cuts the history there
+    # a stop string the stub finds in it after the core ended it cuts the history there
     last_turn: tuple[str, int] | None = None
 
     @property

@@ -1,4 +1,4 @@
-"""AsyncLLM: the serving front end. Requests come from any thread; outputs leave on one thread.
+"""AsyncLLM: the engine as a Triton stub runs it. Requests come from any thread; outputs leave on one thread.
 
     requests ──add_request / abort──> engine core (own process by default)
                                              │ one EngineCoreOutputs per step
@@ -14,7 +14,7 @@ Every request ends with exactly one final RequestOutput (`finished`), with `erro
 or was aborted. If the core dies, every request in flight gets EngineCoreDiedError at once and new
 ones are refused with EngineDeadError (saying when to retry) while the output thread starts a fresh
 core (process mode: the same configuration and entry, make_core_client; a shared core is started
-by the first front end to get there, the others attach) after a backoff (engine/restart_policy.py).
+by the first stub to get there, the others attach) after a backoff (engine/restart_policy.py).
 Past `engine_max_restarts` failures within `engine_restart_window_s` (and at once in thread mode)
 it gives up: `on_give_up` is called (the Triton stub exits) and requests stay refused.
 """
@@ -251,7 +251,7 @@ class AsyncLLM:
 
     def _recover(self, reason: str) -> bool:
         """The core died: fail what was in flight, then start a new core (after a backoff, until
-        the restart policy gives up). True once a new core serves; False when this front end stops
+        the restart policy gives up). True once a new core serves; False when this stub stops
         or gives up (dead_reason then says why)."""
         self._restarting = self._core_mode == "process"
         self.dead_reason = reason
@@ -364,7 +364,7 @@ class AsyncLLM:
                 time.sleep(0.01)
             # The core ends the aborted sequences at its next loop and says so in its stats: wait for
             # that (briefly), so that the last stats and metrics do not count requests that are gone.
-            # (A front end sharing the core does not report its stats: other front ends' requests.)
+            # (A stub sharing the core does not report its stats: other stubs' requests.)
             settle_deadline = time.monotonic() + (_CORE_SETTLE_S if self.owns_core else 0.0)
             while self._thread.is_alive() and time.monotonic() < settle_deadline:
                 snapshot = self.stats.snapshot()

@@ -5,7 +5,7 @@ On top of that, on each connection the core
 
 1. reads the peer's credentials from the kernel (SO_PEERCRED, taken at connect time, so they cannot
    be forged) and refuses a peer of another uid, or one that is not a process of the same server:
-   the front end that started the core, or a child of the server process (Triton's stubs are);
+   the stub that started the core, or a child of the server process (Triton's stubs are);
 2. reads a fixed-size raw hello (HELLO_MAGIC + the share's secret), with a size limit and a
    timeout so a silent peer holds nothing but its own thread, and compares the secret in
    constant time; only then does it answer ACK and start reading pickled frames (engine/ipc.py).

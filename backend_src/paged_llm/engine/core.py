@@ -1,6 +1,6 @@
 """EngineCore: scheduler, KV cache manager, model runner and sampler behind `add_request`,
 `abort_request` and `step() -> EngineCoreOutputs`. It knows token ids only: tokenizing, detokenizing,
-stop strings and logprob text are the front end's (engine/output_processor.py).
+stop strings and logprob text are the stub's (engine/output_processor.py).
 
 One client request with `n` samples becomes `n` sequences. The first one runs the prompt; the others
 are added once its prompt KV is computed, so they take the prompt's full blocks from the prefix
@@ -192,14 +192,14 @@ class EngineCore:
         self.requests.abort(request_id, seq_index, reason)
 
     def apply_abort(self, abort: AbortRequest) -> None:
-        """What a front end's AbortRequest asks: a stop string's end, or an abort."""
+        """What a stub's AbortRequest asks: a stop string's end, or an abort."""
         if abort.seq_index is not None and abort.num_output_tokens is not None:
             self.stop_sequence(abort.request_id, abort.seq_index, abort.num_output_tokens)
         else:
             self.abort_request(abort.request_id, abort.seq_index, abort.reason)
 
     def stop_sequence(self, request_id: str, seq_index: int, num_output_tokens: int) -> None:
-        """A stop string ended a sequence after `num_output_tokens` output tokens (the front end
+        """A stop string ended a sequence after `num_output_tokens` output tokens (the stub
         found it in the text): it ends as stopped, not aborted, so a session's turn extends the
         history, with the tokens after that point (steps the core ran meanwhile) dropped."""
         record = self.requests.get(request_id)

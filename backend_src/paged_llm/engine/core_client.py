@@ -1,4 +1,4 @@
-"""How the front end talks to the engine core: one interface, three places for the core to run.
+"""How the stub talks to the engine core: one interface, three places for the core to run.
 
 | mode        | where the core runs                | used by                                             |
 |-------------|------------------------------------|-----------------------------------------------------|
@@ -42,7 +42,7 @@ CORE_MODES = ("process", "thread", "inprocess")
 class EngineCoreClient(Protocol):
     info: EngineCoreInfo
     request_id_prefix: str  # every request id sent to the core starts with it
-    owns_core: bool  # False: a core shared with other front ends, which shutdown() only leaves
+    owns_core: bool  # False: a core shared with other stubs, which shutdown() only leaves
 
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
@@ -67,10 +67,10 @@ def start_core_and_tokenizer(
     """Starts the engine core (or joins a shared one) and loads the tokenizer at the same time
     (each takes seconds)."""
     from paged_llm.models.builtin import resolve_model_dir
-    from paged_llm.tokenizer.fast_tokenizer import load_front_end_tokenizer
+    from paged_llm.tokenizer.fast_tokenizer import load_stub_tokenizer
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged_llm-tokenizer") as pool:
-        tokenizer = pool.submit(load_front_end_tokenizer, resolve_model_dir(config.model.model))
+        tokenizer = pool.submit(load_stub_tokenizer, resolve_model_dir(config.model.model))
         client = make_core_client(config, mode, show_progress, watch_pid, share_name)
         return client, tokenizer.result()
 

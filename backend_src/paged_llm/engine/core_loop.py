@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from paged_llm.engine.core import EngineCore
 from paged_llm.engine.core_types import (
-    AbortFrontEnd,
     AbortRequest,
+    AbortStub,
     CoreError,
     CoreInput,
     EngineCoreOutputs,
@@ -89,7 +89,7 @@ def handle_input(core: EngineCore, item: CoreInput) -> None:
         core.apply_abort(item)
     elif isinstance(item, UtilityCall):
         core.record_utility_result(item.call_id, call_utility(core, item.name))
-    elif isinstance(item, AbortFrontEnd):
+    elif isinstance(item, AbortStub):
         core.abort_all(item.reason, item.request_id_prefix)
     else:
         raise TypeError(f"unexpected engine core input {item!r}")

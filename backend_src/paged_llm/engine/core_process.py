@@ -4,14 +4,14 @@ Started by ProcessCoreClient (engine/core_process_client.py) with one end of a s
 reads the EngineConfig, builds the EngineCore (the only place CUDA is initialised), answers with
 EngineCoreInfo (or CoreStartupFailed) and runs the busy loop, which never waits on the socket:
 
-    front end ──frames──> reader thread ──inbox──> busy loop ──frames──> front end
+    stub ──frames──> reader thread ──inbox──> busy loop ──frames──> stub
                                                        └─(socket full)─> writer thread ──┘
 
 The loop sends each step's outputs itself, without blocking (a thread handing frames over would
 contend with it for the GIL every step); only what does not fit in the socket buffer, because the
-front end is behind, goes to the writer thread, and later frames queue behind it in order. With
-`--listen-fd` (and `--share-files`, `--lock-fd`: engine/share_files.py), further front ends (other
-Triton instances of the model) attach on that socket and share the core (engine/front_ends.py),
+stub is behind, goes to the writer thread, and later frames queue behind it in order. With
+`--listen-fd` (and `--share-files`, `--lock-fd`: engine/share_files.py), further stubs (other
+Triton instances of the model) attach on that socket and share the core (engine/stub_links.py),
 once its gate let them in (engine/attach_gate.py); the core holds the share's lock while it lives
 and removes the share's files when it exits.
 
@@ -20,7 +20,7 @@ a watchdog thread also compares getppid(), and EOF on the socket (the parent clo
 shuts the loop down, with a hard exit if that does not finish within EXIT_GRACE_S. Under Triton
 the watchdog also follows the server process itself (`--watch-pid`): a stub that hangs after its
 server died must not keep the device memory held. SIGINT is
-ignored: Ctrl-C reaches the whole process group, and the front end decides how to stop.
+ignored: Ctrl-C reaches the whole process group, and the stub decides how to stop.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from paged_llm.config import ConfigError
 from paged_llm.engine.attach_gate import AttachGate
 from paged_llm.engine.core_loop import run_busy_loop
 from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, Shutdown
-from paged_llm.engine.front_ends import FrontEnds
 from paged_llm.engine.ipc import FramedSocket
 from paged_llm.engine.share_files import ShareFiles
+from paged_llm.engine.stub_links import StubLinks
 from paged_llm.processes import parent_death_signal, watch_parent
 
 logger = logging.getLogger("paged_llm.core")
-EXIT_GRACE_S = 5.0  # after the front end is gone, the loop gets this long to stop before a hard exit
+EXIT_GRACE_S = 5.0  # after the stub is gone, the loop gets this long to stop before a hard exit
 _share_files: ShareFiles | None = None  # removed on every exit that runs code (not on SIGKILL)
 
 
@@ -107,7 +107,7 @@ def _read_inputs(link: FramedSocket, inbox: queue.SimpleQueue[CoreInput]) -> Non
 
 
 def serve(link: FramedSocket, gate: AttachGate | None = None) -> int:
-    """`gate`: further front ends that it let in attach once the core is ready (engine/front_ends.py)."""
+    """`gate`: further stubs that it let in attach once the core is ready (engine/stub_links.py)."""
     from paged_llm.engine.core import EngineCore  # imports torch: after the parent watch is up
 
     config = link.recv()
@@ -120,34 +120,34 @@ def serve(link: FramedSocket, gate: AttachGate | None = None) -> int:
         return 1
     link.send(core.info)
     # A dead tensor-parallel worker can leave the loop blocked in a device wait for ever: the
-    # process ends instead, and the front end reports the core dead to every request.
+    # process ends instead, and the stub reports the core dead to every request.
     core.runner.watch_workers(_exit_on_worker_death)
     # The model, its CUDA graphs and buffers live as long as the process: keep them out of every
     # later garbage collection, which then scans only what the steps create (shorter loop pauses).
     gc.freeze()
     inbox: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
     threading.Thread(target=_read_inputs, args=(link, inbox), name="paged_llm-core-in", daemon=True).start()
-    front_ends = FrontEnds(link, inbox, core.info)
+    stub_links = StubLinks(link, inbox, core.info)
     if gate is not None:
-        front_ends.accept_from(gate)
+        stub_links.accept_from(gate)
     try:
-        reason = run_busy_loop(core, inbox, front_ends.publish)
+        reason = run_busy_loop(core, inbox, stub_links.publish)
     except BaseException as error:
         logger.error("engine core crashed:\n%s", "".join(traceback.format_exception(error)))
         return 1
     finally:
         core.close()
-    front_ends.close(timeout_s=EXIT_GRACE_S)
+    stub_links.close(timeout_s=EXIT_GRACE_S)
     logger.info("engine core stopped: %s", reason)
     return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m paged_llm.engine.core_process")
-    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the front end")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the stub")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--watch-pid", type=int, default=None, help="also exit when this process is gone")
-    parser.add_argument("--listen-fd", type=int, default=None, help="listening socket: front ends attach")
+    parser.add_argument("--listen-fd", type=int, default=None, help="listening socket: stubs attach")
     parser.add_argument("--lock-fd", type=int, default=None, help="the share's lock: held while we live")
     parser.add_argument("--share-files", default=None, help="the share's files (engine/share_files.py)")
     parser.add_argument("--log-level", default="INFO")

@@ -1,10 +1,10 @@
-"""The engine core in a process of its own, seen from the front end: start it (or join the one
+"""The engine core in a process of its own, seen from the stub: start it (or join the one
 another Triton instance of the model started), then talk to it over a socket.
 
 `ProcessCoreClient` starts `python -m paged_llm.engine.core_process` and owns it;
-`AttachedCoreClient` joins a core that another instance owns (engine/front_ends.py);
+`AttachedCoreClient` joins a core that another instance owns (engine/stub_links.py);
 `connect_engine_core` decides which, by the share's lock in a private directory
-(engine/share_files.py); an attached front end proves it holds the share's secret before anything
+(engine/share_files.py); an attached stub proves it holds the share's secret before anything
 is pickled (engine/attach_gate.py). Both speak the same framed-pickle link (engine/ipc.py) through
 `_LinkedCoreClient`.
 """
@@ -25,13 +25,13 @@ from paged_llm.config import ConfigError, EngineConfig
 from paged_llm.engine.attach_gate import ACK, hello, peer_credentials, recv_exactly
 from paged_llm.engine.core_types import (
     AbortRequest,
-    AttachFrontEnd,
+    AttachStub,
     CoreStartupFailed,
     EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FrontEndAttached,
     Shutdown,
+    StubAttached,
     UtilityCall,
 )
 from paged_llm.engine.ipc import FramedSocket
@@ -58,7 +58,7 @@ def describe_exit(returncode: int | None) -> str:
 class _LinkedCoreClient:
     """A core at the other end of a FramedSocket: the one this process started, or a shared one."""
 
-    request_id_prefix = ""  # the core routes outputs back to its front ends by this (front_ends.py)
+    request_id_prefix = ""  # the core routes outputs back to its stubs by this (stub_links.py)
     owns_core = True
 
     def __init__(self, link: FramedSocket) -> None:
@@ -123,7 +123,7 @@ class ProcessCoreClient(_LinkedCoreClient):
 
     A supervisor thread starts the process and waits for it, so a death is noticed at once (and
     logged with its exit status); it also closes our end of the link, which wakes the reader.
-    `share`: the core listens there for other front ends (connect_engine_core).
+    `share`: the core listens there for other stubs (connect_engine_core).
     """
 
     STARTUP_POLL_S = 0.5
@@ -242,7 +242,7 @@ class AttachRefused(ConnectionError):
 
 
 class AttachedCoreClient(_LinkedCoreClient):
-    """A core that another front end (another Triton instance of this model) started, reached
+    """A core that another stub (another Triton instance of this model) started, reached
     through its listening socket. Its requests carry our prefix; shutdown() only detaches."""
 
     owns_core = False
@@ -265,7 +265,7 @@ class AttachedCoreClient(_LinkedCoreClient):
             raise
         super().__init__(FramedSocket(sock))
         self.pid: int | None = None
-        self._send(AttachFrontEnd(os.getpid()))
+        self._send(AttachStub(os.getpid()))
         while True:  # the core answers once its model is loaded: wait as long as the link lives
             try:
                 reply = self._link.recv(self.STARTUP_POLL_S)
@@ -277,11 +277,11 @@ class AttachedCoreClient(_LinkedCoreClient):
                 ) from None
             if reply is not None:
                 break
-        if not isinstance(reply, FrontEndAttached):
+        if not isinstance(reply, StubAttached):
             self._link.close()
             raise RuntimeError(f"unexpected answer from the shared engine core: {type(reply).__name__}")
         self.info = reply.info
-        self.front_end_id = reply.front_end_id
+        self.stub_id = reply.stub_id
         self.request_id_prefix = reply.request_id_prefix
 
     def _reason(self) -> str:
@@ -315,7 +315,7 @@ def connect_engine_core(
 ) -> ProcessCoreClient | AttachedCoreClient:
     """The engine core in its own process. With `share_name`, every caller that passes the same name
     shares one core: the first one to take the share's lock starts the core (which listens on the
-    share's socket and holds the lock while it lives), the others attach to it (engine/front_ends.py)."""
+    share's socket and holds the lock while it lives), the others attach to it (engine/stub_links.py)."""
     if share_name is None:
         return ProcessCoreClient(config, watch_pid)
     files = ShareFiles.for_name(share_name)
@@ -338,7 +338,7 @@ def connect_engine_core(
                 ) from None
             time.sleep(0.05)
             continue
-        logger.info("attached to the shared engine core %r as front end %d", share_name, client.front_end_id)
+        logger.info("attached to the shared engine core %r as front end %d", share_name, client.stub_id)
         return client
 
 

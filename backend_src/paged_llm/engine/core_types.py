@@ -1,4 +1,4 @@
-"""The messages between the front end (tokenizer, detokenizer, Triton) and the engine core.
+"""The messages between the stub side (tokenizer, detokenizer, Triton) and the engine core.
 
 They cross a process boundary once per request (`EngineCoreRequest`) and once per engine step
 (`EngineCoreOutputs`), so the per-step message is columnar: one object whose fields are lists with a
@@ -19,9 +19,9 @@ from paged_llm.sampling_params import SamplingParams
 
 @dataclass
 class EngineCoreInfo:
-    """What the core tells the front end once the model is loaded and the KV pool sized."""
+    """What the core tells the stub once the model is loaded and the KV pool sized."""
 
-    model_dir: str  # the resolved checkpoint directory (the front end loads its tokenizer from here)
+    model_dir: str  # the resolved checkpoint directory (the stub loads its tokenizer from here)
     architecture: str  # e.g. Qwen3ForCausalLM
     vocab_size: int  # token ids must be in [0, vocab_size)
     max_model_len: int  # prompt + output tokens of one sequence (lowered to what the pool holds)
@@ -44,10 +44,10 @@ class CoreStartupFailed:
 class EngineCoreRequest:
     """One client request (it may fan out to `params.n` sequences)."""
 
-    request_id: str  # unique among in-flight requests; chosen by the front end
+    request_id: str  # unique among in-flight requests; chosen by the stub
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float  # time.monotonic() when the front end accepted it (shared clock on Linux)
+    arrival_time: float  # time.monotonic() when the stub accepted it (shared clock on Linux)
     deadline: float | None = None  # time.monotonic() after which the core aborts it
     session: SessionTurn | None = None  # a turn of a session: the prompt is only the new tokens
 
@@ -74,41 +74,41 @@ class UtilityCall:
 
 @dataclass
 class Shutdown:
-    """From the front end that started the core: stop. From an attached one: it detaches."""
+    """From the stub that started the core: stop. From an attached one: it detaches."""
 
     reason: str = "shutdown requested"
 
 
 @dataclass
-class AttachFrontEnd:
-    """The first message of a further front end (another Triton instance of the same model on the
-    same device) that shares a running core instead of starting its own (engine/front_ends.py)."""
+class AttachStub:
+    """The first message of a further stub (another Triton instance of the same model on the
+    same device) that shares a running core instead of starting its own (engine/stub_links.py)."""
 
     pid: int
 
 
 @dataclass
-class FrontEndAttached:
-    """The core's answer to AttachFrontEnd: the attached front end's request ids start with
+class StubAttached:
+    """The core's answer to AttachStub: the attached stub's request ids start with
     `request_id_prefix`, which is how the core routes their outputs back to it."""
 
     info: EngineCoreInfo
-    front_end_id: int  # >= 1; the front end that started the core is 0
+    stub_id: int  # >= 1; the stub that started the core is 0
 
     @property
     def request_id_prefix(self) -> str:
-        return f"{self.front_end_id}:"
+        return f"{self.stub_id}:"
 
 
 @dataclass
-class AbortFrontEnd:
-    """An attached front end went away: end every request whose id starts with `request_id_prefix`."""
+class AbortStub:
+    """An attached stub went away: end every request whose id starts with `request_id_prefix`."""
 
     request_id_prefix: str
     reason: str
 
 
-CoreInput = EngineCoreRequest | AbortRequest | UtilityCall | AbortFrontEnd | Shutdown
+CoreInput = EngineCoreRequest | AbortRequest | UtilityCall | AbortStub | Shutdown
 
 
 @dataclass
@@ -121,7 +121,7 @@ class FinishedSequence:
 
 @dataclass
 class CoreError:
-    """Why a request failed inside the core; the front end turns `kind` into a typed error."""
+    """Why a request failed inside the core; the stub turns `kind` into a typed error."""
 
     kind: str  # "invalid_arg" | "unavailable" | "not_found" | "aborted" | "internal"
     message: str

@@ -1,6 +1,6 @@
-"""Length-prefixed pickle frames over a connected stream socket (the front end <-> engine core link).
+"""Length-prefixed pickle frames over a connected stream socket (the stub <-> engine core link).
 
-A socketpair made by the front end; the core process inherits one end. Measured against pyzmq (PAIR
+A socketpair made by the stub; the core process inherits one end. Measured against pyzmq (PAIR
 over ipc://) and multiprocessing's Pipe with step-sized messages (scripts/bench_ipc.py,
 docs/benchmarks.md): all three cost far less than a decode step (tens of thousands of messages/s,
 round trips of 0.1-0.3 ms on a 2-core VM) and none wins everywhere. The socketpair is kept because
@@ -9,7 +9,7 @@ no dependency, and the kernel closes it when either process dies, so each side s
 
     frame:  [ payload length: 8 bytes, little endian ][ pickle protocol 5 payload ]
 
-A front end that attaches to a shared core (engine/front_ends.py) reaches it over a Unix socket
+A stub that attaches to a shared core (engine/stub_links.py) reaches it over a Unix socket
 instead; there the first pickled frame is read only after the core's gate let the peer in
 (engine/attach_gate.py): `pickle.loads` runs whatever the bytes say, so no unauthenticated byte
 ever reaches `recv`.

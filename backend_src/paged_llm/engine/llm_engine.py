@@ -6,7 +6,7 @@
     while engine.has_unfinished_requests():
         for output in engine.step(): ...             # RequestOutputs: text deltas, finish reasons
 
-It is the front end (tokenizer, OutputProcessor) on top of an engine core client. Serving uses the
+It is the stub side (tokenizer, OutputProcessor) without Triton, over an engine core client. Serving uses the
 same pieces through engine/async_llm.py.
 """
 

@@ -28,7 +28,7 @@ class LoadedModel:
     device: Device
     runner: ModelRunner  # weights loaded, KV pool allocated, graphs captured
     draft_runner: ModelRunner | None  # the draft model of speculative decoding, likewise
-    info: EngineCoreInfo  # what front ends learn about the engine (max_model_len as the pool allows)
+    info: EngineCoreInfo  # what stubs learn about the engine (max_model_len as the pool allows)
     prefix_cache_salt: bytes  # block hashes differ per checkpoint and dtype
 
 

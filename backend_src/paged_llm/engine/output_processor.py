@@ -1,4 +1,4 @@
-"""The front end's per-request state: token ids from the engine core in, text deltas out.
+"""The stub's per-request state: token ids from the engine core in, text deltas out.
 
 For every request it keeps the n sequences' incremental detokenizers, stop-string matchers, logprob
 text and what each produced since its last RequestOutput. A stop string that matches ends the
@@ -87,7 +87,7 @@ class _SequenceState:
 
 @dataclass
 class RequestState:
-    """One client request as the front end sees it."""
+    """One client request as the stub sees it."""
 
     request_id: str
     core_request_id: str  # the id the engine core knows it by (unique for the processor's lifetime)
@@ -119,7 +119,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._by_core_id: dict[str, RequestState] = {}
         self._core_ids = itertools.count()
-        self.core_id_prefix = ""  # a core shared by several front ends routes outputs by it
+        self.core_id_prefix = ""  # a core shared by several stubs routes outputs by it
 
     def add_request(
         self,

@@ -43,6 +43,6 @@ class RequestOutput:
     sequences: list[SequenceDelta]  # only sequences with something new
     finished: bool  # all sequences finished: this is the request's last output
     error: BaseException | None = None  # set when the request failed (validation, fault, shutdown)
-    num_steps: int = 1  # engine steps this output covers, at most (more when the front end lagged)
+    num_steps: int = 1  # engine steps this output covers, at most (more when the stub lagged)
     # On the first output of a session's turn whose history was truncated: the tokens dropped.
     history_truncated_tokens: int | None = None

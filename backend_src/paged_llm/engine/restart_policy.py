@@ -1,9 +1,9 @@
-"""When the serving front end restarts a dead engine core, and when it gives up (engine/async_llm.py).
+"""When the stub restarts a dead engine core, and when it gives up (engine/async_llm.py).
 
 Every failure (a core that died, or a restart that did not come up) is counted; while at most
 `max_restarts` failures fall within the last `window_s`, the core is started again after a backoff
 that doubles with each failure in the window (base_delay_s, 2x, 4x, ... up to max_delay_s). One
-more failure within the window and the front end gives up: the Triton stub then exits non-zero so
+more failure within the window and the stub gives up: it then exits non-zero so
 that the launcher stops the server (a crash loop is a supervisor's problem, not a silent outage).
 """
 

@@ -5,7 +5,7 @@ listening socket and a secret.
         <key>.lock    held (flock) by the core process for as long as it lives: whoever takes it
                       starts the core, the others attach
         <key>.sock    the core's listening Unix socket
-        <key>.key     SECRET_BYTES random bytes, mode 0600, that an attaching front end sends first
+        <key>.key     SECRET_BYTES random bytes, mode 0600, that an attaching stub sends first
 
 `<key>` is a digest of the share name (a Unix socket path has at most 107 bytes). The runtime dir is
 `$PAGED_LLM_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR`, else the temporary directory. A filesystem socket

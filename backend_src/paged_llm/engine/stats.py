@@ -1,8 +1,8 @@
-"""Counters and latency observations of the front end; triton_model/metrics.py turns them into metrics.
+"""Counters and latency observations of the stub; triton_model/metrics.py turns them into metrics.
 
 Written by whoever processes engine outputs (the output thread); the metrics thread reads
 `snapshot()` / `drain_observations()`, which copy under a lock, so it never sees half an update.
-Latencies are what a client sees: from the front end's arrival time to the token's processing here.
+Latencies are what a client sees: from the stub's arrival time to the token's processing here.
 
 The core's own figures (scheduler and session stats, step faults, GC pauses) arrive with its outputs.
 When the core dies (`on_core_lost`) its gauges read 0 until a restarted core reports, and its
@@ -52,7 +52,7 @@ class StatsSnapshot:
     spec_num_draft_tokens: int = 0  # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
     engine_up: bool = True  # the engine core is serving (False: dead, restarting or given up)
-    owns_core: bool = True  # False: a core shared with another front end, which reports its figures
+    owns_core: bool = True  # False: a core shared with another stub, which reports its figures
     num_streamed_responses: int = 0  # non-empty streamed responses sent
     num_streamed_response_tokens: int = 0  # the tokens they carried
     num_observations_dropped: int = 0  # past MAX_PENDING_OBSERVATIONS (histograms fell behind)
@@ -116,7 +116,7 @@ class EngineStats:
 
     def on_core_lost(self, counted_its_totals: bool) -> None:
         """The engine core died: its gauges (running, waiting, KV, open sessions) read 0 from now.
-        `counted_its_totals`: this front end reported that core's figures (its owner), so they
+        `counted_its_totals`: this stub reported that core's figures (its owner), so they
         become the base the next core's totals add to."""
         with self._lock:
             if counted_its_totals:

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from paged_llm.launcher.launch import port_bind_error
 from paged_llm.openai.app import create_app
 from paged_llm.openai.settings import OpenAISettings
 from paged_llm.openai.workers import LOG_FORMAT, run_workers
-from paged_llm.tools.launch import port_bind_error
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
 _SETTINGS_ENV = "PAGED_LLM_OPENAI_SETTINGS"

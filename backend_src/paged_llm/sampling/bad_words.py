@@ -15,7 +15,7 @@ from paged_llm.sampling_params import SamplingParams
 
 
 def with_bad_words_tokenized(params: SamplingParams, tokenize: Callable[[str], list[int]]) -> SamplingParams:
-    """`params` with `bad_words_token_ids` filled from `bad_words` (the engine's front end calls it)."""
+    """`params` with `bad_words_token_ids` filled from `bad_words` (the stub calls it)."""
     if not params.bad_words:
         return params
     sequences: list[tuple[int, ...]] = []

@@ -1,7 +1,7 @@
 """The logprobs the sampler reports for one sampled position, as the host sees them.
 
-Torch-free on purpose: the message to the front end (engine/core_types.py) carries it, and the front
-end process unpickles it without importing the sampler.
+Torch-free on purpose: the message to the stub (engine/core_types.py) carries it, and the stub
+process unpickles it without importing the sampler.
 """
 
 from __future__ import annotations

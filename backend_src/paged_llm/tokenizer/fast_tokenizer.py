@@ -1,6 +1,6 @@
-"""The front end's tokenizer: the checkpoint's `tokenizer.json` through the `tokenizers` library alone.
+"""The stub's tokenizer: the checkpoint's `tokenizer.json` through the `tokenizers` library alone.
 
-Why not transformers' AutoTokenizer: the front end runs in Triton's stub, which needs numpy < 2, and
+Why not transformers' AutoTokenizer: it runs in Triton's stub, which needs numpy < 2, and
 a current transformers imports scikit-learn and SciPy on the way to AutoTokenizer, which need
 numpy >= 2 (seen on the GPU hosts). `tokenizers` needs neither numpy nor torch, and for a
 `tokenizer.json` checkpoint it is what AutoTokenizer's fast tokenizer runs underneath; the tests
@@ -64,7 +64,7 @@ class FastTokenizer:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def load_front_end_tokenizer(model_dir: Path) -> Any:
+def load_stub_tokenizer(model_dir: Path) -> Any:
     """FastTokenizer where the checkpoint has a tokenizer.json; else HF's AutoTokenizer."""
     if (Path(model_dir) / "tokenizer.json").is_file():
         return FastTokenizer(model_dir)

@@ -2,7 +2,7 @@
 
 A request carrying the parameter HEALTH_PROBE_PARAMETER is never parsed, tokenized, counted in the
 request metrics or sent to the engine: it gets one FINAL response at once, empty while the engine
-serves (its core up, this front end not stopping), or UNAVAILABLE with the reason while it does not
+serves (its core up, this stub not stopping), or UNAVAILABLE with the reason while it does not
 (the core died and is being restarted, gave up, or the model is shutting down). A dead stub is
 refused by Triton itself ("Stub process ... is not healthy"), so every state has its answer.
 """

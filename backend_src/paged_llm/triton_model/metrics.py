@@ -45,9 +45,9 @@ class TritonMetrics:
         reports_engine_state: bool = True,
         max_model_len: int = 4096,
     ) -> None:
-        """`reports_engine_state` False: a front end that shares another's engine core leaves the
+        """`reports_engine_state` False: a stub that shares another's engine core leaves the
         core's own figures (running, waiting, KV usage, prefix cache, preemptions, engine up) to
-        that one; every front end counts its own requests, tokens and responses (Triton adds them
+        that one; every stub counts its own requests, tokens and responses (Triton adds them
         up). After a restart of the core its new owner reports them (the stats' `owns_core`)."""
         self._stats = stats
         self._reports_engine_state = reports_engine_state
@@ -87,7 +87,7 @@ class TritonMetrics:
         with self._lock:
             snapshot = self._stats.snapshot()
             reports_engine_state = self._reports_engine_state and snapshot.owns_core
-            # (a gauge of several front ends adds up their increments: only the owner's counts)
+            # (a gauge of several stubs adds up their increments: only the owner's counts)
             self._engine_up.set(1.0 if reports_engine_state and snapshot.engine_up else 0.0)
             if reports_engine_state:
                 self._update_engine_state(snapshot)

@@ -12,7 +12,7 @@ Even then, Triton 2.51 cannot unload a model while a client still holds a gRPC s
 later releases, server#7969): it waits --exit-timeout-secs, "exits immediately" and hangs in its
 teardown. So after ending its requests the model also stops its engine core at once (the device
 memory is free within a second) and, if Triton has not finalized it by the exit timeout, the stub
-leaves on its own. `paged_llm.tools.launch serve` kills a server that hangs after that.
+leaves on its own. `paged_llm.launcher.launch serve` kills a server that hangs after that.
 
 If the server dies outright (SIGKILL), the stub's own exit path can hang for good: its cleanup waits
 on messages that no longer have a receiver (seen with threads blocked in is_cancelled()).

@@ -62,7 +62,7 @@ def ignore_ctrl_c() -> None:
 def exit_for_the_launcher(reason: str) -> None:
     """AsyncLLM gave up on its engine core (restarted too often): a stub that cannot serve must not
     look alive. Triton 2.51 keeps the model READY after its stub exits, which is exactly what the
-    launcher's stub watch reports: it stops the server and exits non-zero (tools/stub_watch.py)."""
+    launcher's stub watch reports: it stops the server and exits non-zero (launcher/stub_watch.py)."""
     print(f"paged_llm: {reason}; the stub exits ({GAVE_UP_EXIT_STATUS})", file=sys.stderr, flush=True)
     os._exit(GAVE_UP_EXIT_STATUS)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_llm.tools.procfs import processes, read_proc
+from paged_llm.launcher.procfs import processes, read_proc
 
 STUB_NAME = "triton_python_backend_stub"
 

@@ -10,13 +10,13 @@ tritonserver can also die on its own of a dead stub: a stub killed while it hold
 shared-memory region makes Triton 2.51 abort (`boost::interprocess::lock_exception`, SIGABRT), so
 the launcher then exits with 134 instead of DEAD_STUB_EXIT_STATUS; both are failures to restart on.
 
-With `http_url`, the stubs below the server are watched (tools/stub_watch.py): a stub that dies
+With `http_url`, the stubs below the server are watched (launcher/stub_watch.py): a stub that dies
 while Triton still calls its model ready stops the server the same way, and the exit status is
 then DEAD_STUB_EXIT_STATUS, so that a supervisor (systemd, Kubernetes) restarts it.
 
 The shared-memory regions of the server's stubs (seen every STUB_CHECK_INTERVAL_S) are removed once
 the server has exited and nothing uses them: Triton leaves them in /dev/shm when it is killed or
-exits with a model it never finished unloading (tools/shm_regions.py).
+exits with a model it never finished unloading (launcher/shm_regions.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from paged_llm.tools.procfs import descendants
-from paged_llm.tools.shm_regions import remove_unused_regions, stub_regions
-from paged_llm.tools.stub_watch import StubWatch
+from paged_llm.launcher.procfs import descendants
+from paged_llm.launcher.shm_regions import remove_unused_regions, stub_regions
+from paged_llm.launcher.stub_watch import StubWatch
 
 KILL_MARGIN_S = 2.0  # after the server's own exit timeout
 STUB_CHECK_INTERVAL_S = 1.0

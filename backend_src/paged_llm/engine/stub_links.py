@@ -1,4 +1,4 @@
-"""The engine core's side of its front ends: one that started it, and any that attached later.
+"""The engine core's side of its stubs: one that started it, and any that attached later.
 
 Triton's Python backend sends a model instance's responses from that instance's stub process, and
 one stub sends at most ~7,000-8,000 responses/s (measured on an H100 host: at 64 streams and
@@ -6,19 +6,19 @@ one stub sends at most ~7,000-8,000 responses/s (measured on an H100 host: at 64
 of the `llm` model (`instance_group { count: N }`) share one engine core on a device: the first one
 starts the core process with a listening socket (engine/core_process_client.py: `connect_engine_core`),
 the others connect to it, and each that the gate lets in (only processes of the same server that
-hold the share's secret) is a front end with its own requests:
+hold the share's secret) is a stub with its own requests:
 
-    front end 0 (started the core) ──socketpair───────────┐
-    front end 1 ──unix socket──> gate (attach_gate.py) ──┐ │
-    front end 2 ──unix socket──> gate ───────────────────┼─┴─> inbox ─> busy loop ─> publish(outputs)
+    stub 0 (started the core) ──socketpair────────────────┐
+    stub 1 ───────unix socket──> gate (attach_gate.py) ──┐ │
+    stub 2 ───────unix socket──> gate ───────────────────┼─┴─> inbox ─> busy loop ─> publish(outputs)
                                                          │                              │ by request id
                                                          └────────── frames <───────────┘
 
-An attached front end's request ids start with "<front_end_id>:" (front end 0's have no colon),
-which is all the routing needs: each step's outputs are split by that prefix, and a front end
-gets a frame only when it has news (front end 0 gets every step's, with the scheduler stats).
-A front end that detaches (Shutdown) or goes away (EOF) has its requests aborted; the core stops
-only when front end 0 asks (its stub is the core's parent).
+An attached stub's request ids start with "<stub_id>:" (stub 0's have no colon),
+which is all the routing needs: each step's outputs are split by that prefix, and a stub
+gets a frame only when it has news (stub 0 gets every step's, with the scheduler stats).
+A stub that detaches (Shutdown) or goes away (EOF) has its requests aborted; the core stops
+only when stub 0 asks (it is the core's parent).
 """
 
 from __future__ import annotations
@@ -31,26 +31,26 @@ from dataclasses import replace
 
 from paged_llm.engine.attach_gate import AttachGate
 from paged_llm.engine.core_types import (
-    AbortFrontEnd,
     AbortRequest,
-    AttachFrontEnd,
+    AbortStub,
+    AttachStub,
     CoreInput,
     EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FrontEndAttached,
     Shutdown,
+    StubAttached,
     UtilityCall,
 )
 from paged_llm.engine.ipc import FramedSocket, encode_frame
 
 logger = logging.getLogger(__name__)
-ATTACH_TIMEOUT_S = 10.0  # a connection that does not say AttachFrontEnd by then is dropped
-_FIRST_FORWARDED_CALL_ID = 1 << 40  # utility calls of attached front ends, renumbered above this
+ATTACH_TIMEOUT_S = 10.0  # a connection that does not say AttachStub by then is dropped
+_FIRST_FORWARDED_CALL_ID = 1 << 40  # utility calls of attached stubs, renumbered above this
 
 
-def front_end_of(request_id: str) -> int:
-    """0 for the front end that started the core, N for request ids "N:..."."""
+def stub_of(request_id: str) -> int:
+    """0 for the stub that started the core, N for request ids "N:..."."""
     prefix, colon, _ = request_id.partition(":")
     return int(prefix) if colon and prefix.isdigit() else 0
 
@@ -58,16 +58,16 @@ def front_end_of(request_id: str) -> int:
 def split_outputs(
     outputs: EngineCoreOutputs, call_routes: dict[int, tuple[int, int]]
 ) -> dict[int, EngineCoreOutputs]:
-    """One EngineCoreOutputs per front end that has news in `outputs` (front end 0 always gets one:
-    it carries the step's scheduler stats). `call_routes`: the core's utility call id -> (front
-    end, that front end's own call id); calls not in it are front end 0's."""
+    """One EngineCoreOutputs per stub that has news in `outputs` (stub 0 always gets one:
+    it carries the step's scheduler stats). `call_routes`: the core's utility call id -> (stub, that
+    stub's own call id); calls not in it are stub 0's."""
 
     parts: dict[int, EngineCoreOutputs] = {}
 
-    def part(front_end: int) -> EngineCoreOutputs:
-        found = parts.get(front_end)
+    def part(stub: int) -> EngineCoreOutputs:
+        found = parts.get(stub)
         if found is None:
-            found = parts[front_end] = EngineCoreOutputs(
+            found = parts[stub] = EngineCoreOutputs(
                 scheduler_stats=outputs.scheduler_stats,
                 session_stats=outputs.session_stats,
                 num_step_faults=outputs.num_step_faults,
@@ -78,7 +78,7 @@ def split_outputs(
 
     part(0)
     for row, request_id in enumerate(outputs.request_ids):
-        target = part(front_end_of(request_id))
+        target = part(stub_of(request_id))
         logprobs = outputs.logprobs.get(row)
         if logprobs is not None:
             target.logprobs[target.num_rows] = logprobs
@@ -86,20 +86,20 @@ def split_outputs(
         target.seq_indices.append(outputs.seq_indices[row])
         target.new_token_ids.append(outputs.new_token_ids[row])
     for finished in outputs.finished_sequences:
-        part(front_end_of(finished.request_id)).finished_sequences.append(finished)
+        part(stub_of(finished.request_id)).finished_sequences.append(finished)
     for request in outputs.finished_requests:
-        part(front_end_of(request.request_id)).finished_requests.append(request)
+        part(stub_of(request.request_id)).finished_requests.append(request)
     for request_id, num_dropped in outputs.history_truncated.items():
-        part(front_end_of(request_id)).history_truncated[request_id] = num_dropped
+        part(stub_of(request_id)).history_truncated[request_id] = num_dropped
     for call_id, result in outputs.utility_results.items():
-        front_end, own_call_id = call_routes.get(call_id, (0, call_id))
-        part(front_end).utility_results[own_call_id] = result
+        stub, own_call_id = call_routes.get(call_id, (0, call_id))
+        part(stub).utility_results[own_call_id] = result
     return parts
 
 
 class LinkPublisher:
-    """Sends frames to one front end without blocking the busy loop: a non-blocking send, and only
-    what does not fit in the socket buffer (the front end is behind) goes to a writer thread, with
+    """Sends frames to one stub without blocking the busy loop: a non-blocking send, and only
+    what does not fit in the socket buffer (the stub is behind) goes to a writer thread, with
     later frames queued behind it in order."""
 
     def __init__(self, link: FramedSocket) -> None:
@@ -113,7 +113,7 @@ class LinkPublisher:
 
     def publish(self, outputs: EngineCoreOutputs) -> None:
         if self.broken:
-            return  # the front end is gone; its reader sees EOF
+            return  # the stub is gone; its reader sees EOF
         frame: bytes | memoryview = encode_frame(outputs)
         with self._lock:
             if self._num_queued == 0:
@@ -142,9 +142,9 @@ class LinkPublisher:
                 self._num_queued -= 1
 
 
-class FrontEnds:
-    """Every front end of one core: `publish` routes a step's outputs; `accept_from` serves a
-    listening socket on which further front ends attach (started once the core is ready)."""
+class StubLinks:
+    """Every stub of one core: `publish` routes a step's outputs; `accept_from` serves a
+    listening socket on which further stubs attach (started once the core is ready)."""
 
     def __init__(
         self, first: FramedSocket, inbox: queue.SimpleQueue[CoreInput], info: EngineCoreInfo
@@ -155,12 +155,12 @@ class FrontEnds:
         self._attached: dict[int, LinkPublisher] = {}
         self._call_routes: dict[int, tuple[int, int]] = {}  # see split_outputs
         self._lock = threading.Lock()
-        self._front_end_ids = itertools.count(1)
+        self._stub_ids = itertools.count(1)
         self._call_id_counter = itertools.count(_FIRST_FORWARDED_CALL_ID)
 
     # ---------------------------------------------------------------------------- busy loop
     def publish(self, outputs: EngineCoreOutputs) -> None:
-        if not self._attached:  # one front end: no splitting
+        if not self._attached:  # one stub: no splitting
             self._first.publish(outputs)
             return
         with self._lock:
@@ -168,8 +168,8 @@ class FrontEnds:
             parts = split_outputs(outputs, self._call_routes)
             for call_id in outputs.utility_results:
                 self._call_routes.pop(call_id, None)
-        for front_end, part in parts.items():
-            publisher = self._first if front_end == 0 else attached.get(front_end)
+        for stub, part in parts.items():
+            publisher = self._first if stub == 0 else attached.get(stub)
             if publisher is not None:
                 publisher.publish(part)
 
@@ -179,61 +179,61 @@ class FrontEnds:
         for publisher in publishers:
             publisher.close(timeout_s)
 
-    # ------------------------------------------------------------------ attached front ends
+    # ------------------------------------------------------------------ attached stubs
     def accept_from(self, gate: AttachGate) -> None:
-        """Front ends that the gate let in (engine/attach_gate.py) attach from now on."""
+        """Stubs that the gate let in (engine/attach_gate.py) attach from now on."""
         gate.serve_with(self._serve)
 
     def _serve(self, link: FramedSocket) -> None:
-        """One attached front end: handshake, then its inputs until it detaches or goes away."""
+        """One attached stub: handshake, then its inputs until it detaches or goes away."""
         try:
             hello = link.recv(ATTACH_TIMEOUT_S)
         except (EOFError, OSError):
             hello = None
-        if not isinstance(hello, AttachFrontEnd):
+        if not isinstance(hello, AttachStub):
             logger.warning("dropped a connection to the engine core that did not attach (%r)", hello)
             link.close()
             return
-        front_end_id = next(self._front_end_ids)
-        prefix = f"{front_end_id}:"
+        stub_id = next(self._stub_ids)
+        prefix = f"{stub_id}:"
         publisher = LinkPublisher(link)
         try:
-            link.send(FrontEndAttached(self._info, front_end_id))
+            link.send(StubAttached(self._info, stub_id))
         except OSError:
             link.close()
             return
         with self._lock:
-            self._attached[front_end_id] = publisher
-        logger.info("front end %d (pid %d) attached to the engine core", front_end_id, hello.pid)
+            self._attached[stub_id] = publisher
+        logger.info("front end %d (pid %d) attached to the engine core", stub_id, hello.pid)
         reason = "the front end detached"
         try:
             while True:
                 item = link.recv()
                 if isinstance(item, Shutdown):
                     break
-                forwarded = self._check(item, front_end_id, prefix)
+                forwarded = self._check(item, stub_id, prefix)
                 if forwarded is not None:
                     self._inbox.put(forwarded)
         except (EOFError, OSError) as error:
             reason = f"the front end went away ({error})"
         with self._lock:
-            self._attached.pop(front_end_id, None)
-        self._inbox.put(AbortFrontEnd(prefix, reason))
+            self._attached.pop(stub_id, None)
+        self._inbox.put(AbortStub(prefix, reason))
         publisher.close(timeout_s=1.0)
         link.close()
-        logger.info("front end %d left the engine core: %s", front_end_id, reason)
+        logger.info("front end %d left the engine core: %s", stub_id, reason)
 
-    def _check(self, item: object, front_end_id: int, prefix: str) -> CoreInput | None:
-        """What an attached front end may send, with its utility call ids renumbered."""
+    def _check(self, item: object, stub_id: int, prefix: str) -> CoreInput | None:
+        """What an attached stub may send, with its utility call ids renumbered."""
         if isinstance(item, EngineCoreRequest | AbortRequest):
             if item.request_id.startswith(prefix):
                 return item
-            logger.error("front end %d sent request id %r without its prefix", front_end_id, item.request_id)
+            logger.error("front end %d sent request id %r without its prefix", stub_id, item.request_id)
             return None
         if isinstance(item, UtilityCall):
             call_id = next(self._call_id_counter)
             with self._lock:
-                self._call_routes[call_id] = (front_end_id, item.call_id)
+                self._call_routes[call_id] = (stub_id, item.call_id)
             return replace(item, call_id=call_id)
-        logger.error("front end %d sent an unexpected %s", front_end_id, type(item).__name__)
+        logger.error("front end %d sent an unexpected %s", stub_id, type(item).__name__)
         return None

@@ -10,8 +10,8 @@ fixture and the benchmark scripts start it the same way:
 * perf_analyzer's libraries: `libcudart.so.12` from the `nvidia-cuda-runtime-cu12` wheel and, when
   Debian's libb64-0d is missing, the copy of libb64 bundled in the pytriton wheel.
 
-Usage: `python -m paged_llm.tools.launch prepare` or
-`python -m paged_llm.tools.launch serve [--model-repository DIR] [--http-port N] ...`.
+Usage: `python -m paged_llm.launcher.launch prepare` or
+`python -m paged_llm.launcher.launch serve [--model-repository DIR] [--http-port N] ...`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from paged_llm.launcher import private_files, triton_args
+from paged_llm.launcher.guard_process import guarded_ports, start_guard, stop_guard
+from paged_llm.launcher.supervise import run_supervised
 from paged_llm.paths import model_repository_template, paged_llm_home
-from paged_llm.tools import private_files, triton_args
-from paged_llm.tools.guard_process import guarded_ports, start_guard, stop_guard
-from paged_llm.tools.supervise import run_supervised
 
 
 def _site_packages() -> Path:
@@ -73,7 +73,7 @@ _BACKEND_LAYOUT = "p1"
 # 2-core machine, against ~20 us for an INT32 one). Same bytes out, for object arrays only.
 _FAST_SERIALIZE = """
 
-# --- added by paged_llm (paged_llm.tools.launch.prepare_backend_dir) ---
+# --- added by paged_llm (paged_llm.launcher.launch.prepare_backend_dir) ---
 _nditer_serialize_byte_tensor = serialize_byte_tensor
 
 
@@ -189,7 +189,7 @@ def server_command(
 ) -> list[str]:
     """The tritonserver command line; binds every endpoint to `address` (loopback by default), but
     the `guarded` ones ("http", "metrics") to 127.0.0.1: the HTTP guard serves them on `address`
-    (tools/guard_process.py). It runs through private_files.py: what the server's processes create
+    (launcher/guard_process.py). It runs through private_files.py: what the server's processes create
     is theirs alone (umask 077, the Python backend's shared memory 0600)."""
     http_address = "127.0.0.1" if "http" in guarded else address
     metrics_address = "127.0.0.1" if "metrics" in guarded else address
@@ -233,7 +233,7 @@ _UNGUARDED_ENDPOINTS = ("sagemaker", "vertex-ai")
 
 def endpoint_disabled(extra_args: list[str], endpoint: str) -> bool:
     """True when a tritonserver argument list turns `endpoint` ("http", "grpc", "metrics") off, read
-    as tritonserver reads it (tools/triton_args.py): `--allow-metrics=false`, `--allow-metrics 0`,
+    as tritonserver reads it (launcher/triton_args.py): `--allow-metrics=false`, `--allow-metrics 0`,
     `--allow-met=off`; the last one wins. False for a list tritonserver would refuse."""
     try:
         options = triton_args.parse(extra_args)
@@ -395,7 +395,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_llm.tools.launch")
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.launcher.launch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="build the backend directory, tool libraries and the tiny model")
     serve = sub.add_parser("serve", help="run tritonserver on a model repository")
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "--http-max-body-bytes",
         type=int,
         default=64 * 1024 * 1024,
-        help="the HTTP guard answers 413 to a request body over this (tools/http_guard.py)",
+        help="the HTTP guard answers 413 to a request body over this (launcher/http_guard.py)",
     )
     serve.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Routing one engine step's outputs to the front ends that share the core (engine/front_ends.py)."""
+"""Routing one engine step's outputs to the front ends that share the core (engine/stub_links.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from paged_llm.engine.core_types import (
     FinishedRequest,
     FinishedSequence,
 )
-from paged_llm.engine.front_ends import front_end_of, split_outputs
+from paged_llm.engine.stub_links import split_outputs, stub_of
 from paged_llm.sampling.token_logprobs import TokenLogprobs
 
 
 def test_front_end_of_reads_the_prefix_and_defaults_to_the_first():
-    assert [front_end_of(i) for i in ("7", "1:7", "12:0", "x:3", ":4")] == [0, 1, 12, 0, 0]
+    assert [stub_of(i) for i in ("7", "1:7", "12:0", "x:3", ":4")] == [0, 1, 12, 0, 0]
 
 
 def test_split_outputs_routes_rows_finishes_logprobs_and_utility_results():
@@ -39,7 +39,7 @@ def test_split_outputs_routes_rows_finishes_logprobs_and_utility_results():
         [0, 1],
         [12, 13],
     )
-    assert parts[1].logprobs == {1: logprobs}  # row 2 of the step is row 1 of front end 1's part
+    assert parts[1].logprobs == {1: logprobs}  # row 2 of the step is row 1 of stub 1's part
     assert parts[1].finished_sequences == outputs.finished_sequences
     assert parts[2].finished_requests == outputs.finished_requests
     assert parts[2].utility_results == {0: (True, "theirs")}  # under the front end's own call id

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from paged_llm.tools.procfs import descendants
+from paged_llm.launcher.procfs import descendants
 
 SHM_DIR = Path("/dev/shm")
 SHM_REGION_GLOB = "triton_python_backend_shm_region_*"

@@ -1,4 +1,4 @@
-"""Puts the HTTP guard (tools/http_guard.py) in front of tritonserver's HTTP and metrics ports.
+"""Puts the HTTP guard (launcher/http_guard.py) in front of tritonserver's HTTP and metrics ports.
 
 Clients reach the public ports on the launcher's --address; tritonserver binds its HTTP and metrics
 endpoints to ports of its own on 127.0.0.1 (gRPC stays public: a body of any size or type there
@@ -23,7 +23,7 @@ from typing import Any
 
 from paged_llm.processes import parent_death_signal
 
-# The guard's body cap (tools/http_guard.py). Here, not there: starting the guard must not need
+# The guard's body cap (launcher/http_guard.py). Here, not there: starting the guard must not need
 # httptools in the launcher's own environment (the guard process imports it).
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -68,7 +68,7 @@ def guard_command(
     address: str, ports: GuardedPorts, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> list[str]:
     host = f"[{address}]" if ":" in address else address
-    command = [sys.executable, "-m", "paged_llm.tools.http_guard", "--max-body-bytes", str(max_body_bytes)]
+    command = [sys.executable, "-m", "paged_llm.launcher.http_guard", "--max-body-bytes", str(max_body_bytes)]
     for name in ports.guarded:
         command += ["--listen", f"{host}:{getattr(ports.public, name)}={getattr(ports.triton, name)}"]
     return command

@@ -24,7 +24,7 @@ a chunked body re-chunked) over one upstream connection per client connection, a
 come back byte for byte as Triton sends them (streamed SSE responses included), with flow control
 both ways.
 
-`python -m paged_llm.tools.http_guard --listen HOST:PORT=UPSTREAM_PORT [--listen ...]`; prints
+`python -m paged_llm.launcher.http_guard --listen HOST:PORT=UPSTREAM_PORT [--listen ...]`; prints
 "listening" once every port is bound.
 """
 
@@ -37,7 +37,7 @@ import sys
 
 import httptools
 
-from paged_llm.tools.guard_process import DEFAULT_MAX_BODY_BYTES
+from paged_llm.launcher.guard_process import DEFAULT_MAX_BODY_BYTES
 
 MAX_HEAD_BYTES = 64 * 1024
 RETRY_AFTER_S = 5
@@ -383,7 +383,7 @@ def parse_listen(value: str) -> tuple[str, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_llm.tools.http_guard")
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.launcher.http_guard")
     parser.add_argument("--listen", type=parse_listen, action="append", required=True)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     args = parser.parse_args(argv)
