@@ -96,7 +96,7 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._streams: ResponseStreams | None = None
         # Several instances of this model (instance_group count) on one device share one engine
-        # core: the first to get here starts it, the others attach (engine/front_ends.py). One
+        # core: the first to get here starts it, the others attach (engine/stub_links.py). One
         # instance keeps a core of its own, so an in-place reload (the new model loads while the
         # old one still serves) never finds the old core under the shared name.
         num_instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
