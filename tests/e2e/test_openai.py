@@ -618,11 +618,21 @@ def _open_long_stream(base_url: str, model: str) -> tuple[http.client.HTTPConnec
 
 def test_admission_policy_reject_answers_503_with_retry_after_and_runs_nothing(admission):
     server, base_url = admission
-    connection, _ = _open_long_stream(base_url, "llm_reject")
     labels = {"model": "llm_reject"}
+    generated_at_start = value(server.metrics(), "paged_llm_generation_tokens_total", **labels)
+    connection, _ = _open_long_stream(base_url, "llm_reject")
     try:
-        # The stub refreshes its metrics every 0.5 s: read them once they show the long stream.
-        assert wait_for(lambda: value(server.metrics(), "paged_llm_num_requests_running", **labels) == 1)
+        # The stub refreshes its metrics every 0.5 s: read them once they show the long stream
+        # running and its first token counted (its prompt tokens are counted with that token, so
+        # the prompt counter no longer moves for it).
+        def long_stream_counted() -> bool:
+            text = server.metrics()
+            return (
+                value(text, "paged_llm_num_requests_running", **labels) == 1
+                and value(text, "paged_llm_generation_tokens_total", **labels) > generated_at_start
+            )
+
+        assert wait_for(long_stream_counted)
         before = server.metrics()
         status, answer, headers = post(
             base_url, "/v1/completions", {"model": "llm_reject", "prompt": "x"}, None
