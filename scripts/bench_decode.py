@@ -266,7 +266,7 @@ def main() -> None:
     card = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     copy_gb_per_s = copy_bandwidth_gb_per_s(engine.core.device.torch_device)
     run_batch(engine, 1, 16, 8, args.seed)  # warm-up
-    # As the served engine core does (engine/core_process.py): what lives as long as the process
+    # As the served engine core does (engine/engine_core/process.py): what lives as long as the process
     # stays out of later collections, so a full collection walks only what the steps create. The
     # GC column reports the pauses that still fall inside the timed steps.
     gc.collect()

@@ -381,7 +381,7 @@ _SERVER_TTFT = re.compile(
 
 
 def _server_ttft(server: Any) -> tuple[float, float] | None:
-    """(sum of seconds, count) of the front ends' time-to-first-token histogram: from a request's
+    """(sum of seconds, count) of the stubs' time-to-first-token histogram: from a request's
     arrival in a stub's execute() to its first token processed there (all series added up)."""
     if server is None:
         return None
@@ -695,7 +695,7 @@ def main() -> int:
     parser.add_argument(
         "--profile-stub",
         type=Path,
-        help="with --launch: py-spy the Triton stub (the front end) during the first run, GIL holders "
+        help="with --launch: py-spy the Triton stub during the first run, GIL holders "
         "only; writes a speedscope JSON here",
     )
     parser.add_argument("--json", type=Path, help="write every result here")
@@ -718,7 +718,7 @@ def main() -> int:
         print(f"starting tritonserver on {args.launch} (log: {log_path})", file=sys.stderr)
         server = start_server(args.launch.resolve(), log_path, timeout_s=1800.0)
     url = server.grpc_url if server else args.url
-    frontend = None
+    openai_server = None
     openai_url = args.openai_url
     if args.endpoint != "grpc" and openai_url is None:
         http_url = None
@@ -726,7 +726,7 @@ def main() -> int:
             if server is None and args.triton_http_url is None:
                 parser.error("--openai-transport http needs --triton-http-url (or --launch)")
             http_url = server.http_url if server else args.triton_http_url
-        frontend, openai_url = _start_openai_server(url, args.model, args.openai_workers, http_url)
+        openai_server, openai_url = _start_openai_server(url, args.model, args.openai_workers, http_url)
     try:
         if warmup:
             run_served(url, args.model, warmup, len(warmup), 1)
@@ -821,9 +821,9 @@ def main() -> int:
                         flush=True,
                     )
     finally:
-        if frontend is not None:
-            frontend.terminate()
-            frontend.wait(timeout=30)
+        if openai_server is not None:
+            openai_server.terminate()
+            openai_server.wait(timeout=30)
         if server is not None:
             server.stop()
     if args.compare_offline is not None:

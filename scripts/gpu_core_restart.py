@@ -52,7 +52,7 @@ def core_pids(server_pid: int) -> list[int]:
     found = []
     for pid in descendants(server_pid):
         cmdline = read_proc(pid, "cmdline") or b""
-        if b"paged_llm.engine.core_process" in cmdline:
+        if b"paged_llm.engine.engine_core.process" in cmdline:
             found.append(pid)
     return found
 

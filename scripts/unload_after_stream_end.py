@@ -106,7 +106,7 @@ def _processes_below(server: RunningServer) -> dict[str, Any]:
     """What runs below a server whose unload is stuck: its stubs (with RSS) and engine cores."""
     children = psutil.Process(server.process.pid).children(recursive=True)
     stubs = [p for p in children if "stub" in p.name()]
-    cores = [p for p in children if "paged_llm.engine.core_process" in " ".join(p.cmdline())]
+    cores = [p for p in children if "paged_llm.engine.engine_core.process" in " ".join(p.cmdline())]
     return {"stubs_rss_mib": [p.memory_info().rss >> 20 for p in stubs], "engine_cores": len(cores)}
 
 

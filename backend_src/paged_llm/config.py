@@ -227,7 +227,7 @@ class ServingConfig:
     # CANCELLED. Keep it well below tritonserver's --exit-timeout-secs: Triton does not count
     # decoupled requests as in flight and gives up on the model after that timeout.
     shutdown_grace_s: float = 1.0
-    # The Python interpreter of the engine core process ("" = the front end's own). The stub must
+    # The Python interpreter of the engine core process ("" = the stub's own). The stub must
     # run with numpy < 2 (Triton 2.51's stub reads every tensor wrong under numpy 2); the core does
     # not touch Triton, so it can run in the host's own environment, e.g. a GPU host's torch venv.
     engine_python: str = ""

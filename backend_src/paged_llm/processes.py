@@ -3,7 +3,7 @@ child runs in, how a child is started (`python -m`, this package first on its pa
 process ends with its parent (the kernel's parent-death signal, a watchdog thread) or tells whether
 another process is still alive.
 
-The engine core (engine/core_process.py), the tensor-parallel workers (runner/tp_worker.py), the
+The engine core (engine/engine_core/process.py), the tensor-parallel workers (runner/tp_worker.py), the
 OpenAI server's workers and the launcher all start or watch processes through here.
 """
 

@@ -29,7 +29,7 @@ MAX_BAD_WORD_CHARS = 256
 FLOAT32_MAX = 3.4028234663852886e38
 # A positive logit is divided by the repetition penalty: below this, ordinary logits reach inf.
 MIN_REPETITION_PENALTY = 1e-6
-# Filled by the engine's front end (it has the tokenizer), never sent by clients.
+# Filled by the stub (it has the tokenizer), never sent by clients.
 _INTERNAL_FIELDS = frozenset({"extra", "bad_words_token_ids"})
 
 
@@ -67,7 +67,7 @@ class SamplingParams:
     # vLLM's bad_words: none of these words is generated. Each is tokenized with and without a leading
     # space; whenever the output ends with all but the last token of one, that last token is banned.
     bad_words: tuple[str, ...] = ()
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # their tokenizations (engine front end)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # their tokenizations (the stub)
     # Speculative decoding for this request where the server has it on (false: one token per step).
     speculative_decoding: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -130,7 +130,7 @@ class SamplingParams:
             if raw is None and key in _NULLABLE:
                 continue  # null means "use the default", as in vLLM
             if key == "logprobs" and (isinstance(raw, bool) or str(raw).lower() in ("true", "false")):
-                # OpenAI-style frontends send a boolean: false = none, true = the sampled token's only
+                # OpenAI-style clients send a boolean: false = none, true = the sampled token's only
                 if parse_bool(key, raw):
                     values[key] = 0
                 continue

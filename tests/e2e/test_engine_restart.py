@@ -67,7 +67,7 @@ def _core_pids(server: RunningServer) -> list[int]:
 
 def test_a_killed_core_under_load_fails_each_stream_once_says_503_and_serves_again(gated_server, tmp_path):
     server, gate = gated_server
-    frontend, base_url = _start_openai_server(server.grpc_url, tmp_path / "frontend.log")
+    openai_server, base_url = _start_openai_server(server.grpc_url, tmp_path / "openai_server.log")
     clients: list[StreamClient] = []
     try:
         assert wait_for(lambda: value(server.metrics(), ENGINE_UP) == 1)
@@ -139,7 +139,7 @@ def test_a_killed_core_under_load_fails_each_stream_once_says_503_and_serves_aga
     finally:
         for client in clients:
             client.cancel()
-        _stop_group(frontend, signal.SIGTERM)
+        _stop_group(openai_server, signal.SIGTERM)
 
 
 def test_a_core_killed_each_time_it_comes_back_makes_the_launcher_exit_non_zero(tmp_path):
@@ -166,7 +166,7 @@ def test_a_core_killed_each_time_it_comes_back_makes_the_launcher_exit_non_zero(
         for child in psutil.Process(launcher.pid).children(recursive=True):
             seen.add(child.pid)
             try:
-                if "paged_llm.engine.core_process" in " ".join(child.cmdline()):
+                if "paged_llm.engine.engine_core.process" in " ".join(child.cmdline()):
                     found.append(child.pid)
             except psutil.Error:  # gone, or a zombie
                 pass

@@ -244,7 +244,7 @@ def _serves_again(served: Served, old_server_pid: int) -> bool:
 def test_a_dead_stub_or_a_crashed_server_is_restarted_until_the_budget_is_spent(tmp_path, tiny_model_dir):
     served = start_served(tmp_path, "--max-restarts", "2", "--restart-window-s", "600")
     try:
-        frontend = [p for p in psutil.Process(served.process.pid).children() if p.name() != "tritonserver"]
+        openai_side = [p for p in psutil.Process(served.process.pid).children() if p.name() != "tritonserver"]
         for kill in ("stub", "server"):
             old = served.tritonserver().pid
             victim = _llm_stub(served) if kill == "stub" else served.tritonserver()
@@ -258,7 +258,7 @@ def test_a_dead_stub_or_a_crashed_server_is_restarted_until_the_budget_is_spent(
         assert served.log().count("restarting tritonserver") == 2
         assert [
             p for p in psutil.Process(served.process.pid).children() if p.name() != "tritonserver"
-        ] == frontend
+        ] == openai_side
         served.tritonserver().kill()  # a third death within the window: the launcher gives up
         served.process.wait(timeout=60)
         assert served.process.returncode != 0

@@ -117,18 +117,18 @@ def _start_openai_server(grpc_url: str, log_path: Path, *args: str) -> tuple[sub
     healthy: (process, base URL). The caller stops it (_stop_group)."""
     [port] = free_ports(1)
     with open(log_path, "w") as log:
-        frontend = subprocess.Popen(
+        openai_server = subprocess.Popen(
             [sys.executable, "-m", "paged_llm.openai", "--triton-url", grpc_url,
              "--port", str(port), *args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base_url, frontend, log_path)
+        _wait_healthy(base_url, openai_server, log_path)
     except BaseException:
-        _stop_group(frontend, signal.SIGKILL, timeout_s=10)
+        _stop_group(openai_server, signal.SIGKILL, timeout_s=10)
         raise
-    return frontend, base_url
+    return openai_server, base_url
 
 
 @pytest.fixture(scope="module")
@@ -590,14 +590,14 @@ def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Itera
         shutil.move(root / f"staging_{name}" / "llm", repository / name)
     server = start_server(repository, root / "server.log")
     try:  # the server stops even if the OpenAI server never becomes healthy
-        frontend, base_url = _start_openai_server(
-            server.grpc_url, root / "frontend.log", "--health-model", "llm_reject",
+        openai_server, base_url = _start_openai_server(
+            server.grpc_url, root / "openai_server.log", "--health-model", "llm_reject",
             "--triton-http-url", server.http_url,
         )  # fmt: skip
         try:
             yield server, base_url
         finally:
-            _stop_group(frontend, signal.SIGTERM)
+            _stop_group(openai_server, signal.SIGTERM)
     finally:
         server.stop()
 
@@ -682,12 +682,12 @@ def test_queue_max_wait_ends_a_request_that_never_started_with_503(admission):
 def grpc_transport(admission, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A second OpenAI server on the admission fixture's tritonserver, streaming over gRPC."""
     server, _ = admission
-    log_path = tmp_path_factory.mktemp("grpc_transport") / "frontend.log"
-    frontend, base_url = _start_openai_server(server.grpc_url, log_path, "--health-model", "llm_reject")
+    log_path = tmp_path_factory.mktemp("grpc_transport") / "openai_server.log"
+    openai_server, base_url = _start_openai_server(server.grpc_url, log_path, "--health-model", "llm_reject")
     try:
         yield base_url
     finally:
-        _stop_group(frontend, signal.SIGTERM)
+        _stop_group(openai_server, signal.SIGTERM)
 
 
 def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission, tmp_path, tiny_model_dir):
@@ -699,9 +699,9 @@ def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(tiny_model_dir / name, checkpoint / name)
     (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
-    frontend, base_url = _start_openai_server(
+    openai_server, base_url = _start_openai_server(
         server.grpc_url,
-        tmp_path / "frontend.log",
+        tmp_path / "openai_server.log",
         "--health-model",
         "llm_wait",
         "--tokenizer",
@@ -718,10 +718,10 @@ def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission
         assert texts[0] == texts[1] == texts[2], texts
         assert (
             "default sampling parameters from its generation_config.json"
-            in (tmp_path / "frontend.log").read_text()
+            in (tmp_path / "openai_server.log").read_text()
         )
     finally:
-        _stop_group(frontend, signal.SIGTERM)
+        _stop_group(openai_server, signal.SIGTERM)
 
 
 def test_both_transports_stream_the_same_tokens_and_cancel_a_client_that_left(admission, grpc_transport):
@@ -789,10 +789,10 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
     /health of the OpenAI server probes the model and says 503 then."""
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     server = start_server(repository, tmp_path / "server.log")
-    log_path = tmp_path / "frontend.log"
-    frontend = None
+    log_path = tmp_path / "openai_server.log"
+    openai_server = None
     try:
-        frontend, base_url = _start_openai_server(server.grpc_url, log_path)
+        openai_server, base_url = _start_openai_server(server.grpc_url, log_path)
         stubs = [
             p for p in psutil.Process(server.process.pid).children() if p.name().startswith("triton_python_b")
         ]
@@ -811,8 +811,8 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
             -2000:
         ]
     finally:
-        if frontend is not None:
-            _stop_group(frontend, signal.SIGTERM)
+        if openai_server is not None:
+            _stop_group(openai_server, signal.SIGTERM)
         server.stop()
 
 
@@ -823,7 +823,7 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
     whose channel would otherwise be waiting out its reconnection backoff)."""
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     server = start_server(repository, tmp_path / "server1.log")
-    frontend = None
+    openai_server = None
     streamed = {"model": "llm", "prompt": "again", "max_tokens": 3, "stream": True, "ignore_eos": True}
     plain = {**streamed, "stream": False}
 
@@ -832,8 +832,8 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
         return status, answer
 
     try:
-        frontend, base_url = _start_openai_server(
-            server.grpc_url, tmp_path / "frontend.log", "--triton-http-url", server.http_url
+        openai_server, base_url = _start_openai_server(
+            server.grpc_url, tmp_path / "openai_server.log", "--triton-http-url", server.http_url
         )
         assert completion(streamed)[0] == 200 and completion(plain)[0] == 200
         ports = server.ports
@@ -852,8 +852,8 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
         assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
         assert wait_for(lambda: _get(f"{base_url}/health")[0] == 200, timeout_s=30)
     finally:
-        if frontend is not None:
-            _stop_group(frontend, signal.SIGTERM)
+        if openai_server is not None:
+            _stop_group(openai_server, signal.SIGTERM)
         server.stop()
 
 
@@ -877,11 +877,11 @@ def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir
     cold_s = _cold_tokenizer_load_s(tiny_model_dir)
     repository = make_model_repository(tmp_path / "models", models=("llm",))
     server = start_server(repository, tmp_path / "server.log")
-    log_path = tmp_path / "frontend.log"
-    frontend = None
+    log_path = tmp_path / "openai_server.log"
+    openai_server = None
     chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
-        frontend, base_url = _start_openai_server(
+        openai_server, base_url = _start_openai_server(
             server.grpc_url, log_path, "--triton-http-url", server.http_url, "--workers", "2",
             "--log-level", "info",
         )  # fmt: skip
@@ -901,8 +901,8 @@ def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir
             assert post(base_url, "/v1/chat/completions", chat, None)[0] == 200
             assert time.monotonic() - start < cold_s / 2
     finally:
-        if frontend is not None:
-            _stop_group(frontend, signal.SIGTERM)
+        if openai_server is not None:
+            _stop_group(openai_server, signal.SIGTERM)
         server.stop()
 
 
@@ -1010,9 +1010,9 @@ def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_
     """Warming up needs tritonserver (the model's config names its checkpoint): without one the
     worker does not wait for it to open its socket; /health says 503 warming meanwhile."""
     port, dead_port = free_ports(2)
-    log_path = tmp_path / "frontend.log"
+    log_path = tmp_path / "openai_server.log"
     with open(log_path, "w") as log:
-        frontend = subprocess.Popen(
+        openai_server = subprocess.Popen(
             [sys.executable, "-m", "paged_llm.openai", "--triton-url", f"127.0.0.1:{dead_port}",
              "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -1025,4 +1025,4 @@ def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_
         assert status == 503 and json.loads(body) == {"status": "warming"}
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
     finally:
-        _stop_group(frontend, signal.SIGTERM)
+        _stop_group(openai_server, signal.SIGTERM)

@@ -339,7 +339,7 @@ def our_processes(server: RunningServer) -> dict[str, list[psutil.Process]]:
 
     def is_core(process: psutil.Process) -> bool:
         try:
-            return "paged_llm.engine.core_process" in " ".join(process.cmdline())
+            return "paged_llm.engine.engine_core.process" in " ".join(process.cmdline())
         except psutil.ZombieProcess:  # a core that exited, not reaped yet: still there
             return True
         except psutil.NoSuchProcess:

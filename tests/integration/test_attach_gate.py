@@ -38,7 +38,7 @@ class OpenGate:
     marker: Path
     received: list[object] = field(default_factory=list)
 
-    def serve(self, link: FramedSocket) -> None:  # the core's front-end handler, reduced
+    def serve(self, link: FramedSocket) -> None:  # the core's handler of stubs, reduced
         while True:
             try:
                 self.received.append(link.recv())
@@ -46,7 +46,7 @@ class OpenGate:
                 return
 
     def attach_and_send(self, message: object) -> str:
-        """A legitimate front end: hello with the secret, then one pickled frame."""
+        """A legitimate stub: hello with the secret, then one pickled frame."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(str(self.path))

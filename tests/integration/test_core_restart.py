@@ -1,6 +1,6 @@
 """A dead engine core process restarted in place by AsyncLLM: in-flight requests fail once each,
 new ones are refused with a retry hint meanwhile, a fresh core serves afterwards; past the
-restart limit the front end gives up. Shared cores (several front ends) come back as one."""
+restart limit the stub gives up. Shared cores (several stubs) come back as one."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_a_killed_core_fails_its_requests_once_then_a_fresh_core_serves(tiny_mod
         engine.shutdown(grace_s=0.0)
 
 
-def test_past_the_restart_limit_the_front_end_gives_up_and_says_so(tiny_model_dir, prompts):
+def test_past_the_restart_limit_the_stub_gives_up_and_says_so(tiny_model_dir, prompts):
     outputs = Collector()
     gave_up: list[str] = []
     done = threading.Event()
@@ -105,7 +105,7 @@ def test_past_the_restart_limit_the_front_end_gives_up_and_says_so(tiny_model_di
         engine.shutdown(grace_s=0.0)
 
 
-def test_front_ends_sharing_a_killed_core_come_back_on_one_new_core(tiny_model_dir, prompts):
+def test_stubs_sharing_a_killed_core_come_back_on_one_new_core(tiny_model_dir, prompts):
     config = _config(tiny_model_dir)
     name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     first_outputs, second_outputs = Collector(), Collector()

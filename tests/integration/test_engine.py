@@ -1,5 +1,5 @@
 """Engine behaviour on the tiny model (CPU): sampling, stops, n > 1, aborts, faults, and the serving
-front end (AsyncLLM) over a core in a thread and in its own process."""
+stub (AsyncLLM) over a core in a thread and in its own process."""
 
 from __future__ import annotations
 

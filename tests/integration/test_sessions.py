@@ -69,7 +69,7 @@ def test_a_ten_turn_session_matches_stateless_requests_and_computes_only_new_tok
 @pytest.mark.parametrize("core_mode", ["inprocess", "inprocess+async", "process"])
 def test_a_turn_ended_by_a_stop_string_extends_the_history(engines, core_mode):
     """Up to the token that completed the stop string, as a stop token would: the next turn equals a
-    stateless request on that history and computes little more than its new tokens. (The front end
+    stateless request on that history and computes little more than its new tokens. (The stub
     finds stop strings; the core once ended such a turn as aborted and the history lost it. With
     asynchronous scheduling the core has run a step further by then: that token is dropped.)"""
     engine = engines(core_mode, block_size_tokens=4)

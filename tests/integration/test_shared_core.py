@@ -1,5 +1,5 @@
-"""Several front ends (AsyncLLMs, as several Triton instances of one model) sharing one engine core
-process (engine/stub_links.py): routing, detaching, the core's owner stopping, and who may attach
+"""Several stubs (AsyncLLMs, as several Triton instances of one model) sharing one engine core
+process (engine/engine_core/stub_links.py): routing, detaching, the core's owner stopping, and who may attach
 (engine/attach_gate.py, engine/share_files.py)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.integration.peers import (
 
 
 class Collector:
-    """on_outputs of one front end: every RequestOutput by request id."""
+    """on_outputs of one stub: every RequestOutput by request id."""
 
     def __init__(self) -> None:
         self.outputs: dict[str, list] = {}
@@ -67,7 +67,7 @@ def share_name() -> str:
 
 
 @pytest.fixture
-def front_ends(tiny_model_dir, share_name) -> Iterator[tuple[AsyncLLM, Collector, AsyncLLM, Collector]]:
+def stubs(tiny_model_dir, share_name) -> Iterator[tuple[AsyncLLM, Collector, AsyncLLM, Collector]]:
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_model_dir), dtype="float32"), cache=CacheConfig(num_blocks=512)
     )
@@ -86,13 +86,13 @@ def front_ends(tiny_model_dir, share_name) -> Iterator[tuple[AsyncLLM, Collector
         first.shutdown(grace_s=0.0)
 
 
-def test_front_ends_share_one_core_and_each_gets_its_own_tokens(front_ends, tiny_model_dir, prompts):
-    first, first_outputs, second, second_outputs = front_ends
+def test_stubs_share_one_core_and_each_gets_its_own_tokens(stubs, tiny_model_dir, prompts):
+    first, first_outputs, second, second_outputs = stubs
     assert isinstance(first.client, ProcessCoreClient) and first.owns_core
     assert isinstance(second.client, AttachedCoreClient) and not second.owns_core
     assert second.client.request_id_prefix == "1:"
     reference = run_to_completion(make_engine(tiny_model_dir), prompts[:6], greedy(12))
-    # The same request ids on both front ends: the core tells them apart by the attached prefix.
+    # The same request ids on both stubs: the core tells them apart by the attached prefix.
     for index in range(6):
         (first if index % 2 else second).add_request(f"r{index}", prompts[index], greedy(12))
         (second if index % 2 else first).add_request(f"r{index}", prompts[index], greedy(12))
@@ -105,8 +105,8 @@ def test_front_ends_share_one_core_and_each_gets_its_own_tokens(front_ends, tiny
     assert second.stats.snapshot().num_generation_tokens_total == 6 * 12
 
 
-def test_a_detaching_front_end_has_its_requests_aborted_and_the_other_keeps_serving(front_ends, prompts):
-    first, first_outputs, second, second_outputs = front_ends
+def test_a_detaching_stub_has_its_requests_aborted_and_the_other_keeps_serving(stubs, prompts):
+    first, first_outputs, second, second_outputs = stubs
     second.add_request("long", prompts[0], greedy(4000, ignore_eos=True))
     first.add_request("long", prompts[1], greedy(40, ignore_eos=True))
     second.shutdown(grace_s=0.0)
@@ -118,15 +118,15 @@ def test_a_detaching_front_end_has_its_requests_aborted_and_the_other_keeps_serv
     assert first_outputs.wait_final("after").error is None
     with pytest.raises(EngineDeadError):
         second.add_request("late", prompts[2], greedy(5))
-    # The detached front end's sequence left the core: nothing runs any more.
+    # The detached stub's sequence left the core: nothing runs any more.
     first.add_request("probe", prompts[3], greedy(1))
     first_outputs.wait_final("probe")
     snapshot = first.stats.snapshot()
     assert snapshot.num_running == 0 and snapshot.num_waiting == 0
 
 
-def test_the_owner_stopping_ends_the_attached_front_ends_requests(front_ends, prompts):
-    first, _, second, second_outputs = front_ends
+def test_the_owner_stopping_ends_the_attached_stubs_requests(stubs, prompts):
+    first, _, second, second_outputs = stubs
     second.add_request("long", prompts[0], greedy(4000, ignore_eos=True))
     pause = threading.Event()
     while not second_outputs.outputs.get("long"):
@@ -134,7 +134,7 @@ def test_the_owner_stopping_ends_the_attached_front_ends_requests(front_ends, pr
     first.shutdown(grace_s=0.0)
     final = second_outputs.wait_final("long")
     assert final.error is not None and final.sequences[0].finish_reason == "abort"
-    for _ in range(1000):  # the front end notices that the core closed the link
+    for _ in range(1000):  # the stub notices that the core closed the link
         if second.dead_reason is not None:
             break
         pause.wait(0.01)
@@ -143,8 +143,8 @@ def test_the_owner_stopping_ends_the_attached_front_ends_requests(front_ends, pr
         second.add_request("late", prompts[1], greedy(2))
 
 
-def assert_both_serve(front_ends, prompts, request_id: str) -> None:
-    first, first_outputs, second, second_outputs = front_ends
+def assert_both_serve(stubs, prompts, request_id: str) -> None:
+    first, first_outputs, second, second_outputs = stubs
     for engine, outputs in ((first, first_outputs), (second, second_outputs)):
         engine.add_request(request_id, prompts[0], greedy(3))
         assert outputs.wait_final(request_id).error is None
@@ -152,7 +152,7 @@ def assert_both_serve(front_ends, prompts, request_id: str) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a peer as another uid needs root")
 def test_a_foreign_uid_cannot_reach_the_shared_core_and_its_frame_is_never_unpickled(
-    front_ends, share_name, prompts, tmp_path
+    stubs, share_name, prompts, tmp_path
 ):
     files = ShareFiles.for_name(share_name)
     directory = files.prefix.parent.stat()
@@ -164,11 +164,11 @@ def test_a_foreign_uid_cannot_reach_the_shared_core_and_its_frame_is_never_unpic
         "PermissionError"
     )
     assert not marker.exists()
-    assert_both_serve(front_ends, prompts, "after a foreign peer")
+    assert_both_serve(stubs, prompts, "after a foreign peer")
 
 
 def test_a_peer_without_the_secret_or_not_of_the_server_is_refused_and_the_core_keeps_serving(
-    front_ends, share_name, prompts, tmp_path
+    stubs, share_name, prompts, tmp_path
 ):
     files = ShareFiles.for_name(share_name)
     marker = tmp_path / "unpickled"
@@ -178,11 +178,11 @@ def test_a_peer_without_the_secret_or_not_of_the_server_is_refused_and_the_core_
     with_secret = hello(files.read_secret()) + evil_frame(marker)
     assert run_in_child(lambda: send_and_wait_for_close(files.socket, with_secret)) == "closed"
     assert not marker.exists()
-    assert_both_serve(front_ends, prompts, "after refused peers")
+    assert_both_serve(stubs, prompts, "after refused peers")
 
 
-def test_the_secret_of_a_killed_core_does_not_outlive_it(front_ends, share_name):
-    first = front_ends[0]
+def test_the_secret_of_a_killed_core_does_not_outlive_it(stubs, share_name):
+    first = stubs[0]
     files = ShareFiles.for_name(share_name)
     killed_secret = files.read_secret()
 

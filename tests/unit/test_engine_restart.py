@@ -71,12 +71,12 @@ def test_a_lost_core_reads_zero_in_the_gauges_and_its_totals_carry_over_to_the_n
     assert up.sessions.num_truncated_total == 5 and up.sessions.reused_tokens_total == 105
 
 
-def test_a_front_end_that_did_not_report_the_lost_core_keeps_no_base_of_its_totals():
+def test_a_stub_that_did_not_report_the_lost_core_keeps_no_base_of_its_totals():
     stats = EngineStats()
     stats.on_core_up(owns_core=False)
     stats.update_scheduler(_scheduler_stats(2, 9, 90), 0)
     stats.on_core_lost(counted_its_totals=False)
-    stats.on_core_up(owns_core=True)  # the restarted core is this front end's now
+    stats.on_core_up(owns_core=True)  # the restarted core is this stub's now
     stats.update_scheduler(_scheduler_stats(1, 1, 10), 0)
     snapshot = stats.snapshot()
     assert snapshot.owns_core and snapshot.num_preemptions_total == 1

@@ -69,7 +69,7 @@ def test_streamed_text_is_the_same_with_either_tokenizer(model_dir):
     assert streamed(ours) == streamed(hf)
 
 
-def test_the_front_end_imports_neither_torch_nor_transformers():
+def test_the_stub_imports_neither_torch_nor_transformers():
     """The stub runs with numpy < 2; a host's transformers / torch stack may need numpy >= 2."""
     code = (
         "import sys\n"

@@ -387,7 +387,7 @@ def run_steps(h: Harness, num_steps: int) -> None:
 
 
 def stop_at(h: Harness, request_id: str, num_output_tokens: int) -> None:
-    """What the core does when the front end found a stop string after that many output tokens."""
+    """What the core does when the stub found a stop string after that many output tokens."""
     _session_id, seq = h.turn_seqs[request_id]
     h.sched.truncate_output(seq, num_output_tokens)
     h.sched.finish_sequences([request_id], SequenceStatus.FINISHED_STOPPED)
@@ -442,7 +442,7 @@ def test_after_a_fault_a_turn_waiting_for_its_session_recomputes_the_history():
     h.run()
     h.add_turn("s", "r2", U2)  # waiting, not admitted yet
     assert h.holder_blocks("s") == [0, 1]
-    h.sched.kv_cache.reset_prefix_cache()  # as engine/faults.py does
+    h.sched.kv_cache.reset_prefix_cache()  # as engine/engine_core/faults.py does
     h.sessions.drop_all_kv()
     h.check()
     assert h.holder_blocks("s") == [] and h.sessions.get("s").num_kv_tokens == 0
@@ -470,7 +470,7 @@ def test_a_stop_that_empties_a_short_first_turns_blocks_leaves_the_holder_nothin
 
 
 def test_a_stop_found_after_the_core_ended_the_turn_cuts_the_history_there():
-    """The core ended turn 1 by its length (6 output tokens) before the front end's stop string (at
+    """The core ended turn 1 by its length (6 output tokens) before the stub's stop string (at
     output token 2) reached it: the history is cut to 6 + 2 tokens, block 2 given back."""
     h = Harness()
     h.add_turn("s", "r1", U1, max_tokens=6, start=True)

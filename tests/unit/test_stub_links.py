@@ -1,4 +1,4 @@
-"""Routing one engine step's outputs to the front ends that share the core (engine/stub_links.py)."""
+"""Routing one engine step's outputs to the stubs that share the core (engine/engine_core/stub_links.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from paged_llm.engine.core_types import (
     FinishedRequest,
     FinishedSequence,
 )
-from paged_llm.engine.stub_links import split_outputs, stub_of
+from paged_llm.engine.engine_core.stub_links import split_outputs, stub_of
 from paged_llm.sampling.token_logprobs import TokenLogprobs
 
 
-def test_front_end_of_reads_the_prefix_and_defaults_to_the_first():
+def test_stub_of_reads_the_prefix_and_defaults_to_the_first():
     assert [stub_of(i) for i in ("7", "1:7", "12:0", "x:3", ":4")] == [0, 1, 12, 0, 0]
 
 
@@ -42,11 +42,11 @@ def test_split_outputs_routes_rows_finishes_logprobs_and_utility_results():
     assert parts[1].logprobs == {1: logprobs}  # row 2 of the step is row 1 of stub 1's part
     assert parts[1].finished_sequences == outputs.finished_sequences
     assert parts[2].finished_requests == outputs.finished_requests
-    assert parts[2].utility_results == {0: (True, "theirs")}  # under the front end's own call id
+    assert parts[2].utility_results == {0: (True, "theirs")}  # under the stub's own call id
     assert all(p.num_steps == 5 for p in parts.values())
 
 
-def test_split_outputs_always_has_a_part_for_the_first_front_end():
+def test_split_outputs_always_has_a_part_for_the_first_stub():
     parts = split_outputs(EngineCoreOutputs(request_ids=["3:1"], seq_indices=[0], new_token_ids=[9]), {})
     assert sorted(parts) == [0, 3] and parts[0].is_empty
 

@@ -17,7 +17,7 @@ def stub_argv(model_py: str, instance: str) -> list[str]:
 
 def test_parse_stub_cmdline():
     assert parse_stub_cmdline(stub_argv("/repo/llm/1/model.py", "llm_0_0")) == LLM
-    assert parse_stub_cmdline(["/usr/bin/python3", "-m", "paged_llm.engine.core_process"]) is None
+    assert parse_stub_cmdline(["/usr/bin/python3", "-m", "paged_llm.engine.engine_core.process"]) is None
     assert parse_stub_cmdline(stub_argv("/repo/llm/1/model.py", "llm_0_0")[:5]) is None
 
 

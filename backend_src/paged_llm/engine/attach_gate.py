@@ -145,7 +145,7 @@ class AttachGate:
             try:
                 connection, _ = self._listener.accept()
             except OSError as error:
-                logger.error("the engine core stopped accepting front ends: %s", error)
+                logger.error("the engine core stopped accepting stubs: %s", error)
                 return
             try:
                 peer = peer_credentials(connection)

@@ -103,7 +103,7 @@ class InProcessCoreClient:
     owns_core = True
 
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
-        from paged_llm.engine.core import EngineCore
+        from paged_llm.engine.engine_core.core import EngineCore
 
         self.core = EngineCore(config, show_progress=show_progress)
         self.info = self.core.info
@@ -117,7 +117,7 @@ class InProcessCoreClient:
             self.core.apply_abort(abort)
 
     def send_utility(self, name: str) -> int:
-        from paged_llm.engine.core_loop import call_utility
+        from paged_llm.engine.engine_core.step_loop import call_utility
 
         call_id = next(self._call_ids)
         self.core.record_utility_result(call_id, call_utility(self.core, name))
@@ -149,7 +149,7 @@ class ThreadedCoreClient:
     owns_core = True
 
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
-        from paged_llm.engine.core import EngineCore
+        from paged_llm.engine.engine_core.core import EngineCore
 
         core = EngineCore(config, show_progress=show_progress)
         self.info = core.info
@@ -160,7 +160,7 @@ class ThreadedCoreClient:
         self._thread.start()
 
     def _run(self, core) -> None:
-        from paged_llm.engine.core_loop import run_busy_loop
+        from paged_llm.engine.engine_core.step_loop import run_busy_loop
 
         try:
             run_busy_loop(core, self._link.inbox, self._link.outbox.put)

@@ -1,8 +1,8 @@
 """The engine core in a process of its own, seen from the stub: start it (or join the one
 another Triton instance of the model started), then talk to it over a socket.
 
-`ProcessCoreClient` starts `python -m paged_llm.engine.core_process` and owns it;
-`AttachedCoreClient` joins a core that another instance owns (engine/stub_links.py);
+`ProcessCoreClient` starts `python -m paged_llm.engine.engine_core.process` and owns it;
+`AttachedCoreClient` joins a core that another instance owns (engine/engine_core/stub_links.py);
 `connect_engine_core` decides which, by the share's lock in a private directory
 (engine/share_files.py); an attached stub proves it holds the share's secret before anything
 is pickled (engine/attach_gate.py). Both speak the same framed-pickle link (engine/ipc.py) through
@@ -40,7 +40,7 @@ from paged_llm.errors import EngineDeadError
 from paged_llm.processes import python_executable, spawn_module
 
 logger = logging.getLogger(__name__)
-CORE_PROCESS_MODULE = "paged_llm.engine.core_process"  # what the core process runs (`python -m`)
+CORE_PROCESS_MODULE = "paged_llm.engine.engine_core.process"  # what the core process runs (`python -m`)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -297,7 +297,7 @@ class AttachedCoreClient(_LinkedCoreClient):
         """Detaches: the core aborts what is left of ours and closes the link. Idempotent."""
         if not self._exited.is_set():
             try:
-                self._link.send(Shutdown("the front end detached"))
+                self._link.send(Shutdown("the stub detached"))
                 deadline = time.monotonic() + min(timeout_s, 2.0)
                 while time.monotonic() < deadline:  # read until the core closes its side
                     self._link.recv(0.05)
@@ -315,7 +315,8 @@ def connect_engine_core(
 ) -> ProcessCoreClient | AttachedCoreClient:
     """The engine core in its own process. With `share_name`, every caller that passes the same name
     shares one core: the first one to take the share's lock starts the core (which listens on the
-    share's socket and holds the lock while it lives), the others attach to it (engine/stub_links.py)."""
+    share's socket and holds the lock while it lives), the others attach to it
+    (engine/engine_core/stub_links.py)."""
     if share_name is None:
         return ProcessCoreClient(config, watch_pid)
     files = ShareFiles.for_name(share_name)
@@ -338,7 +339,7 @@ def connect_engine_core(
                 ) from None
             time.sleep(0.05)
             continue
-        logger.info("attached to the shared engine core %r as front end %d", share_name, client.stub_id)
+        logger.info("attached to the shared engine core %r as stub %d", share_name, client.stub_id)
         return client
 
 

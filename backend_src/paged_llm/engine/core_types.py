@@ -82,7 +82,7 @@ class Shutdown:
 @dataclass
 class AttachStub:
     """The first message of a further stub (another Triton instance of the same model on the
-    same device) that shares a running core instead of starting its own (engine/stub_links.py)."""
+    same device) that shares a running core instead of starting its own (engine/engine_core/stub_links.py)."""
 
     pid: int
 

@@ -4,12 +4,12 @@ A socketpair made by the stub; the core process inherits one end. Measured again
 over ipc://) and multiprocessing's Pipe with step-sized messages (scripts/bench_ipc.py,
 docs/benchmarks.md): all three cost far less than a decode step (tens of thousands of messages/s,
 round trips of 0.1-0.3 ms on a 2-core VM) and none wins everywhere. The socketpair is kept because
-the busy loop can send on it without ever blocking (MSG_DONTWAIT, engine/core_process.py), it needs
+the busy loop can send on it without ever blocking (MSG_DONTWAIT, engine/engine_core/process.py), it needs
 no dependency, and the kernel closes it when either process dies, so each side sees EOF.
 
     frame:  [ payload length: 8 bytes, little endian ][ pickle protocol 5 payload ]
 
-A stub that attaches to a shared core (engine/stub_links.py) reaches it over a Unix socket
+A stub that attaches to a shared core (engine/engine_core/stub_links.py) reaches it over a Unix socket
 instead; there the first pickled frame is read only after the core's gate let the peer in
 (engine/attach_gate.py): `pickle.loads` runs whatever the bytes say, so no unauthenticated byte
 ever reaches `recv`.

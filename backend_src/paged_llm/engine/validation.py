@@ -1,5 +1,5 @@
 """Request checks that depend on the loaded model and KV pool (EngineCoreInfo), torch-free so the
-front end runs them before anything is queued; the core runs them again."""
+stub runs them before anything is queued; the core runs them again."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The `llm` model: Triton adapter for the paged_llm engine (decoupled Python backend). The
 model repository's `llm/1/model.py` imports this class; everything here runs in Triton's stub.
 
-This stub process is the front end only: `execute()` parses, tokenizes and validates each request
+This stub process holds no model: `execute()` parses, tokenizes and validates each request
 (errors answered at once) and hands it to AsyncLLM, whose engine core runs in its own process
 (`engine_mode: process`, the default) and owns the device. AsyncLLM's output thread detokenizes and
 hands RequestOutputs to ResponseStreams (one response per engine step while it keeps up, merged
@@ -96,7 +96,7 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._streams: ResponseStreams | None = None
         # Several instances of this model (instance_group count) on one device share one engine
-        # core: the first to get here starts it, the others attach (engine/stub_links.py). One
+        # core: the first to get here starts it, the others attach (engine/engine_core/stub_links.py). One
         # instance keeps a core of its own, so an in-place reload (the new model loads while the
         # old one still serves) never finds the old core under the shared name.
         num_instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1

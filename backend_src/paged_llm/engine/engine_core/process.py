@@ -1,4 +1,4 @@
-"""The engine core process: `python -m paged_llm.engine.core_process --fd FD --parent-pid PID`.
+"""The engine core process: `python -m paged_llm.engine.engine_core.process --fd FD --parent-pid PID`.
 
 Started by ProcessCoreClient (engine/core_process_client.py) with one end of a socketpair as FD. It
 reads the EngineConfig, builds the EngineCore (the only place CUDA is initialised), answers with
@@ -11,7 +11,7 @@ The loop sends each step's outputs itself, without blocking (a thread handing fr
 contend with it for the GIL every step); only what does not fit in the socket buffer, because the
 stub is behind, goes to the writer thread, and later frames queue behind it in order. With
 `--listen-fd` (and `--share-files`, `--lock-fd`: engine/share_files.py), further stubs (other
-Triton instances of the model) attach on that socket and share the core (engine/stub_links.py),
+Triton instances of the model) attach on that socket and share the core (engine/engine_core/stub_links.py),
 once its gate let them in (engine/attach_gate.py); the core holds the share's lock while it lives
 and removes the share's files when it exits.
 
@@ -39,11 +39,11 @@ from pathlib import Path
 
 from paged_llm.config import ConfigError
 from paged_llm.engine.attach_gate import AttachGate
-from paged_llm.engine.core_loop import run_busy_loop
 from paged_llm.engine.core_types import CoreInput, CoreStartupFailed, Shutdown
+from paged_llm.engine.engine_core.step_loop import run_busy_loop
+from paged_llm.engine.engine_core.stub_links import StubLinks
 from paged_llm.engine.ipc import FramedSocket
 from paged_llm.engine.share_files import ShareFiles
-from paged_llm.engine.stub_links import StubLinks
 from paged_llm.processes import parent_death_signal, watch_parent
 
 logger = logging.getLogger("paged_llm.core")
@@ -68,7 +68,7 @@ def _die_with_parent(parent_pid: int, watch_pid: int | None) -> None:
         _exit(1)
 
     def parent_gone() -> None:
-        logger.error("the front end process %d is gone: exiting", parent_pid)
+        logger.error("the stub process %d is gone: exiting", parent_pid)
         _exit(1)
 
     def server_gone() -> None:
@@ -102,13 +102,14 @@ def _read_inputs(link: FramedSocket, inbox: queue.SimpleQueue[CoreInput]) -> Non
         while True:
             inbox.put(link.recv())
     except (EOFError, OSError) as error:
-        inbox.put(Shutdown(f"the front end closed the connection ({error})"))
+        inbox.put(Shutdown(f"the stub closed the connection ({error})"))
         _hard_exit_later(EXIT_GRACE_S, 1)
 
 
 def serve(link: FramedSocket, gate: AttachGate | None = None) -> int:
-    """`gate`: further stubs that it let in attach once the core is ready (engine/stub_links.py)."""
-    from paged_llm.engine.core import EngineCore  # imports torch: after the parent watch is up
+    """`gate`: further stubs that it let in attach once the core is ready
+    (engine/engine_core/stub_links.py)."""
+    from paged_llm.engine.engine_core.core import EngineCore  # imports torch: after the parent watch is up
 
     config = link.recv()
     try:
@@ -143,7 +144,7 @@ def serve(link: FramedSocket, gate: AttachGate | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m paged_llm.engine.core_process")
+    parser = argparse.ArgumentParser(prog="python -m paged_llm.engine.engine_core.process")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket to the stub")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--watch-pid", type=int, default=None, help="also exit when this process is gone")

@@ -6,11 +6,11 @@ One client request with `n` samples becomes `n` sequences. The first one runs th
 are added once its prompt KV is computed, so they take the prompt's full blocks from the prefix
 cache instead of recomputing them.
 
-The requests and their sequences are the request table's (engine/request_table.py), which every
-path that ends a request goes through: request expiry (deadlines, queue waits, engine/expiry.py),
-a failed model step (engine/faults.py) and the core itself.
+The requests and their sequences are the request table's (engine/engine_core/request_table.py), which every
+path that ends a request goes through: request expiry (deadlines, queue waits, engine/engine_core/expiry.py),
+a failed model step (engine/engine_core/faults.py) and the core itself.
 
-The same class runs in the engine core process (engine/core_process.py), in a thread of the caller
+The same class runs in the engine core process (engine/engine_core/process.py), in a thread of the caller
 (engine/core_client.py) or stepped directly by the offline LLMEngine.
 """
 
@@ -31,10 +31,10 @@ from paged_llm.engine.core_types import (
     FinishedRequest,
     FinishedSequence,
 )
-from paged_llm.engine.expiry import expire_deadlines, expire_queue_waits
-from paged_llm.engine.faults import StepFaults
-from paged_llm.engine.model_setup import load_engine_model
-from paged_llm.engine.request_table import CoreRequest, RequestTable
+from paged_llm.engine.engine_core.expiry import expire_deadlines, expire_queue_waits
+from paged_llm.engine.engine_core.faults import StepFaults
+from paged_llm.engine.engine_core.model_setup import load_engine_model
+from paged_llm.engine.engine_core.request_table import CoreRequest, RequestTable
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses

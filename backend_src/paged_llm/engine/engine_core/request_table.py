@@ -1,8 +1,8 @@
 """The engine core's table of client requests: each request's sequences, which request and sample
 a live sequence belongs to, and how a request's sequences end and the request closes.
 
-EngineCore, request expiry (engine/expiry.py) and step faults (engine/faults.py) all end requests
-through it, so the record and the owner map stay in step whoever ends them.
+EngineCore, request expiry (expiry.py) and step faults (faults.py) all end requests through it, so
+the record and the owner map stay in step whoever ends them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from paged_llm.core.sessions import SessionManager, SessionTurn
 from paged_llm.engine.core_types import CoreError, EngineCoreOutputs, FinishedRequest, FinishedSequence
 from paged_llm.sequence import Sequence, SequenceStatus
 
-logger = logging.getLogger("paged_llm.engine.core")  # its lines were the core's: same logger
+logger = logging.getLogger("paged_llm.engine.engine_core.core")  # its lines were the core's: same logger
 
 
 @dataclass

@@ -12,7 +12,7 @@ from paged_llm.core.kv_cache_manager import KVCacheManager
 from paged_llm.core.scheduler import ScheduledSequence
 from paged_llm.core.sessions import SessionManager
 from paged_llm.engine.core_types import CoreError
-from paged_llm.engine.request_table import CoreRequest, RequestTable
+from paged_llm.engine.engine_core.request_table import CoreRequest, RequestTable
 from paged_llm.runner.step_types import LaunchedStep
 from paged_llm.sequence import SequenceStatus
 

@@ -1,6 +1,6 @@
 """The engine core's busy loop: take new requests and aborts, step, publish, again.
 
-Shared by the core process (engine/core_process.py) and the in-thread client (engine/core_client.py):
+Shared by the core process (engine/engine_core/process.py) and the in-thread client (engine/core_client.py):
 
     while running:
         drain the inbox (block only when the core has nothing to do)
@@ -23,7 +23,6 @@ import logging
 import queue
 from collections.abc import Callable
 
-from paged_llm.engine.core import EngineCore
 from paged_llm.engine.core_types import (
     AbortRequest,
     AbortStub,
@@ -34,6 +33,7 @@ from paged_llm.engine.core_types import (
     Shutdown,
     UtilityCall,
 )
+from paged_llm.engine.engine_core.core import EngineCore
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 
 logger = logging.getLogger(__name__)

@@ -204,8 +204,8 @@ class StubLinks:
             return
         with self._lock:
             self._attached[stub_id] = publisher
-        logger.info("front end %d (pid %d) attached to the engine core", stub_id, hello.pid)
-        reason = "the front end detached"
+        logger.info("stub %d (pid %d) attached to the engine core", stub_id, hello.pid)
+        reason = "the stub detached"
         try:
             while True:
                 item = link.recv()
@@ -215,25 +215,25 @@ class StubLinks:
                 if forwarded is not None:
                     self._inbox.put(forwarded)
         except (EOFError, OSError) as error:
-            reason = f"the front end went away ({error})"
+            reason = f"the stub went away ({error})"
         with self._lock:
             self._attached.pop(stub_id, None)
         self._inbox.put(AbortStub(prefix, reason))
         publisher.close(timeout_s=1.0)
         link.close()
-        logger.info("front end %d left the engine core: %s", stub_id, reason)
+        logger.info("stub %d left the engine core: %s", stub_id, reason)
 
     def _check(self, item: object, stub_id: int, prefix: str) -> CoreInput | None:
         """What an attached stub may send, with its utility call ids renumbered."""
         if isinstance(item, EngineCoreRequest | AbortRequest):
             if item.request_id.startswith(prefix):
                 return item
-            logger.error("front end %d sent request id %r without its prefix", stub_id, item.request_id)
+            logger.error("stub %d sent request id %r without its prefix", stub_id, item.request_id)
             return None
         if isinstance(item, UtilityCall):
             call_id = next(self._call_id_counter)
             with self._lock:
                 self._call_routes[call_id] = (stub_id, item.call_id)
             return replace(item, call_id=call_id)
-        logger.error("front end %d sent an unexpected %s", stub_id, type(item).__name__)
+        logger.error("stub %d sent an unexpected %s", stub_id, type(item).__name__)
         return None

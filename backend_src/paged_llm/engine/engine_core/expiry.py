@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 
 from paged_llm.engine.core_types import CoreError
-from paged_llm.engine.request_table import RequestTable
+from paged_llm.engine.engine_core.request_table import RequestTable
 from paged_llm.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
