@@ -159,6 +159,37 @@ class SpeculativeConfig:
         return self.num_speculative_tokens > 0
 
 
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Grammar-constrained decoding (structured_output/): where and how constraints compile."""
+
+    # Worker processes that compile constraints (started on the first constrained request): two
+    # compiles run at once, and one that overruns its cap is ended by killing its process.
+    grammar_compile_workers: int = 2
+    # A compile that takes longer fails its request (INVALID_ARG); the others are not held up.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_entries: int = 512  # compiled grammars kept (least recently used dropped)
+    # JSON between tokens, where a request does not say (structured_outputs.disable_any_whitespace):
+    # compact = the standard separators and no other whitespace (a model cannot wander in
+    # whitespace); any = whatever whitespace the model writes.
+    structured_output_whitespace: str = "compact"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.grammar_compile_workers <= 64:
+            raise ConfigError(
+                f"grammar_compile_workers must be in [1, 64], got {self.grammar_compile_workers}"
+            )
+        if not self.grammar_compile_timeout_s > 0.0:
+            raise ConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_cache_entries < 1:
+            raise ConfigError(f"grammar_cache_entries must be >= 1, got {self.grammar_cache_entries}")
+        if self.structured_output_whitespace not in ("compact", "any"):
+            raise ConfigError(
+                "structured_output_whitespace must be compact or any, "
+                f"got {self.structured_output_whitespace!r}"
+            )
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -264,6 +295,7 @@ class EngineConfig:
     serving: ServingConfig = field(default_factory=ServingConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
     # tests: a request with this bad word fails inside AsyncLLM.add_request with an unexpected error
     fault_injection_bad_word: str | None = None
@@ -310,6 +342,7 @@ class EngineConfig:
                 serving=ServingConfig(**sections["serving"]),
                 sessions=SessionConfig(**sections["sessions"]),
                 speculative=SpeculativeConfig(**sections["speculative"]),
+                structured_output=StructuredOutputConfig(**sections["structured_output"]),
                 **top,
             )
         except ValueError as error:
@@ -325,6 +358,7 @@ _SECTIONS = {
     "serving": ServingConfig,
     "sessions": SessionConfig,
     "speculative": SpeculativeConfig,
+    "structured_output": StructuredOutputConfig,
 }
 _ALIASES = {
     "num_kv_blocks": "num_blocks",
@@ -338,6 +372,7 @@ _ZERO_IS_AUTO = {
     "max_model_len",
     "max_tokens_cap",
     "max_prompt_bytes",
+    "max_grammar_bytes",
 }
 
 

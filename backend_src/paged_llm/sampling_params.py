@@ -15,6 +15,7 @@ from typing import Any
 
 from paged_llm.coercion import loads_request_json, parse_bool, parse_float, parse_int
 from paged_llm.errors import InvalidRequestError
+from paged_llm.structured_output_params import StructuredOutputParams, parse_structured_outputs
 
 _UINT64_MASK = (1 << 64) - 1
 # As in vLLM, temperatures this small are treated as greedy (dividing by them would overflow float32).
@@ -42,6 +43,8 @@ class RequestLimits:
     max_tokens: int | None = None  # None: bounded only by max_model_len
     max_priority_abs: int = 1 << 31
     max_prompt_bytes: int | None = 1 << 20  # text_input larger than this is refused (None: no cap)
+    # A structured output constraint (schema, regex, grammar, ...) larger than this is refused.
+    max_grammar_bytes: int | None = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # their tokenizations (the stub)
     # Speculative decoding for this request where the server has it on (false: one token per step).
     speculative_decoding: bool = True
+    # The output is held to a grammar (JSON schema, regex, choice, EBNF, structural tag):
+    # structured_output_params.py; the engine core compiles it (structured_output/).
+    structured_outputs: StructuredOutputParams | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -94,6 +100,7 @@ class SamplingParams:
             self.temperature < GREEDY_TEMPERATURE_EPS
             and not self.needs_output_history
             and self.logprobs is None
+            and self.structured_outputs is None
         )
 
     @staticmethod
@@ -116,6 +123,11 @@ class SamplingParams:
         known = {f.name for f in fields(SamplingParams)} - _INTERNAL_FIELDS
         values: dict[str, Any] = {}
         for key, raw in payload.items():
+            if key in _STRUCTURED_OUTPUT_KEYS:
+                if "structured_outputs" in payload and "guided_decoding" in payload:
+                    raise InvalidRequestError(key, "give structured_outputs or guided_decoding, not both")
+                values["structured_outputs"] = parse_structured_outputs(raw, limits.max_grammar_bytes, key)
+                continue
             if key in _COMPAT_KEYS:
                 _COMPAT_KEYS[key](raw, payload)
                 continue
@@ -266,6 +278,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "priority": parse_int,
     "speculative_decoding": parse_bool,
 }
+# vLLM's key, and the name older vLLM releases (and clients written for them) gave the same object.
+_STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
 _NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids", "bad_words"}
 
 

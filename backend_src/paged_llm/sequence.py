@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from paged_llm.sampling_params import SamplingParams
 
@@ -47,6 +48,24 @@ _FINISHED = {
 }
 
 
+class GrammarState(Protocol):
+    """A constrained sequence's grammar (structured_output/grammar.py), as the scheduler sees it."""
+
+    kind: str
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances past `token_id`; False if the grammar does not allow it (state unchanged)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar ended (on an EOS token): nothing more may follow."""
+        ...
+
+    def can_end(self) -> bool:
+        """An EOS token is allowed now."""
+        ...
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: str  # unique within the engine
@@ -79,6 +98,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     proposer_state: object | None = None
     spec_pause: object | None = None  # spec_decode.proposer.SpeculationPause
+    # Structured output: the grammar the sequence's tokens follow (None: unconstrained). Advanced by
+    # the stop rules with each token; the sampler masks what it does not allow.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

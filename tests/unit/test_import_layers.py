@@ -6,11 +6,13 @@ still a dependency a reader has to follow up the stack.
 
 The layers, lowest first (the one list; a new top-level package or module goes into it):
 
-  0. foundation    errors, paths, gc_pauses, processes, device_kind, coercion, sampling_params,
-                   config, sequence (the package's top-level modules: plain data and process helpers)
+  0. foundation    errors, paths, gc_pauses, processes, device_kind, coercion,
+                   structured_output_params, sampling_params, config, sequence (the package's
+                   top-level modules: plain data and process helpers)
   1. core          scheduler, KV cache, sessions: torch-free, stdlib and the foundation only
   2. tokenizer     tokenizers, detokenizer, stop strings
-  3. sampling      sampler, penalties, noise, verification of speculative proposals
+  3. sampling      sampler, penalties, noise, verification of speculative proposals, token bitmasks
+  3b. structured_output  xgrammar: constraint compiling (worker processes), matchers, step bitmasks
   4. layers        model building blocks and kernels (attention, linear, fused ops)
   5. models        checkpoint configs, loaders, the decoder
   6. runner        the model runner, its device, tensor parallelism, CUDA graphs
@@ -49,6 +51,7 @@ LAYERS: list[tuple[str, ...]] = [
         "processes",
         "device_kind",
         "coercion",
+        "structured_output_params",
         "sampling_params",
         "config",
         "sequence",
@@ -56,6 +59,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("tokenizer",),
     ("sampling",),
+    ("structured_output",),
     ("layers",),
     ("models",),
     ("runner",),

@@ -37,8 +37,18 @@ def apply_verified(
 def check_stop(
     seq: Sequence, token_id: int, num_output_tokens: int, max_model_len: int
 ) -> SequenceStatus | None:
-    """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence."""
+    """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence.
+    A constrained sequence's grammar takes the token first: a grammar that ended ends the sequence
+    (EOS closes it, whatever min_tokens or ignore_eos say: nothing may follow), and a token it does
+    not allow (a bug: the sampler masks those) ends it with an error."""
     params = seq.sampling_params
+    grammar = seq.grammar
+    if grammar is not None:
+        if not grammar.accept_token(token_id):
+            return SequenceStatus.FINISHED_ERROR
+        if grammar.is_terminated():
+            seq.stop_reason = token_id if token_id in seq.eos_token_ids else None
+            return SequenceStatus.FINISHED_STOPPED
     # Stop tokens count from index min_tokens on (the sampler suppresses them before that).
     if num_output_tokens > params.min_tokens:
         if token_id in seq.eos_token_ids and not params.ignore_eos:

@@ -37,6 +37,7 @@ from paged_llm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 CORE_MODES = ("process", "thread", "inprocess")
+PARKED_WAIT_S = 0.05  # an in-process core with only requests waiting for a grammar waits this long per call
 
 
 class EngineCoreClient(Protocol):
@@ -124,7 +125,10 @@ class InProcessCoreClient:
         return call_id
 
     def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
-        return self.core.step() if self.core.has_unfinished_requests() else self.core.take_outputs()
+        if not self.core.has_unfinished_requests():
+            return self.core.take_outputs()
+        self.core.wait_for_work(PARKED_WAIT_S)
+        return self.core.step()
 
     def poll_outputs(self) -> EngineCoreOutputs | None:
         return None

@@ -137,6 +137,19 @@ class FinishedRequest:
 
 
 @dataclass
+class StructuredOutputStats:
+    """Structured output in the core, since start (the compile times: since the last publish)."""
+
+    requests_by_kind: dict[str, int] = field(default_factory=dict)  # constrained requests per kind
+    num_compiles: int = 0  # grammars compiled (cache misses that compiled)
+    num_compile_errors: int = 0  # constraints that did not compile (the request failed)
+    num_compile_timeouts: int = 0  # compiles that overran grammar_compile_timeout_s
+    num_cache_hits: int = 0  # constrained requests whose grammar was compiled already
+    num_length_in_grammar: int = 0  # constrained sequences ended by max_tokens / max_model_len mid-grammar
+    compile_seconds: list[float] = field(default_factory=list)  # each compile's time, since the last publish
+
+
+@dataclass
 class EngineCoreOutputs:
     """Everything one core step produced. Rows: one per sequence that got a new token.
 
@@ -160,6 +173,7 @@ class EngineCoreOutputs:
     gc_pauses: GcPauses | None = None  # the core process's garbage-collection pauses, since start
     utility_results: dict[int, tuple[bool, object]] = field(default_factory=dict)  # call id -> (ok, value)
     num_steps: int = 0  # engine steps taken so far (the first step is 1)
+    structured_output_stats: StructuredOutputStats | None = None
 
     @property
     def num_rows(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 from paged_llm.config import EngineConfig
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionTurn
-from paged_llm.engine.core_client import InProcessCoreClient, start_core_and_tokenizer
+from paged_llm.engine.core_client import PARKED_WAIT_S, InProcessCoreClient, start_core_and_tokenizer
 from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.outputs import RequestOutput
@@ -112,6 +112,7 @@ class LLMEngine:
         """In-process: the core returns step N with step N+1 running (EngineCore.step_pipelined), and
         N is detokenized while the device runs N+1. A stop string found in step N aborts its
         sequence with N+1 in flight; N+1's token for it is dropped."""
+        core.wait_for_work(PARKED_WAIT_S)
         finished = core.step_pipelined()
         return self._absorb(finished) if not finished.is_empty else []
 

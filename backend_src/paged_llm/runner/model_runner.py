@@ -39,18 +39,20 @@ from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sampling.verify import VerifyOutput, verify
 from paged_llm.sequence import Sequence
+from paged_llm.structured_output.grammar import StepBitmask
 
 logger = logging.getLogger(__name__)
 
 
 def suppressed_token_ids(seq: Sequence) -> tuple[int, ...]:
     """Tokens that may not be sampled now: EOS and stop ids while below min_tokens, and the tokens
-    that would complete one of the request's bad words."""
+    that would complete one of the request's bad words. A grammar that may end here keeps its EOS
+    whatever min_tokens says (it may allow nothing else)."""
     params = seq.sampling_params
     banned = ()
     if params.bad_words_token_ids:
         banned = tuple(banned_token_ids(params.bad_words_token_ids, seq.output_token_ids))
-    if seq.num_output_tokens >= params.min_tokens:
+    if seq.num_output_tokens >= params.min_tokens or (seq.grammar is not None and seq.grammar.can_end()):
         return banned
     eos = () if params.ignore_eos else tuple(sorted(seq.eos_token_ids))
     return eos + params.stop_token_ids + banned
@@ -143,6 +145,7 @@ class ModelRunner:
         self.mixed_graphs: MixedStepGraphs | None = None
         self.graph_pool_reserve_bytes: int | None = None  # set aside by the memory profile
         self.graph_pool_bytes = 0  # what the captured graphs hold, measured
+        self.bitmask: StepBitmask | None = None  # structured output; made for the first constrained step
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -274,10 +277,30 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueues the step's model forward and sampling on the device and returns at once (on an
         accelerator); `result()` waits for the sampled tokens. `previous`: the step launched before
-        this one whose result() has not been taken yet (its tokens are this step's pending inputs)."""
+        this one whose result() has not been taken yet (its tokens are this step's pending inputs).
+
+        A constrained row's mask needs its grammar to have taken the previous token, which is still
+        on the device when `previous` is given: then only the forward is enqueued (the step
+        `needs_sampling`), and `sample_deferred` samples once the previous step's tokens are in."""
         step = self._launch(scheduler_output, previous)
-        if not self.device.is_accelerator or (step.sampled is None and step.verified is None):
+        if step.needs_sampling:
             return step
+        self._copy_to_host(step)
+        return step
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Samples a step launched with `needs_sampling`: its grammars are up to date now."""
+        assert step.needs_sampling and step.unsampled_logits is not None
+        step.sampled = self._sample(step.unsampled_logits, step.seqs)
+        step.unsampled_logits = None
+        step.needs_sampling = False
+        self._copy_to_host(step)
+
+    def _copy_to_host(self, step: LaunchedStep) -> None:
+        """Starts the copy of the step's tokens to the host, behind the step on the device."""
+        if not self.device.is_accelerator or (step.sampled is None and step.verified is None):
+            return
         if step.sampled is not None:
             step.host = SamplerOutput(
                 *(
@@ -292,7 +315,6 @@ class ModelRunner:
             )
         step.copied = self.device.new_event()
         step.copied.record()
-        return step
 
     def _launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         assert self.model is not None, "load() first"
@@ -315,19 +337,23 @@ class ModelRunner:
                 ) from error
         if logits is None:
             return LaunchedStep([], None)
+        seqs = inputs.sampled_seqs
         verify_rows = inputs.verify_rows
-        if verify_rows is None:
-            return LaunchedStep(inputs.sampled_seqs, self._sample(logits, inputs.sampled_seqs))
-        sampled = None
-        if inputs.sampled_seqs:
+        if verify_rows is not None and seqs:
             assert inputs.sampled_rows is not None
-            sampled = self._sample(logits.index_select(0, inputs.sampled_rows), inputs.sampled_seqs)
-        return LaunchedStep(
-            inputs.sampled_seqs,
-            sampled,
-            verify_seqs=verify_rows.seqs,
-            verified=verify(logits, verify_rows, self.spec.vocab_size),
-        )
+            sampled_logits = logits.index_select(0, inputs.sampled_rows)
+        else:
+            sampled_logits = logits if seqs else None
+        step = LaunchedStep(seqs, None)
+        if sampled_logits is not None:
+            if previous is not None and any(seq.grammar is not None for seq in seqs):
+                step.needs_sampling, step.unsampled_logits = True, sampled_logits
+            else:
+                step.sampled = self._sample(sampled_logits, seqs)
+        if verify_rows is not None:
+            step.verify_seqs = verify_rows.seqs
+            step.verified = verify(logits, verify_rows, self.spec.vocab_size)
+        return step
 
     def forward_step(
         self,
@@ -358,6 +384,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, sample_indices))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        token_bitmask = None
+        if not self.greedy_only and any(seq.grammar is not None for seq in seqs):
+            if self.bitmask is None:
+                self.bitmask = StepBitmask(
+                    self.max_num_seqs, self.spec.vocab_size, self.device.torch_device, self.device.pin_memory
+                )
+            token_bitmask = self.bitmask.fill(seqs)
         if self.greedy_only or all(
             r.sampling_params.is_plain_greedy and r.num_output_tokens >= r.sampling_params.min_tokens
             for r in seqs
@@ -374,7 +407,8 @@ class ModelRunner:
             )
             for seq in seqs
         ]
-        return self.sampler(logits, SamplingMetadata.build(rows, self.spec.vocab_size, logits.device))
+        metadata = SamplingMetadata.build(rows, self.spec.vocab_size, logits.device, token_bitmask)
+        return self.sampler(logits, metadata)
 
 
 def default_attention(device: Device) -> AttentionBackend:

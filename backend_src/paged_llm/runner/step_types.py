@@ -32,14 +32,21 @@ class LaunchedStep:
     verify_seqs: list[Sequence] = field(default_factory=list)  # sequences that verified proposals
     verified: VerifyOutput | None = None  # their verification (device tensors)
     verified_host: VerifyOutput | None = None  # the same on the host
+    # Launched ahead with constrained rows: the forward ran, sampling waits for the grammars to take
+    # the previous step's tokens (ModelRunner.sample_deferred); these are the rows' logits.
+    needs_sampling: bool = False
+    unsampled_logits: Any = None
 
     def pending_tokens(self) -> PendingTokens | None:
         """This step's sampled tokens on the device, for a step launched before its result()."""
+        assert not self.needs_sampling, "a step launched on one whose sampling is deferred"
         if self.sampled is None:
             return None
         return PendingTokens(self.sampled.sampled_token_ids, {s.seq_id: r for r, s in enumerate(self.seqs)})
 
     def result(self) -> ModelRunnerOutput:
+        if self.needs_sampling:
+            raise RuntimeError("result() of a step whose sampling was deferred and never done")
         if self.copied is not None:
             self.copied.synchronize()
         output = ModelRunnerOutput()

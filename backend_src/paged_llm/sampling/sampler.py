@@ -21,6 +21,7 @@ import torch
 
 from paged_llm.sampling.noise import exponential_noise, row_noise_key_int32
 from paged_llm.sampling.penalties import PenaltyMetadata, apply_penalties, flat_token_ids
+from paged_llm.sampling.token_bitmask import apply_token_bitmask_
 from paged_llm.sampling.transfer import host_to_device
 from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -54,6 +55,9 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None  # None when no row has any penalty
     suppressed_flat_ids: torch.Tensor | None  # [S] int64 row * V + token to force to -inf; None if none
     max_num_logprobs: int | None  # K, the most top logprobs any row asked for; None: no row asked
+    # [B, ceil(V / 32)] int32: the tokens each row's grammar allows (structured output; rows
+    # without one allow all); None when no row is constrained
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -63,11 +67,18 @@ class SamplingMetadata:
             and self.penalties is None
             and self.suppressed_flat_ids is None
             and self.max_num_logprobs is None
+            and self.token_bitmask is None
         )
 
     @staticmethod
-    def build(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
-        """Turns the step's rows into device tensors (host side; one transfer per tensor)."""
+    def build(
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplingMetadata:
+        """Turns the step's rows into device tensors (host side; one transfer per tensor).
+        `token_bitmask`: the rows' grammar bitmask, already on the device."""
         greedy_flags = [row.params.temperature < GREEDY_TEMPERATURE_EPS for row in rows]
         random_rows = [row for row, greedy in zip(rows, greedy_flags, strict=True) if not greedy]
         all_greedy = not random_rows
@@ -155,6 +166,7 @@ class SamplingMetadata:
             penalties=penalties,
             suppressed_flat_ids=suppressed_flat_ids,
             max_num_logprobs=min(max(asked), vocab_size) if asked else None,
+            token_bitmask=token_bitmask,
         )
 
 
@@ -184,6 +196,8 @@ class Sampler:
 
         # A private float32 copy: everything below edits it in place, the caller's logits stay untouched.
         work = logits.to(dtype=torch.float32, copy=True)
+        if metadata.token_bitmask is not None:  # the grammar first: every filter sees only what it allows
+            apply_token_bitmask_(work, metadata.token_bitmask)
         if metadata.suppressed_flat_ids is not None:
             work.view(-1).index_fill_(0, metadata.suppressed_flat_ids, -math.inf)
         if metadata.penalties is not None:
@@ -268,7 +282,8 @@ def apply_top_k_top_p(
 
 
 def _with_logprobs(logits: torch.Tensor, sampled_ids: torch.Tensor, num_top: int) -> SamplerOutput:
-    """Raw model logprobs (before suppression, penalties, temperature and filters, as in vLLM v1)."""
+    """Raw model logprobs (before a grammar's mask, suppression, penalties, temperature and
+    filters: vLLM v1's default, raw_logprobs)."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
     sampled_logprobs = logprobs.gather(1, sampled_ids.unsqueeze(1))
     sampled_ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1

@@ -5,7 +5,8 @@ into the step (core/scheduler.py), which verifies them (sampling/verify.py).
 A sequence speculates when the server has a proposer and the request did not turn it off
 (`speculative_decoding: false`), and sampling needs nothing that the proposals would have to be
 sampled one at a time for: no logprobs, no penalties or bad words (they read the tokens before),
-min_tokens already reached (EOS suppression counts positions).
+min_tokens already reached (EOS suppression counts positions), no grammar (structured output: a
+proposal would need the grammar's mask at each of its positions; those rows decode one token a step).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def wants_speculation(seq: Sequence) -> bool:
         and params.logprobs is None
         and not params.needs_output_history
         and seq.num_output_tokens >= params.min_tokens
+        and seq.grammar is None
     )
 
 

@@ -17,6 +17,7 @@ The same class runs in the engine core process (engine/engine_core/process.py), 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from paged_llm.config import EngineConfig
@@ -35,6 +36,7 @@ from paged_llm.engine.engine_core.expiry import expire_deadlines, expire_queue_w
 from paged_llm.engine.engine_core.faults import StepFaults
 from paged_llm.engine.engine_core.model_setup import load_engine_model
 from paged_llm.engine.engine_core.request_table import CoreRequest, RequestTable
+from paged_llm.engine.engine_core.structured_outputs import StructuredOutputs
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses
@@ -105,6 +107,10 @@ class EngineCore:
         self.pipelined = self.launch_ahead or self.device.is_accelerator
         self._in_flight: InFlightStep | None = None  # step_pipelined's launched, unfinished step
         self.num_steps_launched_ahead = 0  # steps launched before the previous step's tokens arrived
+        # Called from another thread when there is work that did not come through the inbox (a
+        # grammar compiled): the busy loop sets it to wake itself up.
+        self.wake: Callable[[], None] = lambda: None
+        self.structured = StructuredOutputs(config.structured_output, self.info, lambda: self.wake())
         process_gc_pauses()  # counting starts now
 
     # ---------------------------------------------------------------------------------- requests
@@ -170,6 +176,10 @@ class EngineCore:
         )
         if request.session is not None:
             self.sessions.attach(request.session.session_id, sequences[0])
+        constraint = params.structured_outputs
+        if constraint is not None and not self.structured.attach_or_park(record, sequences, constraint):
+            self.requests.add(record, None)  # its sequences start once the grammar is compiled
+            return
         self.requests.add(record, sequences[0])
 
     def _close_session(self, request: EngineCoreRequest) -> None:
@@ -218,7 +228,9 @@ class EngineCore:
             self.requests.close(record)
 
     def close(self) -> None:
-        """Releases what outlives a garbage collection: the tensor-parallel worker processes."""
+        """Releases what outlives a garbage collection: the tensor-parallel workers and the grammar
+        compile workers."""
+        self.structured.close()
         self.runner.close()
 
     def abort_all(self, reason: str, request_id_prefix: str = "") -> None:
@@ -233,6 +245,20 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """A step would do something now; otherwise the busy loop waits for input (or `wake`)."""
+        return (
+            self.scheduler.has_unfinished_sequences()
+            or self._in_flight is not None
+            or (len(self.requests) > self.structured.num_parked)
+        )
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """For callers that step the core themselves: while only parked requests (waiting for their
+        grammar) are left, block until one can start instead of spinning."""
+        if not self.scheduler.has_unfinished_sequences() and self._in_flight is None:
+            self.structured.wait(timeout_s)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -249,6 +275,20 @@ class EngineCore:
         step() (new tokens, ends, refusals, aborts), with the scheduler's stats after it."""
         in_flight = self.launch_step()
         return self.finish_step(in_flight)
+
+    def _sample_deferred(self) -> None:
+        """The running step was launched ahead with constrained rows: its grammars took the previous
+        step's tokens just now, so its sampling can be enqueued (ModelRunner.sample_deferred)."""
+        in_flight = self._in_flight
+        if in_flight is None or not in_flight.launched.needs_sampling:
+            return
+        try:
+            self.runner.sample_deferred(in_flight.launched)
+        except TensorParallelError:
+            raise
+        except Exception as error:  # as a fault in launch_step: the step's requests fail, not the core
+            self._in_flight = None
+            self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
 
     def step_pipelined(self) -> EngineCoreOutputs:
         """One turn of the loop on an accelerator: launch step N+1, then finish step N (launched by
@@ -277,6 +317,7 @@ class EngineCore:
                     failed.launched, failed.scheduler_output.scheduled, failed.step_number
                 )
                 self._in_flight = None
+            self._sample_deferred()
         return outputs if outputs is not None else self.take_outputs()
 
     def finish_in_flight(self) -> EngineCoreOutputs:
@@ -304,6 +345,7 @@ class EngineCore:
         their blocks are only reused by a later schedule(), after this step's sync (or, on the
         device, after this step in stream order). `previous`: a launched step not finished yet,
         whose sampled tokens this step takes as inputs on the device (asynchronous scheduling)."""
+        self._start_parked()
         expire_deadlines(self.requests)
         self.sessions.expire_idle()
         if self.config.scheduler.queue_max_wait_s > 0.0:
@@ -325,6 +367,17 @@ class EngineCore:
         except Exception as error:  # a model fault must not take the server down
             self.faults.fail_step(scheduler_output.scheduled, error, self.num_steps)
             return None
+
+    def _start_parked(self) -> None:
+        """Starts the requests whose grammar compiled (or fails those whose grammar did not)."""
+        for ready in self.structured.take_ready():
+            record = ready.record
+            if self.requests.get(record.request_id) is not record:
+                continue  # ended while it waited (abort, deadline)
+            if ready.error is not None:
+                self.requests.close(record, ready.error)
+            else:
+                self.requests.start(record, ready.sequences[0])
 
     def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
         """The second half of step(): wait for the device, apply the sampled tokens, publish."""
@@ -350,6 +403,7 @@ class EngineCore:
         outputs.num_steps = self.num_steps
         outputs.num_step_faults = self.num_step_faults
         outputs.gc_pauses = process_gc_pauses()
+        outputs.structured_output_stats = self.structured.take_stats()
         return outputs
 
     def _publish_updates(self, updates: list[SequenceUpdate], runner_output: ModelRunnerOutput) -> None:
@@ -376,6 +430,7 @@ class EngineCore:
             if record.unstarted and index == 0:
                 self.requests.start_siblings(record)  # the prompt's KV is computed: share it
             if seq.is_finished:
+                self.structured.on_finished(seq)
                 self.requests.finished(record, index)
                 stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
                 out.finished_sequences.append(

@@ -68,9 +68,12 @@ class RequestTable:
         """The request a live sequence belongs to, and its sample index."""
         return self._owner.get(seq_id)
 
-    def add(self, record: CoreRequest, first: Sequence) -> None:
+    def add(self, record: CoreRequest, first: Sequence | None) -> None:
+        """`first`: the sequence that starts now (None: the request waits, e.g. for its grammar,
+        and `start` begins it later)."""
         self._requests[record.request_id] = record
-        self.start(record, first)
+        if first is not None:
+            self.start(record, first)
 
     def start(self, record: CoreRequest, seq: Sequence) -> None:
         self._owner[seq.seq_id] = (record, len(record.sequences))

@@ -40,6 +40,13 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking around again
 
 
+class _WakeUp:
+    """Put into the inbox by `EngineCore.wake` (a compiled grammar): the loop looks again."""
+
+
+_WAKE_UP = _WakeUp()
+
+
 def run_busy_loop(
     core: EngineCore,
     inbox: queue.SimpleQueue[CoreInput],
@@ -47,8 +54,9 @@ def run_busy_loop(
 ) -> str:
     """Runs until a Shutdown arrives; aborts what is left, publishes that, returns the reason.
     An exception from the core propagates: the caller reports the core as dead."""
+    core.wake = lambda: inbox.put(_WAKE_UP)  # type: ignore[arg-type]
     while True:
-        idle = not core.has_unfinished_requests() and not core.has_in_flight_step
+        idle = not core.has_work()
         shutdown = _drain_inbox(core, inbox, block=idle)
         if shutdown is not None:
             core.abort_all(shutdown.reason)
@@ -72,7 +80,8 @@ def _drain_inbox(core: EngineCore, inbox: queue.SimpleQueue[CoreInput], block: b
         block = False
         if isinstance(item, Shutdown):
             return item
-        handle_input(core, item)
+        if item is not _WAKE_UP:
+            handle_input(core, item)
 
 
 def handle_input(core: EngineCore, item: CoreInput) -> None:

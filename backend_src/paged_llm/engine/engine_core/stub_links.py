@@ -76,7 +76,8 @@ def split_outputs(
             )
         return found
 
-    part(0)
+    # Stub 0 reports the core's structured output counters (its compile times once).
+    part(0).structured_output_stats = outputs.structured_output_stats
     for row, request_id in enumerate(outputs.request_ids):
         target = part(stub_of(request_id))
         logprobs = outputs.logprobs.get(row)

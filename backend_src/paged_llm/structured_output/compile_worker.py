@@ -1,0 +1,58 @@
+"""A grammar compile worker: `python -m paged_llm.structured_output.compile_worker FD PARENT_PID`.
+
+The engine core's GrammarCompiler (compiler.py) starts these so that a compile never runs on the
+step loop's process and one that overruns its time cap can be killed. Over the socket FD (pickled
+multiprocessing.connection messages):
+
+    core -> worker   ("tokenizer_info", json)                     once, first
+    worker -> core   ("ready",)
+    core -> worker   ("compile", job_id, kind, spec, any_whitespace)
+    worker -> core   ("done", job_id, ok, grammar json | error text, seconds)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import warnings
+from multiprocessing.connection import Connection
+
+from paged_llm.processes import watch_parent
+
+
+def main(argv: list[str]) -> int:
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    watch_parent(parent_pid, lambda: os._exit(0), "paged_llm-compile-watchdog")
+    warnings.simplefilter("ignore")  # xgrammar warns about schema details on stderr, per compile
+    import xgrammar
+
+    from paged_llm.structured_output.compile import compile_constraint, error_text
+
+    connection = Connection(socket.socket(fileno=fd).detach())
+    message = connection.recv()
+    assert message[0] == "tokenizer_info", message[0]
+    info = xgrammar.TokenizerInfo.deserialize_json(message[1])
+    # Our own cache is the core's (compiler.py); this process may be killed any time.
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    connection.send(("ready",))
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            return 0
+        _, job_id, kind, spec, any_whitespace = message
+        started = time.perf_counter()
+        try:
+            grammar = compile_constraint(compiler, kind, spec, any_whitespace)
+            result = (True, grammar.serialize_json())
+        except Exception as error:  # a client's constraint that does not compile: its error, not ours
+            result = (False, error_text(error))
+        connection.send(("done", job_id, *result, time.perf_counter() - started))
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core stops it (Ctrl-C reaches the whole group)
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,207 @@
+"""GrammarCompiler: compiles constraints off the engine core's step loop, in worker processes, and
+keeps the compiled grammars (an LRU of `cache_entries`, keyed by kind, text and whitespace mode).
+
+Each of `num_workers` dispatcher threads owns one worker process (compile_worker.py), started on
+its first job: a compile that overruns `timeout_s` is ended by killing its process (a thread could
+only be abandoned, burning a core until xgrammar finished: a 1 MB schema took minutes), and the
+thread starts a new one for its next job. The xgrammar tokenizer info is built once, on the first
+compile, and sent to each worker as it starts.
+
+The core asks `cached(key)` first, `submit(key)` on a miss, and collects `take_results()` between
+steps; `on_done` tells it (from a dispatcher thread) that a result is waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import xgrammar
+
+from paged_llm.processes import parent_death_signal, spawn_module
+
+logger = logging.getLogger(__name__)
+WORKER_MODULE = "paged_llm.structured_output.compile_worker"
+WORKER_START_TIMEOUT_S = 300.0  # imports torch and xgrammar; slow on a loaded 2-core machine
+
+GrammarKey = tuple[str, str, bool]  # kind, spec, any_whitespace
+
+
+@dataclass
+class CompileResult:
+    key: GrammarKey
+    grammar: xgrammar.CompiledGrammar | None  # None: `error` says why
+    error: str | None
+    seconds: float  # from the job's start in a worker to its result (the compile alone when it ran)
+    timed_out: bool = False
+
+
+class GrammarCompiler:
+    def __init__(
+        self,
+        tokenizer_info: Callable[[], xgrammar.TokenizerInfo],
+        num_workers: int,
+        timeout_s: float,
+        cache_entries: int,
+        on_done: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._make_tokenizer_info = tokenizer_info
+        self._info: xgrammar.TokenizerInfo | None = None
+        self._info_json: str | None = None
+        self._info_lock = threading.Lock()
+        self.timeout_s = timeout_s
+        self.cache_entries = cache_entries
+        self.on_done = on_done
+        self._cache: collections.OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the cache and the results
+        self._results: list[CompileResult] = []
+        self._results_ready = threading.Condition(self._lock)
+        self._jobs: queue.SimpleQueue[GrammarKey | None] = queue.SimpleQueue()
+        self._num_workers = num_workers
+        self._threads: list[threading.Thread] = []
+        self._processes: dict[int, subprocess.Popen] = {}  # dispatcher index -> its live worker
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- the core's side
+    @property
+    def tokenizer_info(self) -> xgrammar.TokenizerInfo:
+        """Built on first use (the tokenizer load takes a second or two)."""
+        with self._info_lock:
+            if self._info is None:
+                started = time.perf_counter()
+                self._info = self._make_tokenizer_info()
+                logger.info("xgrammar tokenizer info built in %.2f s", time.perf_counter() - started)
+            return self._info
+
+    def cached(self, key: GrammarKey) -> xgrammar.CompiledGrammar | None:
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+            return grammar
+
+    def submit(self, key: GrammarKey) -> None:
+        """Compiles `key` on a worker; its CompileResult comes from take_results() (the caller
+        submits a key once however many requests wait for it)."""
+        assert not self._closed, "the grammar compiler is closed"
+        if len(self._threads) < self._num_workers:  # one more dispatcher per job until all run
+            index = len(self._threads)
+            thread = threading.Thread(
+                target=self._dispatch, args=(index,), name=f"paged_llm-grammar-{index}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        self._jobs.put(key)
+
+    def take_results(self) -> list[CompileResult]:
+        with self._lock:
+            results, self._results = self._results, []
+            return results
+
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Blocks until a result waits (or `timeout_s` passed); True if one does."""
+        with self._results_ready:
+            return self._results_ready.wait_for(lambda: bool(self._results), timeout_s)
+
+    def close(self) -> None:
+        """Stops the workers (a compile in progress is killed); no result comes after this."""
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        for process in list(self._processes.values()):
+            _kill(process)
+
+    # ----------------------------------------------------------------------------- dispatchers
+    def _dispatch(self, index: int) -> None:
+        worker: tuple[subprocess.Popen, Connection] | None = None
+        while True:
+            key = self._jobs.get()
+            if key is None or self._closed:
+                if worker is not None:
+                    _kill(worker[0])
+                return
+            started = time.perf_counter()
+            try:
+                if worker is None:
+                    worker = self._start_worker(index)
+                result, worker = self._run(worker, key, started)
+            except Exception as error:  # the worker would not start, or broke: this job fails, not the core
+                logger.exception("grammar compile worker %d failed", index)
+                if worker is not None:
+                    _kill(worker[0])
+                worker = None
+                result = CompileResult(
+                    key, None, f"the grammar compiler failed ({error})", time.perf_counter() - started
+                )
+            with self._results_ready:
+                if result.grammar is not None:
+                    self._cache[key] = result.grammar
+                    while len(self._cache) > self.cache_entries:
+                        self._cache.popitem(last=False)
+                self._results.append(result)
+                self._results_ready.notify_all()
+            self.on_done()
+
+    def _run(
+        self, worker: tuple[subprocess.Popen, Connection], key: GrammarKey, started: float
+    ) -> tuple[CompileResult, tuple[subprocess.Popen, Connection] | None]:
+        process, connection = worker
+        connection.send(("compile", 0, *key))
+        if not connection.poll(self.timeout_s):
+            _kill(process)
+            logger.warning(
+                "a %s grammar of %d characters overran the %.1f s compile cap",
+                key[0],
+                len(key[1]),
+                self.timeout_s,
+            )
+            error = (
+                "compiling the grammar took longer than this server's grammar_compile_timeout_s "
+                f"({self.timeout_s:g} s)"
+            )
+            return CompileResult(key, None, error, time.perf_counter() - started, timed_out=True), None
+        _, _job, ok, payload, seconds = connection.recv()
+        if not ok:
+            return CompileResult(key, None, payload, seconds), worker
+        grammar = xgrammar.CompiledGrammar.deserialize_json(payload, self.tokenizer_info)
+        return CompileResult(key, grammar, None, seconds), worker
+
+    def _start_worker(self, index: int) -> tuple[subprocess.Popen, Connection]:
+        info = self.tokenizer_info
+        with self._info_lock:
+            if self._info_json is None:
+                self._info_json = info.serialize_json()
+        ours, theirs = socket.socketpair()
+        try:
+            process = spawn_module(
+                WORKER_MODULE,
+                [str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()],
+                preexec_fn=parent_death_signal(signal.SIGKILL),  # the core killed hard
+            )
+        finally:
+            theirs.close()
+        self._processes[index] = process
+        connection = Connection(ours.detach())
+        connection.send(("tokenizer_info", self._info_json))
+        if not connection.poll(WORKER_START_TIMEOUT_S):
+            _kill(process)
+            raise RuntimeError(f"the compile worker did not start within {WORKER_START_TIMEOUT_S:g} s")
+        assert connection.recv() == ("ready",)
+        return process, connection
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
