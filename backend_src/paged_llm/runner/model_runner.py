@@ -346,7 +346,7 @@ class ModelRunner:
             sampled_logits = logits if seqs else None
         step = LaunchedStep(seqs, None)
         if sampled_logits is not None:
-            if previous is not None and any(seq.grammar is not None for seq in seqs):
+            if previous is not None and not self.greedy_only and any(seq.grammar is not None for seq in seqs):
                 step.needs_sampling, step.unsampled_logits = True, sampled_logits
             else:
                 step.sampled = self._sample(sampled_logits, seqs)
