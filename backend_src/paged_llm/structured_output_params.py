@@ -11,7 +11,8 @@ xgrammar or torch, so the stub refuses a bad constraint before the engine core s
 plus the option `disable_any_whitespace` (true: JSON in its compact form; false: any whitespace
 between tokens; absent: the server's `structured_output_whitespace`). vLLM's `disable_fallback`
 and `disable_additional_properties` are accepted (there is one backend, and undeclared
-properties are refused anyway); `whitespace_pattern` is refused.
+properties are refused anyway), as is older clients' `backend` (ignored); `whitespace_pattern` is
+refused.
 
 A JSON schema must be valid JSON Schema (checked with `jsonschema`) and use only keywords the
 grammar can enforce: a keyword xgrammar 0.2.9 would ignore (`not`, `uniqueItems`, `if`/`then`, ...)
@@ -122,12 +123,16 @@ def parse_structured_outputs(
     given = [kind for kind in KINDS if raw.get(kind) is not None]
     if given == ["json_object"] and not parse_bool(f"{field}.json_object", raw["json_object"]):
         return None
+    if raw.get("backend") is not None and not isinstance(raw["backend"], str):
+        raise InvalidRequestError(
+            f"{field}.backend", "must be a string (it is ignored: the backend is xgrammar)"
+        )
     if len(given) > 1:
         raise InvalidRequestError(
             field, f"give one constraint per request, got {len(given)}: {', '.join(given)}"
         )
     if not given:
-        if any(raw.get(option) is not None for option in _OPTIONS):
+        if any(raw.get(option) is not None for option in _OPTIONS if option != "backend"):
             raise InvalidRequestError(field, f"options without a constraint; give one of: {', '.join(KINDS)}")
         return None
     kind = given[0]

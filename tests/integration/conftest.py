@@ -16,6 +16,7 @@ from paged_llm.config import (
     SchedulerConfig,
     SessionConfig,
     SpeculativeConfig,
+    StructuredOutputConfig,
 )
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     tensor_parallel_size = overrides.pop("tensor_parallel_size", 1)
     load_format = overrides.pop("load_format", "safetensors")
     speculative = overrides.pop("speculative", SpeculativeConfig())
+    structured_output = overrides.pop("structured_output", StructuredOutputConfig())
     enable_onednn_linear = overrides.pop("enable_onednn_linear", True)
     cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
     cache = {k: v for k, v in overrides.items() if k in cache_fields}
@@ -53,6 +55,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
         scheduler=SchedulerConfig(**scheduler),
         sessions=sessions,
         speculative=speculative,
+        structured_output=structured_output,
         device=DeviceConfig(
             tensor_parallel_size=tensor_parallel_size, enable_onednn_linear=enable_onednn_linear
         ),

@@ -181,6 +181,11 @@ class EngineCoreOutputs:
 
     @property
     def is_empty(self) -> bool:
+        compiles = self.structured_output_stats is not None and self.structured_output_stats.compile_seconds
         return not (
-            self.request_ids or self.finished_sequences or self.finished_requests or self.utility_results
+            self.request_ids
+            or self.finished_sequences
+            or self.finished_requests
+            or self.utility_results
+            or compiles  # observations the stub's histogram would otherwise never get
         )

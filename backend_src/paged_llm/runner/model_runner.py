@@ -44,15 +44,16 @@ from paged_llm.structured_output.grammar import StepBitmask
 logger = logging.getLogger(__name__)
 
 
-def suppressed_token_ids(seq: Sequence) -> tuple[int, ...]:
+def suppressed_token_ids(seq: Sequence, num_output_tokens: int) -> tuple[int, ...]:
     """Tokens that may not be sampled now: EOS and stop ids while below min_tokens, and the tokens
-    that would complete one of the request's bad words. A grammar that may end here keeps its EOS
+    that would complete one of the request's bad words; `num_output_tokens`: those before the one
+    being sampled. A grammar that may end here keeps its EOS
     whatever min_tokens says (it may allow nothing else)."""
     params = seq.sampling_params
     banned = ()
     if params.bad_words_token_ids:
         banned = tuple(banned_token_ids(params.bad_words_token_ids, seq.output_token_ids))
-    if seq.num_output_tokens >= params.min_tokens or (seq.grammar is not None and seq.grammar.can_end()):
+    if num_output_tokens >= params.min_tokens or (seq.grammar is not None and seq.grammar.can_end()):
         return banned
     eos = () if params.ignore_eos else tuple(sorted(seq.eos_token_ids))
     return eos + params.stop_token_ids + banned
@@ -292,7 +293,7 @@ class ModelRunner:
     def sample_deferred(self, step: LaunchedStep) -> None:
         """Samples a step launched with `needs_sampling`: its grammars are up to date now."""
         assert step.needs_sampling and step.unsampled_logits is not None
-        step.sampled = self._sample(step.unsampled_logits, step.seqs)
+        step.sampled = self._sample(step.unsampled_logits, step.seqs, deferred=True)
         step.unsampled_logits = None
         step.needs_sampling = False
         self._copy_to_host(step)
@@ -383,7 +384,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden.index_select(0, sample_indices))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], deferred: bool = False) -> SamplerOutput:
+        """`deferred`: the step's own pending token is already appended to each sequence (its
+        on_launched ran): a row samples output position len - 1, as it would have at launch."""
+        num_ahead = int(deferred)
         token_bitmask = None
         if not self.greedy_only and any(seq.grammar is not None for seq in seqs):
             if self.bitmask is None:
@@ -392,7 +396,8 @@ class ModelRunner:
                 )
             token_bitmask = self.bitmask.fill(seqs)
         if self.greedy_only or all(
-            r.sampling_params.is_plain_greedy and r.num_output_tokens >= r.sampling_params.min_tokens
+            r.sampling_params.is_plain_greedy
+            and r.num_output_tokens - num_ahead >= r.sampling_params.min_tokens
             for r in seqs
         ):
             # The common benchmark/greedy case: skip building per-row sampling metadata.
@@ -402,8 +407,10 @@ class ModelRunner:
                 params=seq.sampling_params,
                 seed=seq.seed,
                 prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                suppressed_token_ids=suppressed_token_ids(seq),
+                # Deferred steps were launched ahead, which no row reading its output's values
+                # (penalties, bad words) allows: only the length (the noise position) is read.
+                output_token_ids=range(seq.num_output_tokens - 1) if deferred else seq.output_token_ids,
+                suppressed_token_ids=suppressed_token_ids(seq, seq.num_output_tokens - num_ahead),
             )
             for seq in seqs
         ]

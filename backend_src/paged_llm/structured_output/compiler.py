@@ -136,6 +136,8 @@ class GrammarCompiler:
                     worker = self._start_worker(index)
                 result, worker = self._run(worker, key, started)
             except Exception as error:  # the worker would not start, or broke: this job fails, not the core
+                if self._closed:
+                    return  # close() killed it
                 logger.exception("grammar compile worker %d failed", index)
                 if worker is not None:
                     _kill(worker[0])

@@ -178,7 +178,7 @@ class EngineCore:
             self.sessions.attach(request.session.session_id, sequences[0])
         constraint = params.structured_outputs
         if constraint is not None and not self.structured.attach_or_park(record, sequences, constraint):
-            self.requests.add(record, None)  # its sequences start once the grammar is compiled
+            self.requests.add(record, sequences[0], parked=True)  # starts once the grammar is compiled
             return
         self.requests.add(record, sequences[0])
 
@@ -377,7 +377,7 @@ class EngineCore:
             if ready.error is not None:
                 self.requests.close(record, ready.error)
             else:
-                self.requests.start(record, ready.sequences[0])
+                self.requests.start_parked(record)
 
     def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
         """The second half of step(): wait for the device, apply the sampled tokens, publish."""

@@ -30,10 +30,11 @@ class CoreRequest:
     arrival_time: float
     reported_finished: set[int] = field(default_factory=set)  # indices whose end was published
     session: SessionTurn | None = None
+    parked: Sequence | None = None  # sample 0 while the request waits to start (for its grammar)
 
     @property
     def num_samples(self) -> int:
-        return len(self.sequences) + len(self.unstarted)
+        return len(self.sequences) + len(self.unstarted) + (self.parked is not None)
 
     @property
     def is_finished(self) -> bool:
@@ -68,12 +69,18 @@ class RequestTable:
         """The request a live sequence belongs to, and its sample index."""
         return self._owner.get(seq_id)
 
-    def add(self, record: CoreRequest, first: Sequence | None) -> None:
-        """`first`: the sequence that starts now (None: the request waits, e.g. for its grammar,
-        and `start` begins it later)."""
+    def add(self, record: CoreRequest, first: Sequence, parked: bool = False) -> None:
+        """`parked`: the request waits (for its grammar); `start_parked` starts it later."""
         self._requests[record.request_id] = record
-        if first is not None:
+        if parked:
+            record.parked = first
+        else:
             self.start(record, first)
+
+    def start_parked(self, record: CoreRequest) -> None:
+        assert record.parked is not None, f"request {record.request_id} is not parked"
+        first, record.parked = record.parked, None
+        self.start(record, first)
 
     def start(self, record: CoreRequest, seq: Sequence) -> None:
         self._owner[seq.seq_id] = (record, len(record.sequences))
@@ -131,6 +138,7 @@ class RequestTable:
         for seq in record.sequences:
             self._owner.pop(seq.seq_id, None)
         record.unstarted = []
+        record.parked = None
         if record.session is not None:
             self.sessions.end_turn(
                 record.session.session_id, record.sequences[0] if record.sequences else None

@@ -1,0 +1,396 @@
+"""Structured output in the engine on the tiny model (CPU): only the grammar can make a random-weight
+model's output valid, so every check here is the grammar's doing.
+
+The property test draws JSON schemas from the supported subset (objects, arrays with bounds, enums,
+integer ranges, booleans, strings with patterns or length bounds, nesting, anyOf) and runs each
+greedy and sampled with n = 3, all at once: every output that ends with `stop` parses and
+validates, and nearly all end within max_tokens. The same runs under preemption (a small KV pool),
+chunked prefill, n-gram speculation, asynchronous scheduling (the launched-ahead step samples
+after the grammars took the previous token) and in a session turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from paged_llm.config import StructuredOutputConfig
+from paged_llm.core.sessions import SessionTurn
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.errors import InvalidRequestError
+from paged_llm.sampling_params import SamplingParams
+from tests.integration.conftest import run_to_completion
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 300  # every drawn schema's longest output fits (bounded strings, arrays and depth)
+_ENUM_CHARS = st.sampled_from(list('abc xyz"\\é中/'))
+
+
+def _leaf() -> st.SearchStrategy[dict[str, Any]]:
+    return st.one_of(
+        st.just({"type": "boolean"}),
+        st.builds(
+            lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+            st.integers(-1000, 1000),
+            st.integers(0, 5000),
+        ),
+        st.lists(st.text(_ENUM_CHARS, min_size=1, max_size=5), min_size=1, max_size=4, unique=True).map(
+            lambda values: {"enum": values}
+        ),
+        st.builds(
+            lambda low, span: {"type": "string", "minLength": low, "maxLength": low + span},
+            st.integers(0, 3),
+            st.integers(0, 5),
+        ),
+        st.sampled_from(["^[a-z]{1,6}$", "^[0-9]{3}-[0-9]{2}$", "^(yes|no)$", "^[A-Z][a-z]{0,4}$"]).map(
+            lambda pattern: {"type": "string", "pattern": pattern}
+        ),
+    )
+
+
+def _object(children: list[dict[str, Any]], required: list[bool]) -> dict[str, Any]:
+    names = [f"p{index}" for index in range(len(children))]
+    return {
+        "type": "object",
+        "properties": dict(zip(names, children, strict=True)),
+        "required": [name for name, needed in zip(names, required) if needed],
+    }
+
+
+def _extend(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.one_of(
+        st.lists(children, min_size=1, max_size=4).flatmap(
+            lambda kids: st.lists(st.booleans(), min_size=len(kids), max_size=len(kids)).map(
+                lambda required: _object(kids, required)
+            )
+        ),
+        st.builds(
+            lambda item, low, span: {"type": "array", "items": item, "minItems": low, "maxItems": low + span},
+            children,
+            st.integers(0, 2),
+            st.integers(0, 2),
+        ),
+        st.lists(children, min_size=2, max_size=3).map(lambda branches: {"anyOf": branches}),
+    )
+
+
+SCHEMAS = st.recursive(_leaf(), _extend, max_leaves=6)
+SCHEMA_BATCHES = st.lists(SCHEMAS, min_size=6, max_size=6)
+PROPERTY_SETTINGS = settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,  # the same schemas every run: a failure is a bug, never luck
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example runs an engine for seconds
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _params(schema: dict[str, Any], sampled: bool, seed: int) -> SamplingParams:
+    fields: dict[str, Any] = {"max_tokens": MAX_TOKENS, "structured_outputs": {"json": schema}}
+    fields.update({"temperature": 1.0, "n": 3, "seed": seed} if sampled else {"temperature": 0.0})
+    return SamplingParams.from_mapping(fields)
+
+
+def check_schema_batch(
+    engine: LLMEngine,
+    schemas: list[dict[str, Any]],
+    prompts: list[list[int]],
+    extra: list[tuple[list[int], SamplingParams]] = (),  # type: ignore[assignment]
+) -> None:
+    """Each schema greedy and sampled (n = 3) in one batch (with `extra` unconstrained requests):
+    every stopped output validates, and at most one in 20 runs out of max_tokens."""
+    requests = [
+        (prompts[index % len(prompts)], _params(schema, sampled, seed=index))
+        for index, schema in enumerate(schemas)
+        for sampled in (False, True)
+    ]
+    requests += list(extra)
+    results = run_to_completion(engine, [p for p, _ in requests], [params for _, params in requests])
+    outcomes = []
+    for (_, params), completions in zip(requests, results):
+        if params.structured_outputs is None:
+            continue
+        schema = json.loads(params.structured_outputs.spec)
+        for completion in completions:
+            outcomes.append(completion.finish_reason)
+            if completion.finish_reason == "stop":
+                jsonschema.validate(json.loads(completion.text), schema)
+    assert set(outcomes) <= {"stop", "length"}, outcomes
+    assert outcomes.count("stop") >= 0.95 * len(outcomes), outcomes
+
+
+@pytest.fixture(scope="module")
+def module_engines(tiny_model_dir):
+    from tests.integration.conftest import make_engine
+
+    made: dict[str, LLMEngine] = {}
+
+    def get(name: str, **overrides: Any) -> LLMEngine:
+        if name not in made:
+            made[name] = make_engine(tiny_model_dir, **overrides)
+        return made[name]
+
+    yield get
+    for engine in made.values():
+        engine.shutdown()
+
+
+@pytest.fixture
+def async_engine(module_engines) -> LLMEngine:
+    return module_engines("async", async_scheduling="on")
+
+
+@pytest.fixture
+def sync_engine(module_engines) -> LLMEngine:
+    return module_engines("sync", async_scheduling="off")
+
+
+@given(schemas=SCHEMA_BATCHES)
+@PROPERTY_SETTINGS
+def test_json_schema_outputs_validate_with_asynchronous_scheduling(async_engine, prompts, schemas):
+    check_schema_batch(async_engine, schemas, prompts)
+    assert async_engine.core.num_steps_launched_ahead > 0
+
+
+@given(schemas=SCHEMA_BATCHES)
+@PROPERTY_SETTINGS
+def test_json_schema_outputs_validate_under_preemption_and_chunked_prefill(module_engines, prompts, schemas):
+    # 32 blocks of 16 tokens for 18 constrained sequences and four unconstrained ones of ~150
+    # tokens each: the scheduler must preempt; a 32-token step budget prefills prompts in chunks.
+    engine = module_engines("tight", num_blocks=32, max_num_batched_tokens=32)
+    before = engine.scheduler_stats().num_preemptions_total
+    usable = sorted((p for p in prompts if 8 < len(p) <= 100), key=len)
+    assert len(usable[-1]) > 32
+    hogs = [
+        (prompt, SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)) for prompt in usable[-4:]
+    ]
+    check_schema_batch(engine, schemas, usable, hogs)
+    assert engine.scheduler_stats().num_preemptions_total > before
+
+
+@given(schemas=SCHEMA_BATCHES)
+@PROPERTY_SETTINGS
+def test_json_schema_outputs_validate_with_ngram_speculation(module_engines, prompts, schemas):
+    from paged_llm.config import SpeculativeConfig
+
+    engine = module_engines("ngram", speculative=SpeculativeConfig(num_speculative_tokens=3))
+    before = engine.scheduler_stats().spec_num_drafts
+    repetitive = prompts[4]  # a prompt that repeats itself: n-gram proposals for the unconstrained row
+    extra = [(repetitive, SamplingParams(temperature=0.0, max_tokens=64))]
+    check_schema_batch(engine, schemas, prompts, extra)
+    assert engine.scheduler_stats().spec_num_drafts > before
+
+
+def test_a_session_turn_is_constrained_and_the_next_turn_is_free(module_engines, prompts):
+    from paged_llm.config import SessionConfig
+
+    engine = module_engines("sessions", sessions=SessionConfig(max_sessions=4))
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    params = SamplingParams.from_mapping(
+        {"max_tokens": 40, "temperature": 0, "structured_outputs": {"json": schema}}
+    )
+    first = _run_turn(engine, "t0", prompts[1], params, SessionTurn("s", start=True))
+    assert json.loads(first.text) in ({"answer": "yes"}, {"answer": "no"})
+    follow = _run_turn(
+        engine, "t1", prompts[0], SamplingParams(max_tokens=12, temperature=0), SessionTurn("s")
+    )
+    assert follow.finish_reason == "length"  # the grammar ended with its turn: free text, to max_tokens
+    regex = SamplingParams.from_mapping({"max_tokens": 20, "structured_outputs": {"regex": "[0-9]{4}"}})
+    third = _run_turn(engine, "t2", prompts[2], regex, SessionTurn("s", end=True))
+    assert re.fullmatch("[0-9]{4}", third.text) and third.finish_reason == "stop"
+
+
+def _run_turn(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, turn: SessionTurn
+):
+    from tests.integration.conftest import Completion
+
+    engine.add_request(request_id, prompt, params, session=turn)
+    completion = Completion()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.error is None, output.error
+            for delta in output.sequences:
+                completion.text += delta.text
+                completion.token_ids.extend(delta.token_ids)
+                completion.finish_reason = delta.finish_reason or completion.finish_reason
+    return completion
+
+
+@pytest.mark.parametrize("engine_name", ["sync", "async"])
+def test_regex_and_choice_outputs_match_exactly(module_engines, prompts, engine_name):
+    engine = module_engines(engine_name, async_scheduling="on" if engine_name == "async" else "off")
+    choices = ["yes", "no", 'a "quoted" answer', "中文", "tab\there"]
+    requests = [
+        ({"regex": r"[a-z]{2,5}-[0-9]{1,3}"}, 0.0),
+        ({"regex": r"(red|green|blue)( (red|green|blue)){0,2}"}, 1.0),
+        ({"choice": choices}, 0.0),
+        ({"choice": choices}, 1.0),
+        ({"grammar": 'root ::= "(" digits ")"\ndigits ::= [0-9] | [0-9] [0-9] | [0-9] [0-9] [0-9]'}, 1.0),
+    ]
+    params = [
+        SamplingParams.from_mapping(
+            {
+                "max_tokens": 64,
+                "temperature": temperature,
+                "seed": 7,
+                "n": 3,
+                "structured_outputs": constraint,
+            }
+        )
+        for constraint, temperature in requests
+    ]
+    results = run_to_completion(engine, prompts[:5], params)
+    patterns = [
+        r"[a-z]{2,5}-[0-9]{1,3}",
+        r"(red|green|blue)( (red|green|blue)){0,2}",
+        None,
+        None,
+        r"\([0-9]{1,3}\)",
+    ]
+    for pattern, completions in zip(patterns, results):
+        for completion in completions:
+            assert completion.finish_reason == "stop", completion
+            if pattern is None:
+                assert completion.text in choices
+            else:
+                assert re.fullmatch(pattern, completion.text), completion.text
+
+
+def test_a_grammar_cut_by_max_tokens_ends_with_length(sync_engine, prompts):
+    params = SamplingParams.from_mapping(
+        {"max_tokens": 5, "temperature": 0, "structured_outputs": {"regex": "[a-z]{40}"}}
+    )
+    [[completion]] = run_to_completion(sync_engine, prompts[:1], params)
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 5
+    assert re.fullmatch("[a-z]+", completion.text)
+    stats = sync_engine.core.structured.take_stats()
+    assert stats is not None and stats.num_length_in_grammar >= 1
+
+
+@pytest.mark.parametrize("engine_name", ["sync", "async"])
+def test_unconstrained_requests_give_their_own_tokens_next_to_constrained_ones(
+    module_engines, prompts, engine_name
+):
+    engine = module_engines(engine_name, async_scheduling="on" if engine_name == "async" else "off")
+    free = [
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=11, n=2),
+        SamplingParams(max_tokens=24, temperature=0.7, top_p=0.8, seed=5, logprobs=2),
+    ]
+    alone = run_to_completion(engine, prompts[:3], free)
+    constrained = SamplingParams.from_mapping(
+        {"max_tokens": 24, "temperature": 0.8, "seed": 3, "n": 2, "structured_outputs": {"json_object": True}}
+    )
+    mixed = run_to_completion(engine, prompts[:3] + prompts[5:8], free + [constrained] * 3)
+    assert [[c.token_ids for c in r] for r in mixed[:3]] == [[c.token_ids for c in r] for r in alone]
+
+
+def test_min_tokens_and_stop_strings_with_a_grammar(sync_engine, prompts):
+    # min_tokens past the grammar's end: the grammar's EOS is kept (nothing else may follow).
+    ended = SamplingParams.from_mapping(
+        {"max_tokens": 30, "min_tokens": 20, "temperature": 0, "structured_outputs": {"choice": ["ok"]}}
+    )
+    # A stop string inside the constrained text ends it there, as for free text.
+    stopped = SamplingParams.from_mapping(
+        {
+            "max_tokens": 30,
+            "temperature": 0,
+            "stop": ["-"],
+            "structured_outputs": {"regex": "[a-c]{3}-[0-9]{3}"},
+        }
+    )
+    [[first], [second]] = run_to_completion(sync_engine, prompts[:2], [ended, stopped])
+    assert (first.text, first.finish_reason) == ("ok", "stop")
+    assert second.finish_reason == "stop" and re.fullmatch("[a-c]{3}", second.text)
+
+
+def test_bad_constraints_fail_their_request_only(sync_engine, prompts):
+    bad = SamplingParams.from_mapping({"max_tokens": 8, "structured_outputs": {"regex": "(?=a)b"}})
+    good = SamplingParams.from_mapping(
+        {"max_tokens": 8, "temperature": 0, "structured_outputs": {"regex": "[xy]{3}"}}
+    )
+    sync_engine.add_request("bad", prompts[0], bad)
+    sync_engine.add_request("good", prompts[1], good)
+    errors, texts = {}, {"good": ""}
+    while sync_engine.has_unfinished_requests():
+        for output in sync_engine.step():
+            if output.error is not None:
+                errors[output.request_id] = output.error
+            for delta in output.sequences:
+                texts[output.request_id] = texts.get(output.request_id, "") + delta.text
+    assert list(errors) == ["bad"]
+    assert (
+        isinstance(errors["bad"], InvalidRequestError) and errors["bad"].field == "structured_outputs.regex"
+    )
+    assert "Lookahead" in str(errors["bad"])
+    assert re.fullmatch("[xy]{3}", texts["good"])
+    sync_engine.check_integrity()
+
+
+def test_a_compile_over_the_time_cap_fails_its_request_and_the_others_run(module_engines, prompts):
+    engine = module_engines("capped", structured_output=StructuredOutputConfig(grammar_compile_timeout_s=0.5))
+    properties = {
+        f"p{i}": {
+            "type": "object",
+            "properties": {f"q{j}": {"type": "string", "pattern": "[a-z]{1,8}"} for j in range(20)},
+        }
+        for i in range(300)
+    }
+    huge = SamplingParams.from_mapping(
+        {"max_tokens": 8, "structured_outputs": {"json": {"type": "object", "properties": properties}}}
+    )
+    small = SamplingParams.from_mapping(
+        {"max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["a", "b"]}}
+    )
+    free = SamplingParams(max_tokens=8, temperature=0)
+    engine.add_request("huge", prompts[0], huge)
+    engine.add_request("free", prompts[1], free)
+    errors, finished = {}, set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.error is not None:
+                errors[output.request_id] = output.error
+            if output.finished:
+                finished.add(output.request_id)
+    assert "grammar_compile_timeout_s" in str(errors["huge"]) and set(errors) == {"huge"}
+    assert finished == {"huge", "free"}
+    # The killed worker is replaced: the next constrained request compiles.
+    [[completion]] = run_to_completion(engine, prompts[2:3], small)
+    assert completion.text in ("a", "b")
+
+
+def test_requests_waiting_for_one_grammar_share_its_compile_and_an_abort_while_waiting_is_clean(
+    module_engines, prompts
+):
+    engine = module_engines("sync", async_scheduling="off")
+    schema = {
+        "type": "object",
+        "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["k"],
+    }
+    params = SamplingParams.from_mapping(
+        {"max_tokens": 20, "temperature": 0, "structured_outputs": {"json": schema}}
+    )
+    core = engine.core
+    before = core.structured.take_stats()
+    compiles_before = before.num_compiles if before else 0
+    for index in range(3):
+        engine.add_request(f"w{index}", prompts[index], params)
+    engine.abort_request("w1")
+    texts: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for delta in output.sequences:
+                texts[output.request_id] = texts.get(output.request_id, "") + delta.text
+    assert json.loads(texts["w0"])["k"] in range(100) and json.loads(texts["w2"])["k"] in range(100)
+    assert core.structured.take_stats().num_compiles == compiles_before + 1
+    engine.check_integrity()
+    assert engine.scheduler_stats().kv_usage == 0.0
