@@ -10,12 +10,16 @@ reads `text_output` and takes `[0].decode()` (1-D), and `batch_index` and takes 
 
 from __future__ import annotations
 
+import json
 import queue
+import re
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from tests.e2e.client import http_post
 
 ENSEMBLE_NAMES = ("ensemble", "tensorrt_llm_bls")
 PROMPT = "Paged attention splits the cache into"
@@ -168,3 +172,58 @@ def test_a_batch_of_prompts_answers_each_row_under_its_batch_index(server, strea
         piece = item.as_numpy("text_output")[0].decode("utf-8")
         texts[index] = texts[index] + piece if streaming else piece
     assert texts == singles
+
+
+# Guided decoding as end_to_end_grpc_client.py --guided-decoding-guide-type / --guided-decoding-guide
+# sends it (tensorrtllm_backend's docs/guided_decoding.md, at c2e65b88d85255be30cf50440a91662abeb497dd):
+# two more [1, 1] BYTES inputs. The tiny model is random: bounded constraints it can finish.
+GUIDED = [
+    ("json_schema", '{"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, '
+     '"maximum": 9999}}, "required": ["answer"], "additionalProperties": false}',
+     lambda text: set(json.loads(text)) == {"answer"} and 0 <= json.loads(text)["answer"] <= 9999),
+    ("regex", r"\d{4}", lambda text: re.fullmatch(r"[0-9]{4}", text)),
+    ("ebnf_grammar", 'root ::= "20" [0-9] [0-9]', lambda text: re.fullmatch(r"20[0-9]{2}", text)),
+]  # fmt: skip
+YEAR_PROMPT = "What is the year after 2024? Answer:"
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["no-stream", "stream"])
+@pytest.mark.parametrize(("guide_type", "guide", "holds"), GUIDED, ids=[g[0] for g in GUIDED])
+def test_guided_decoding_holds_the_output_to_the_guide(server, streaming, guide_type, guide, holds):
+    extra = {
+        "guided_decoding_guide_type": words(guide_type),
+        "guided_decoding_guide": words(guide),
+        "exclude_input_in_output": scalar(True, bool),
+    }
+    text, responses, errors = _run(server.grpc_url, "ensemble", YEAR_PROMPT, 30, streaming, **extra)
+    assert not errors and responses
+    assert holds(text), text
+
+
+def test_guide_type_json_over_http_generate_as_tensorrtllm_backends_curl_example(server):
+    body = {"text_input": YEAR_PROMPT, "max_tokens": 6, "bad_words": "", "stop_words": "", "pad_id": 2,
+            "end_id": 2, "guided_decoding_guide_type": "json"}  # fmt: skip
+    status, text = http_post(server.http_url, "/v2/models/ensemble/generate", body)
+    assert status == 200, text
+    output = json.loads(text)["text_output"]
+    assert output.startswith(YEAR_PROMPT + "{"), output  # the random model never closes the object
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"guided_decoding_guide": words(r"\d+")}, "guided_decoding_guide: a guide needs"),
+        ({"guided_decoding_guide_type": words("regex")}, "guided_decoding_guide: guide type regex needs"),
+        ({"guided_decoding_guide_type": words("lark"), "guided_decoding_guide": words("x")},
+         "guided_decoding_guide_type: unknown guide type 'lark'"),
+        # found by the engine core's compile, named as this client sent it
+        ({"guided_decoding_guide_type": words("regex"), "guided_decoding_guide": words("[0-9")},
+         "guided_decoding_guide: "),
+    ],
+    ids=["guide-without-type", "type-without-guide", "unknown-type", "bad-regex"],
+)  # fmt: skip
+def test_a_guided_decoding_mistake_is_an_error_naming_the_input(server, extra, message):
+    for model in ("tensorrt_llm_bls", "llm_trtllm"):
+        _, responses, errors = _run(server.grpc_url, model, PROMPT, 4, False, **extra)
+        assert not responses and len(errors) == 1 and errors[0].startswith(message), errors
+    assert _run(server.grpc_url, "ensemble", PROMPT, 4, False)[1]  # still serving

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 
+import jsonschema
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.e2e.client import make_inputs, stream
+from tests.e2e.client import http_post, make_inputs, sse_events, stream
 from tests.e2e.metrics import value, wait_for
 
 # ci/L0_additional_outputs_vllm/additional_outputs_test.py at r24.12
@@ -149,3 +151,91 @@ def _cancel_a_running_stream(server, sampling_parameters: dict) -> str:
     return "cancelled"
 
     assert stream(server.grpc_url, PROMPT, sampling_parameters=GREEDY).finals == 1
+
+
+# Structured output as vllm_backend passes it to vLLM: ci/L0_backend_vllm/accuracy_test/accuracy_test.py
+# (test_structured_outputs) at main (8de0c148bda1da25de1e05ffaaf67116dacc7264) sends
+# `"structured_outputs": json.dumps({"choice": [...]})` inside `sampling_parameters`, and its
+# src/utils/vllm_backend_utils.py makes StructuredOutputsParams(**json.loads(value)) of it; the object
+# itself (not its JSON text) is accepted too. The tiny model is random: a constraint it can finish
+# within max_tokens (bounded values only) shows the output is held to it.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["ok", "color", "n"],
+    "additionalProperties": False,
+}
+CONSTRAINED = {"temperature": 0, "max_tokens": 64}
+
+
+def _checked(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
+    elif kind == "choice":
+        assert text in ("yes", "no", "maybe"), text
+    elif kind == "grammar":
+        assert re.fullmatch(r"A[0-9][0-9]", text), text
+
+
+STRUCTURED = {
+    "json": ANSWER_SCHEMA,
+    "regex": "[0-9]{3}-[a-z]{2}",
+    "choice": ["yes", "no", "maybe"],
+    "grammar": 'root ::= "A" [0-9] [0-9]',
+}
+
+
+@pytest.mark.parametrize("kind", list(STRUCTURED))
+def test_structured_outputs_over_grpc_streaming_and_http_generate_and_generate_stream(server, kind):
+    params = {**CONSTRAINED, "structured_outputs": json.dumps({kind: STRUCTURED[kind]})}  # vllm_backend's
+    streamed = stream(server.grpc_url, PROMPT, stream=True, sampling_parameters=params,
+                      return_finish_reason=True)  # fmt: skip
+    assert not streamed.errors and streamed.finals == 1
+    assert streamed.last("finish_reason").tolist() == [b"stop"]  # the grammar ended it
+    _checked(kind, streamed.text)
+    params["structured_outputs"] = {kind: STRUCTURED[kind]}  # the object form
+    body = {"text_input": PROMPT, "sampling_parameters": json.dumps(params), "exclude_input_in_output": True}
+    status, whole = http_post(server.http_url, "/v2/models/llm/generate", body)
+    assert status == 200, whole
+    assert json.loads(whole)["text_output"] == streamed.text  # greedy: the same constrained tokens
+    status, events = http_post(server.http_url, "/v2/models/llm/generate_stream", {**body, "stream": True})
+    assert status == 200, events
+    assert "".join(e["text_output"] for e in sse_events(events)) == streamed.text
+
+
+def test_a_json_object_constraint_starts_an_object(server):
+    """{"json_object": true}: the random model never closes it within max_tokens, but it opens one."""
+    params = {**CONSTRAINED, "max_tokens": 8, "structured_outputs": {"json_object": True}}
+    result = stream(server.grpc_url, PROMPT, stream=True, sampling_parameters=params)
+    assert not result.errors and result.text.startswith("{"), result.text
+
+
+@pytest.mark.parametrize(
+    ("structured_outputs", "field"),
+    [
+        ({"json": {"type": "array", "uniqueItems": True}}, "structured_outputs.json/uniqueItems"),
+        ({"json": {"type": "nonsense"}}, "structured_outputs.json/type"),
+        ({"regex": "[0-9"}, "structured_outputs.regex"),  # found by the engine core's compile
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+        ({"choice": []}, "structured_outputs.choice"),
+    ],
+    ids=["unenforceable-schema", "invalid-schema", "bad-regex", "bad-grammar", "no-choice"],
+)
+def test_a_bad_constraint_is_invalid_arg_naming_the_field_and_the_server_keeps_serving(
+    server, structured_outputs, field
+):
+    params = {**CONSTRAINED, "structured_outputs": structured_outputs}
+    refused = stream(server.grpc_url, PROMPT, stream=True, sampling_parameters=params)
+    assert len(refused.errors) == 1 and not refused.responses, refused.errors
+    assert f"{field}: " in refused.errors[0], refused.errors[0]
+    body = {"text_input": PROMPT, "sampling_parameters": json.dumps(params)}
+    status, text = http_post(server.http_url, "/v2/models/llm/generate", body)
+    assert status == 400 and json.loads(text)["error"].startswith(f"{field}: "), (status, text)
+    good = stream(server.grpc_url, PROMPT, sampling_parameters={**CONSTRAINED, "max_tokens": 4})
+    assert not good.errors and good.finals == 1 and good.text

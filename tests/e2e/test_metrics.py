@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+import uuid
 
-from tests.e2e.client import make_inputs, stream_many
+from tests.e2e.client import make_inputs, stream, stream_many
 from tests.e2e.metrics import parse, value, wait_for, wait_idle
 
 NUM_REQUESTS = 5
@@ -102,3 +103,44 @@ def test_metrics_after_a_known_workload(server):
         "paged_llm_engine_gc_long_pauses_total",
     ):
         assert f"{counter}{{" in text
+
+
+STRUCTURED_OUTPUT = {
+    "regex": ("paged_llm_structured_output_requests_total", {"kind": "regex"}),
+    "compiles": ("paged_llm_grammar_compiles_total", {}),
+    "cache_hits": ("paged_llm_grammar_cache_hits_total", {}),
+    "compile_errors": ("paged_llm_grammar_compile_errors_total", {}),
+    "length_in_grammar": ("paged_llm_structured_output_length_in_grammar_total", {}),
+    "compile_seconds": ("paged_llm_grammar_compile_seconds_count", {}),
+}
+
+
+def test_structured_output_counters_and_the_grammar_compile_histogram(server):
+    """A regex no earlier request used (so it compiles), the same again (a cache hit) cut short by
+    max_tokens mid-grammar, and one that does not compile."""
+
+    def read_structured() -> dict[str, float]:
+        text = server.metrics()
+        return {key: value(text, name, **labels) for key, (name, labels) in STRUCTURED_OUTPUT.items()}
+
+    before = read_structured()
+    regex = f"metrics-{uuid.uuid4().hex[:8]}-[0-9]{{6}}"  # longer than the 3 tokens of the second request
+    for max_tokens in (64, 3):
+        params = {"temperature": 0, "max_tokens": max_tokens, "structured_outputs": {"regex": regex}}
+        result = stream(server.grpc_url, "structured", sampling_parameters=params, return_finish_reason=True)
+        assert not result.errors, result.errors
+        assert result.last("finish_reason").tolist() == [b"stop" if max_tokens == 64 else b"length"]
+    bad = stream(server.grpc_url, "structured", sampling_parameters={"structured_outputs": {"regex": "(("}})
+    assert len(bad.errors) == 1 and "structured_outputs.regex" in bad.errors[0], bad.errors
+    expected = {"regex": 3, "compiles": 1, "cache_hits": 1, "compile_errors": 1, "length_in_grammar": 1,
+                "compile_seconds": 2}  # fmt: skip
+
+    def deltas() -> dict[str, float]:
+        now = read_structured()
+        return {key: now[key] - before[key] for key in expected}
+
+    assert wait_for(lambda: deltas() == expected, timeout_s=10), (deltas(), expected)
+    text = server.metrics()
+    assert value(text, "paged_llm_grammar_compile_seconds_sum") > 0
+    wanted = {("le", "30"), ("model", "llm"), ("version", "1")}
+    assert any(n == "paged_llm_grammar_compile_seconds_bucket" and set(ls) == wanted for n, ls in parse(text))

@@ -15,6 +15,7 @@ from paged_llm.triton_model.trtllm_codec import (
     INPUT_NAMES,
     MAX_BATCH_SIZE,
     TrtllmResponseState,
+    client_error_text,
     split_batch,
     to_llm_request,
 )
@@ -127,6 +128,86 @@ def test_a_batch_becomes_one_llm_request_per_row():
     ].tolist() == [[1]]
 
 
+SCHEMA = '{"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}'
+
+
+@pytest.mark.parametrize(
+    ("guide_type", "guide", "structured_outputs"),
+    [
+        ("json", None, {"json_object": True}),
+        ("json", "", {"json_object": True}),  # an empty guide is no guide (the clients' "unset")
+        ("json_schema", SCHEMA, {"json": SCHEMA}),
+        ("regex", r"\d+", {"regex": r"\d+"}),
+        ("ebnf_grammar", "root ::= [0-9]+", {"grammar": "root ::= [0-9]+"}),
+    ],
+)
+def test_guided_decoding_inputs_become_the_llm_models_structured_outputs(
+    guide_type, guide, structured_outputs
+):
+    """tensorrtllm_backend's guide types (its tensorrt_llm model's guide type mapping)."""
+    inputs = {"text_input": text("Hi"), "guided_decoding_guide_type": text(guide_type)}
+    if guide is not None:
+        inputs["guided_decoding_guide"] = text(guide)
+    request = to_llm_request(inputs)
+    assert json.loads(request.inputs["sampling_parameters"][0])["structured_outputs"] == structured_outputs
+    assert request.guide_kind == next(iter(structured_outputs))
+
+
+def test_no_guided_decoding_without_a_guide_type():
+    for inputs in ({}, {"guided_decoding_guide_type": text(""), "guided_decoding_guide": text("")}):
+        request = to_llm_request({"text_input": text("Hi"), **inputs})
+        assert "structured_outputs" not in json.loads(request.inputs["sampling_parameters"][0])
+        assert request.guide_kind is None
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field", "message"),
+    [
+        ({"guided_decoding_guide": text(r"\d+")}, "guided_decoding_guide",
+         "needs guided_decoding_guide_type"),
+        ({"guided_decoding_guide_type": text("regex")}, "guided_decoding_guide",
+         "guide type regex needs a guide"),
+        ({"guided_decoding_guide_type": text("json_schema"), "guided_decoding_guide": text("")},
+         "guided_decoding_guide", "guide type json_schema needs a guide"),
+        ({"guided_decoding_guide_type": text("structural_tag"), "guided_decoding_guide": text("{}")},
+         "guided_decoding_guide_type", "unknown guide type 'structural_tag' (known: json, json_schema"),
+        ({"guided_decoding_guide_type": text("json"), "guided_decoding_guide": text(SCHEMA)},
+         "guided_decoding_guide", "use json_schema for a schema"),
+        ({"guided_decoding_guide_type": text("json_schema"), "guided_decoding_guide": text("{oops")},
+         "guided_decoding_guide", "invalid JSON"),
+        ({"guided_decoding_guide_type": text("json_schema"),
+          "guided_decoding_guide": text('{"type": "array", "uniqueItems": true}')},
+         "guided_decoding_guide/uniqueItems", "unique array items cannot be enforced"),
+        ({"guided_decoding_guide_type": batch(1, np.int32)}, "guided_decoding_guide_type", "BYTES"),
+        ({"guided_decoding_guide_type": text("regex"), "guided_decoding_guide": batch(b"\xff", np.object_)},
+         "guided_decoding_guide", "not valid UTF-8"),
+    ],
+)  # fmt: skip
+def test_a_guided_decoding_mistake_is_refused_naming_the_input(inputs, field, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as caught:
+        to_llm_request({"text_input": text("Hi"), **inputs})
+    assert caught.value.field == field and str(caught.value).startswith(f"{field}: ")
+
+
+def test_the_llm_models_errors_about_the_guide_name_the_guide():
+    """What only llm or its engine core finds (max_grammar_bytes, a regex that does not compile)
+    comes back naming structured_outputs.<kind>: the client sent guided_decoding_guide."""
+    request = to_llm_request(
+        {
+            "text_input": text("Hi"),
+            "guided_decoding_guide_type": text("regex"),
+            "guided_decoding_guide": text("[0-9"),
+        }
+    )
+    assert (
+        client_error_text(request, "structured_outputs.regex: Regex parsing error at position 4")
+        == "guided_decoding_guide: Regex parsing error at position 4"
+    )
+    assert client_error_text(request, "max_tokens: must be >= 1") == "max_tokens: must be >= 1"
+    plain = to_llm_request({"text_input": text("Hi")})
+    assert client_error_text(plain, "structured_outputs.regex: x") == "structured_outputs.regex: x"
+
+
 def _config(name: str) -> str:
     return (model_repository_template() / name / "config.pbtxt").read_text()
 
@@ -167,6 +248,8 @@ def test_the_ensemble_names_have_tensorrt_llms_input_types():
         "embedding_bias_words": "TYPE_STRING", "embedding_bias_weights": "TYPE_FP32",
         "decoder_text_input": "TYPE_STRING",
     }  # fmt: skip
+    # guided decoding: the same file at c2e65b88d85255be30cf50440a91662abeb497dd (May 2025)
+    expected |= {"guided_decoding_guide_type": "TYPE_STRING", "guided_decoding_guide": "TYPE_STRING"}
     declared = _inputs(_config("ensemble"))
     assert {name: declared.get(name) for name in expected} == expected
     outputs = dict(re.findall(r'name: "(\w+)", data_type: (\w+)', _config("ensemble").split("\noutput [")[1]))

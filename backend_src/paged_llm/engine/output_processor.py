@@ -231,6 +231,8 @@ class OutputProcessor:
             self.stats.update_scheduler(
                 outputs.scheduler_stats, outputs.num_step_faults, outputs.gc_pauses, outputs.session_stats
             )
+        if outputs.structured_output_stats is not None:
+            self.stats.update_structured_output(outputs.structured_output_stats)
         return touched, aborts
 
     def _apply_token(

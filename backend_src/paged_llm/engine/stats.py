@@ -4,7 +4,8 @@ Written by whoever processes engine outputs (the output thread); the metrics thr
 `snapshot()` / `drain_observations()`, which copy under a lock, so it never sees half an update.
 Latencies are what a client sees: from the stub's arrival time to the token's processing here.
 
-The core's own figures (scheduler and session stats, step faults, GC pauses) arrive with its outputs.
+The core's own figures (scheduler and session stats, step faults, GC pauses, structured output
+counters and grammar compile times) arrive with its outputs.
 When the core dies (`on_core_lost`) its gauges read 0 until a restarted core reports, and its
 running totals are kept as a base that the new core's totals add to, so counters never go back.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats
+from paged_llm.engine.core_types import StructuredOutputStats
 from paged_llm.gc_pauses import GcPauses
 
 
@@ -29,6 +31,7 @@ class LatencyObservations:
     request_prompt_tokens: list[int] = field(default_factory=list)
     request_generation_tokens: list[int] = field(default_factory=list)
     request_n: list[int] = field(default_factory=list)
+    grammar_compile_s: list[float] = field(default_factory=list)  # the engine core's grammar compiles
 
 
 @dataclass
@@ -56,6 +59,8 @@ class StatsSnapshot:
     num_streamed_responses: int = 0  # non-empty streamed responses sent
     num_streamed_response_tokens: int = 0  # the tokens they carried
     num_observations_dropped: int = 0  # past MAX_PENDING_OBSERVATIONS (histograms fell behind)
+    # the core's structured output counters (their compile_seconds empty: those go to a histogram)
+    structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
 
 
 _SCHEDULER_TOTALS = (
@@ -68,6 +73,13 @@ _SCHEDULER_TOTALS = (
     "spec_num_accepted_tokens",
 )
 _SESSION_TOTALS = ("num_evicted_total", "num_expired_total", "num_truncated_total", "reused_tokens_total")
+_STRUCTURED_OUTPUT_TOTALS = (
+    "num_compiles",
+    "num_compile_errors",
+    "num_compile_timeouts",
+    "num_cache_hits",
+    "num_length_in_grammar",
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class _CoreTotals:
     sessions: dict[str, int] = field(default_factory=dict)
     num_step_faults: int = 0
     engine_gc: GcPauses = field(default_factory=GcPauses)
+    structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
 
 
 def _plus_gc(base: GcPauses, live: GcPauses) -> GcPauses:
@@ -86,6 +99,21 @@ def _plus_gc(base: GcPauses, live: GcPauses) -> GcPauses:
         base.pause_s_total + live.pause_s_total,
         base.num_long_pauses + live.num_long_pauses,
         max(base.longest_pause_s, live.longest_pause_s),
+    )
+
+
+def _plus_structured_output(
+    base: StructuredOutputStats, live: StructuredOutputStats | None
+) -> StructuredOutputStats:
+    """Totals only: the sum's compile_seconds is empty."""
+    if live is None:
+        return replace(base, requests_by_kind=dict(base.requests_by_kind), compile_seconds=[])
+    kinds = dict(base.requests_by_kind)
+    for kind, count in live.requests_by_kind.items():
+        kinds[kind] = kinds.get(kind, 0) + count
+    return StructuredOutputStats(
+        requests_by_kind=kinds,
+        **{name: getattr(base, name) + getattr(live, name) for name in _STRUCTURED_OUTPUT_TOTALS},
     )
 
 
@@ -104,6 +132,7 @@ class EngineStats:
         self.requests_by_outcome: Counter[str] = Counter()
         self.scheduler: SchedulerStats | None = None  # as of the last core step seen
         self.sessions: SessionStats | None = None
+        self.structured_output: StructuredOutputStats | None = None  # None until a constrained request
         self.num_cancellation_checks = 0
         self.cancellation_check_seconds = 0.0
         self._observations = LatencyObservations()
@@ -132,6 +161,9 @@ class EngineStats:
                     },
                     num_step_faults=self._base.num_step_faults + self.num_step_faults,
                     engine_gc=_plus_gc(self._base.engine_gc, self.engine_gc),
+                    structured_output=_plus_structured_output(
+                        self._base.structured_output, self.structured_output
+                    ),
                 )
             self.engine_up = False
             self.scheduler = None
@@ -139,6 +171,7 @@ class EngineStats:
                 self.sessions = SessionStats(0, 0, *(0 for _ in _SESSION_TOTALS))
             self.num_step_faults = 0
             self.engine_gc = GcPauses()
+            self.structured_output = None
 
     def on_core_up(self, owns_core: bool) -> None:
         with self._lock:
@@ -164,6 +197,14 @@ class EngineStats:
             self.num_step_faults = num_step_faults
             if engine_gc is not None:
                 self.engine_gc = engine_gc
+
+    def update_structured_output(self, stats: StructuredOutputStats) -> None:
+        """The core's structured output counters (totals since it started) and the grammar compile
+        times since its previous report (each becomes a histogram observation)."""
+        with self._lock:
+            self.structured_output = stats
+            for seconds in stats.compile_seconds:
+                self._observe(self._observations.grammar_compile_s, seconds)
 
     def on_token(
         self, time_to_first_token_s: float | None, last_token_time: float | None, now: float
@@ -251,6 +292,7 @@ class EngineStats:
                 num_streamed_responses=self.num_streamed_responses,
                 num_streamed_response_tokens=self.num_streamed_response_tokens,
                 num_observations_dropped=self.num_observations_dropped,
+                structured_output=_plus_structured_output(base.structured_output, self.structured_output),
             )
 
     def drain_observations(self) -> LatencyObservations:

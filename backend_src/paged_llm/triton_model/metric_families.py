@@ -36,6 +36,13 @@ for how and when they are updated). Histograms are Triton histogram families (tr
 | paged_llm_histogram_observations_dropped_total | counter | dropped: the histograms fell far behind |
 | paged_llm_cancellation_checks_total | counter | is_cancelled() round trips to the server |
 | paged_llm_cancellation_check_seconds_total | counter | time spent in them |
+| paged_llm_structured_output_requests_total{kind} | counter | constrained requests by kind |
+| paged_llm_grammar_compiles_total | counter | grammars compiled (cache misses that compiled) |
+| paged_llm_grammar_cache_hits_total | counter | constrained requests whose grammar was cached |
+| paged_llm_grammar_compile_errors_total | counter | constraints that did not compile (timeouts included) |
+| paged_llm_grammar_compile_timeouts_total | counter | compiles that overran grammar_compile_timeout_s |
+| paged_llm_grammar_compile_seconds | histogram | time of each compile (failed ones included) |
+| paged_llm_structured_output_length_in_grammar_total | counter | constrained sequences cut short by length |
 
 The same quantities also go out under vllm_backend's names (its `src/utils/metrics.py` at r24.12), with
 its `model`/`version` labels and histogram buckets, so dashboards built for vllm_backend work:
@@ -59,6 +66,7 @@ from __future__ import annotations
 from typing import Any
 
 from paged_llm.gc_pauses import LONG_PAUSE_S
+from paged_llm.structured_output_params import KINDS as STRUCTURED_OUTPUT_KINDS
 from paged_llm.triton_model.histograms import Histogram, buckets_1_2_5
 
 _TTFT_BUCKETS = [
@@ -121,6 +129,24 @@ _E2E_BUCKETS = [
     50.0,
     60.0,
     120.0,
+]
+# From a short regex (~1 ms) past grammar_compile_timeout_s (10 s by default; a timed-out compile counts).
+_GRAMMAR_COMPILE_BUCKETS = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
 ]
 OUTCOMES = ("stop", "length", "abort", "error")
 FINAL_CODES = ("success", "cancelled", "invalid_arg", "unavailable", "not_found", "internal")
@@ -268,6 +294,31 @@ class MetricFamilies:
             "Histogram observations dropped because the histograms fell too far behind",
             family.COUNTER,
         )
+        self.structured_output_requests = per_label(
+            "paged_llm_structured_output_requests_total",
+            "Structured output requests by constraint kind",
+            "kind",
+            STRUCTURED_OUTPUT_KINDS,
+        )
+        # StructuredOutputStats field -> counter
+        self.structured_output_counters = {
+            field_name: metric(name, description, family.COUNTER)
+            for field_name, name, description in (
+                ("num_compiles", "paged_llm_grammar_compiles_total",
+                 "Grammars compiled (cache misses that compiled)"),
+                ("num_cache_hits", "paged_llm_grammar_cache_hits_total",
+                 "Structured output requests whose grammar was compiled already"),
+                ("num_compile_errors", "paged_llm_grammar_compile_errors_total",
+                 "Constraints that did not compile (timeouts included)"),
+                ("num_compile_timeouts", "paged_llm_grammar_compile_timeouts_total",
+                 "Grammar compiles that overran grammar_compile_timeout_s"),
+                ("num_length_in_grammar", "paged_llm_structured_output_length_in_grammar_total",
+                 "Constrained sequences ended by max_tokens or max_model_len before their grammar ended"),
+            )
+        }  # fmt: skip
+        self.grammar_compile = histogram(
+            "paged_llm_grammar_compile_seconds", "Time to compile a grammar", _GRAMMAR_COMPILE_BUCKETS
+        )
         # vllm_backend's names for the same figures (its buckets: vLLM's example ones)
         self.vllm_prompt_tokens = metric(
             "vllm:prompt_tokens_total", "Number of prefill tokens processed.", family.COUNTER
@@ -317,4 +368,5 @@ class MetricFamilies:
             (self.e2e, "e2e_latency_s"),
             *self.vllm_histograms,
             *self.vllm_request_histograms,
+            (self.grammar_compile, "grammar_compile_s"),
         ]

@@ -11,9 +11,9 @@ each, on the same channel as the responses), so updates cost calls for what chan
   trip each, go out on a thread of their own), so a client that reads /metrics after its last
   response sees its request counted; ResponseStreams calls it before a request's FINAL response.
 * `update()`: every ~0.5 s on the housekeeping thread: the engine state (gauges, prefix cache,
-  preemptions, sessions, GC, cancellation polling), then `update_requests()`. Gauges move by
-  `increment(delta)`: `set()` holds the GIL while it waits for the server (Triton 2.51), `increment`
-  releases it.
+  preemptions, sessions, GC, structured output, cancellation polling), then `update_requests()`.
+  Gauges move by `increment(delta)`: `set()` holds the GIL while it waits for the server (Triton
+  2.51), `increment` releases it.
 
 A pb_utils Metric is not thread-safe (each call reuses the metric's own shared-memory message: two
 threads incrementing the same counter at once crashed tritonserver 2.51), so each group of metrics
@@ -121,6 +121,11 @@ class TritonMetrics:
         self._advance("gc_collections", self._metrics.gc_collections, engine_gc.num_collections)
         self._advance("gc_seconds", self._metrics.gc_seconds, engine_gc.pause_s_total)
         self._advance("gc_long_pauses", self._metrics.gc_long_pauses, engine_gc.num_long_pauses)
+        structured = snapshot.structured_output
+        for kind, counter in self._metrics.structured_output_requests.items():
+            self._advance(f"structured_output:{kind}", counter, structured.requests_by_kind.get(kind, 0))
+        for field_name, counter in self._metrics.structured_output_counters.items():
+            self._advance(f"structured_output:{field_name}", counter, getattr(structured, field_name))
 
     def update_requests(self) -> None:
         """The request counters as of now (see the module docstring); any thread."""

@@ -7,6 +7,13 @@ response back, so one engine serves both conventions.
 
 Sampling follows TensorRT-LLM: with neither `top_k` nor `top_p` set (or both 0) decoding is greedy.
 
+Guided decoding follows tensorrtllm_backend's two inputs (its tensorrt_llm model's
+`get_guided_decoding_params_from_request`, and TensorRT-LLM's GuidedDecodingParams):
+`guided_decoding_guide_type` names the kind and `guided_decoding_guide` holds its text; they become the
+llm model's `structured_outputs` (GUIDE_TYPES). tensorrtllm_backend's C++ model ignores a guide type
+it does not know, and a guide without a type, and so decodes unconstrained: here those are INVALID_ARG
+naming the input, as is a type that needs a guide and has none.
+
 Two response layouts: `tensorrt_llm` (the `tensorrt_llm` model's tensors: `text_output` [1, 1],
 `output_ids` [1, 1, tokens], `sequence_length`) for `llm_trtllm`, and `ensemble` (what TensorRT-LLM's
 `ensemble` and `tensorrt_llm_bls` models answer after postprocessing: `text_output` 1-D, one entry,
@@ -24,6 +31,7 @@ import numpy as np
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_output_params import FIELD as STRUCTURED_OUTPUTS
 from paged_llm.triton_model.triton_codec import request_parameter_mapping
 
 # name -> (sampling parameter it becomes, kind)
@@ -54,6 +62,13 @@ _UNSUPPORTED_INPUTS = {
     "embedding_bias_words": "embedding bias is not supported (use bad_words to ban words)",
     "embedding_bias_weights": "embedding bias is not supported (use bad_words to ban words)",
 }
+# guided_decoding_guide_type -> the structured_outputs kind. tensorrtllm_backend knows these four;
+# TensorRT-LLM's executor also has a structural tag, which no Triton input of it can ask for.
+# `json` is TensorRT-LLM's kJSON, xgrammar's builtin JSON grammar (its LLM API calls it json_object):
+# here a JSON object (xgrammar's builtin grammar also admits a top-level array).
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
+GUIDE_TYPE_INPUT = "guided_decoding_guide_type"
+GUIDE_INPUT = "guided_decoding_guide"
 INPUT_NAMES = (
     "text_input",
     "stream",
@@ -68,6 +83,8 @@ INPUT_NAMES = (
     "length_penalty",
     "stop_words",
     "bad_words",
+    GUIDE_TYPE_INPUT,
+    GUIDE_INPUT,
     *_SCALARS,
     *_UNSUPPORTED_INPUTS,
 )
@@ -81,6 +98,7 @@ class ForwardRequest:
     stream: bool
     exclude_input_in_output: bool
     return_log_probs: bool
+    guide_kind: str | None = None  # the structured_outputs kind its guided decoding inputs became
 
 
 def _single(name: str, array: np.ndarray) -> Any:
@@ -110,6 +128,59 @@ def _flag(name: str, array: np.ndarray | None) -> bool:
     if not isinstance(value, np.bool_ | bool):
         raise InvalidRequestError(name, f"must be BOOL, got {array.dtype}")
     return bool(value)
+
+
+def _text(name: str, array: np.ndarray) -> str:
+    raw = _single(name, array)
+    if not isinstance(raw, bytes | np.bytes_):
+        raise InvalidRequestError(name, "must be a BYTES string")
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError(name, "is not valid UTF-8") from None
+
+
+def _guided_decoding(inputs: Mapping[str, np.ndarray]) -> tuple[str, Any] | None:
+    """(structured_outputs kind, its value) of the guided decoding inputs; None when they ask for
+    none (absent, or empty strings as TensorRT-LLM's clients send for "unset")."""
+    guide_type = _text(GUIDE_TYPE_INPUT, inputs[GUIDE_TYPE_INPUT]) if GUIDE_TYPE_INPUT in inputs else ""
+    guide = _text(GUIDE_INPUT, inputs[GUIDE_INPUT]) if GUIDE_INPUT in inputs else ""
+    if not guide_type:
+        if guide:
+            raise InvalidRequestError(
+                GUIDE_INPUT, f"a guide needs {GUIDE_TYPE_INPUT} ({', '.join(GUIDE_TYPES)}) to say what it is"
+            )
+        return None
+    kind = GUIDE_TYPES.get(guide_type)
+    if kind is None:
+        raise InvalidRequestError(
+            GUIDE_TYPE_INPUT, f"unknown guide type {guide_type!r} (known: {', '.join(GUIDE_TYPES)})"
+        )
+    if kind == "json_object":
+        if guide:
+            raise InvalidRequestError(
+                GUIDE_INPUT, "guide type json takes no guide (any JSON object); use json_schema for a schema"
+            )
+        return kind, True
+    if not guide:
+        raise InvalidRequestError(GUIDE_INPUT, f"guide type {guide_type} needs a guide (the {kind} text)")
+    return kind, guide
+
+
+def _as_guide(text: str, kind: str | None) -> str:
+    """`text` (a field, or an error message that starts with one) naming guided_decoding_guide where
+    it names the structured_outputs the guide became: structured_outputs.json/properties/x/not ->
+    guided_decoding_guide/properties/x/not."""
+    prefix = f"{STRUCTURED_OUTPUTS}.{kind}"
+    if kind is not None and text.startswith(prefix) and text[len(prefix) : len(prefix) + 1] in ("", "/", ":"):
+        return GUIDE_INPUT + text[len(prefix) :]
+    return text
+
+
+def client_error_text(request: ForwardRequest, message: str) -> str:
+    """An error of the llm model about this request, as this client knows its inputs: a fault of the
+    structured output (over max_grammar_bytes, a regex that did not compile) names the guide."""
+    return _as_guide(message, request.guide_kind)
 
 
 def _words(name: str, array: np.ndarray) -> list[str]:
@@ -147,6 +218,9 @@ def _check_sampling(params: dict[str, Any], inputs: Mapping[str, np.ndarray]) ->
     try:
         SamplingParams.from_mapping(params)
     except InvalidRequestError as error:
+        guided = params.get(STRUCTURED_OUTPUTS)
+        if guided and (field := _as_guide(error.field, next(iter(guided)))) != error.field:
+            raise InvalidRequestError(field, str(error).split(": ", 1)[-1]) from None
         sent = [name for name, (target, _) in _SCALARS.items() if target == error.field and name in inputs]
         sent += [name for name, target in _LIST_INPUTS.items() if target == error.field and name in inputs]
         if not sent or sent == [error.field]:
@@ -197,6 +271,9 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
             params["bad_words"] = words
     if "end_id" in inputs:
         params["stop_token_ids"] = [_number("end_id", inputs["end_id"], "int")]
+    guided = _guided_decoding(inputs)
+    if guided is not None:
+        params[STRUCTURED_OUTPUTS] = {guided[0]: guided[1]}
     _check_sampling(params, inputs)
     stream = _flag("stream", inputs.get("stream"))
     exclude = _flag("exclude_input_in_output", inputs.get("exclude_input_in_output"))
@@ -215,7 +292,9 @@ def to_llm_request(inputs: Mapping[str, np.ndarray]) -> ForwardRequest:
     if return_log_probs:
         llm_inputs["return_logprobs"] = np.array([True])
         llm_inputs["return_cumulative_logprob"] = np.array([True])
-    return ForwardRequest(llm_inputs, stream, exclude, return_log_probs)
+    return ForwardRequest(
+        llm_inputs, stream, exclude, return_log_probs, guide_kind=guided[0] if guided else None
+    )
 
 
 class TrtllmResponseState:

@@ -42,6 +42,7 @@ from paged_llm.triton_model.trtllm_codec import (
     LAYOUTS,
     TrtllmResponseState,
     check_request_parameters,
+    client_error_text,
     split_batch,
     to_llm_request,
 )
@@ -156,6 +157,7 @@ class TritonPythonModel:
                 outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
                 if FORWARDED_ERROR_OUTPUT in outputs:  # llm's error, as data (see the docstring)
                     label, message = decode_forwarded_error(outputs[FORWARDED_ERROR_OUTPUT])
+                    message = client_error_text(forward, message)
                     code = getattr(pb_utils.TritonError, _ERROR_CODE_NAMES.get(label, "INTERNAL"))
                     self._fail(client, pb_utils.TritonError(wire_text(message), code), forwarded_id)
                     return
