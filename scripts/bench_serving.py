@@ -66,6 +66,8 @@ def _inputs(job: Job, like_openai: bool = False) -> list[Any]:
     import tritonclient.grpc.aio as grpcclient
 
     sampling = {"max_tokens": job.num_output_tokens, "ignore_eos": True, "temperature": 0}
+    if job.structured_outputs is not None:
+        sampling["structured_outputs"] = job.structured_outputs
     arrays = [
         ("input_ids", np.asarray(job.prompt_token_ids, dtype=np.int32), "INT32"),
         ("stream", np.array([True]), "BOOL"),

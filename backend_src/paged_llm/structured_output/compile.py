@@ -28,7 +28,7 @@ def compile_constraint(
     if kind in ("choice", "grammar"):
         return compiler.compile_grammar(spec)
     if kind == "structural_tag":
-        return compiler.compile_structural_tag(spec)
+        return compiler.compile_structural_tag(json.dumps(_lower_tag_schemas(json.loads(spec))))
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
@@ -57,6 +57,18 @@ def lower_string_lengths(schema: Any) -> Any:
         high = lowered.pop("maxLength", None)
         lowered["pattern"] = f"^[\\s\\S]{{{low},{'' if high is None else int(high)}}}$"
     return lowered
+
+
+def _lower_tag_schemas(node: Any) -> Any:
+    """A structural tag with lower_string_lengths applied to each of its JSON schema parts (tool
+    arguments, an answer after a reasoning block)."""
+    if isinstance(node, list):
+        return [_lower_tag_schemas(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {**node, "json_schema": lower_string_lengths(node["json_schema"])}
+    return {key: _lower_tag_schemas(value) for key, value in node.items()}
 
 
 def _may_be_string(schema: dict[str, Any]) -> bool:

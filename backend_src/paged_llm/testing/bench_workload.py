@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ class Job:
     prompt_token_ids: list[int]
     num_output_tokens: int
     send_offset_s: float = 0.0  # request-rate mode: when to send, from the start
+    structured_outputs: dict[str, Any] | None = None  # the request's constraint (bench_structured.py)
 
 
 @dataclass
@@ -79,7 +80,7 @@ def with_poisson_arrivals(jobs: list[Job], request_rate: float, seed: int = 0) -
     rng = random.Random(seed + 1)
     offset, timed = 0.0, []
     for job in jobs:
-        timed.append(Job(job.index, job.prompt_token_ids, job.num_output_tokens, offset))
+        timed.append(replace(job, send_offset_s=offset))
         offset += rng.expovariate(request_rate)
     return timed
 
@@ -157,7 +158,10 @@ def run_offline(engine: Any, jobs: list[Job], concurrency: int | None) -> list[R
     records: dict[str, RequestRecord] = {}
 
     def submit(job: Job) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=job.num_output_tokens, ignore_eos=True)
+        fields = {"temperature": 0.0, "max_tokens": job.num_output_tokens, "ignore_eos": True}
+        if job.structured_outputs is not None:
+            fields["structured_outputs"] = job.structured_outputs
+        params = SamplingParams.from_mapping(fields)
         request_id = f"offline-{job.index}"
         records[request_id] = RequestRecord(job.index, time.monotonic())
         engine.add_request(request_id, job.prompt_token_ids, params)
