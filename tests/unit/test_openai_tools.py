@@ -394,3 +394,39 @@ def test_llama3_json_reads_every_call_written(tag, calls, cuts):
     whole = _parse(Llama3JsonParser, text)
     assert {"content": whole["content"], "calls": _calls(whole)} == expected
     assert _reassembled(_streamed(Llama3JsonParser, _cuts(text, cuts))[0]) == expected
+
+
+# ----------------------------------------------------------------------------------- the flags
+def test_serve_hands_the_chat_flags_to_the_openai_server(tmp_path):
+    from paged_llm.cli.serve import build_parser, chat_flags, main
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("{{ messages }}")
+    args = build_parser().parse_args(
+        ["serve", "--chat-template", str(template), "--tool-call-parser", "llama3_json",
+         "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1"]
+    )  # fmt: skip
+    assert chat_flags(args) == [
+        "--chat-template", str(template.resolve()), "--tool-call-parser", "llama3_json",
+        "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1",
+    ]  # fmt: skip
+    assert chat_flags(build_parser().parse_args(["serve"])) == []
+    # as vLLM: auto tool choice without a parser is refused before anything starts
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+
+
+def test_the_openai_servers_chat_settings_reach_every_worker(tmp_path):
+    from paged_llm.openai.server import chat_template_text, main
+    from paged_llm.openai.settings import OpenAISettings
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("{{ messages }}")
+    assert chat_template_text(str(template)) == chat_template_text("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(SystemExit, match="no such file"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
+    assert main(["--enable-auto-tool-choice"]) == 2
+    settings = OpenAISettings(
+        "127.0.0.1:1", chat_template="{{ x }}", tool_call_parser="hermes", enable_auto_tool_choice=True,
+        reasoning_parser="qwen3",
+    )  # fmt: skip
+    assert OpenAISettings.from_json(settings.to_json()) == settings  # (what --workers > 1 hands over)
