@@ -33,7 +33,7 @@ PromptThinkState = Literal["open", "closed", "none"]
 def prompt_think_state(prompt: str) -> PromptThinkState:
     """Whether the rendered prompt ends inside a reasoning block ("open"), right after one
     ("closed"), or neither."""
-    tail = prompt.rstrip()
+    tail = prompt[-64:].rstrip()  # (not a copy of a long prompt)
     if tail.endswith(THINK_OPEN):
         return "open"
     if tail.endswith(THINK_CLOSE):

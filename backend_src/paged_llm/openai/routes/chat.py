@@ -21,7 +21,7 @@ from paged_llm.openai.chat_output import ChoiceOutput, deltas, message
 from paged_llm.openai.edge import DisconnectWatch, read_body
 from paged_llm.openai.generation import Generation, merge_streams
 from paged_llm.openai.protocol import ChatCompletionRequest, parse_body
-from paged_llm.openai.reasoning import ReasoningSplitter, prompt_think_state
+from paged_llm.openai.reasoning import PromptThinkState, ReasoningSplitter, prompt_think_state
 from paged_llm.openai.responses import ResponseBuilder, chat_logprobs, sse
 from paged_llm.openai.routes.generation_flow import (
     collect,
@@ -66,7 +66,7 @@ async def _chat_completions(request: Request) -> Response:
         after_an_answer=session is not None and not session.get("session_start", False),
         tools=tools.template_tools if tools else None,
     )
-    think_state = prompt_think_state(prompt)
+    think_state = prompt_think_state(prompt) if settings.reasoning_parser else "none"
     constraint = chat_constraint(
         body.constraint, tools, parser.call_format if parser else None, settings.reasoning_parser, think_state
     )
@@ -131,7 +131,10 @@ async def _chat_completions(request: Request) -> Response:
 
 
 def _choice_outputs(
-    settings: OpenAISettings, parser: type[ToolCallParser] | None, think_state: Any, num_choices: int
+    settings: OpenAISettings,
+    parser: type[ToolCallParser] | None,
+    think_state: PromptThinkState,
+    num_choices: int,
 ) -> list[ChoiceOutput] | None:
     """Each choice's parsers, None when its text is the message content as it is."""
     if parser is None and settings.reasoning_parser is None:
