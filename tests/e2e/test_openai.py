@@ -397,7 +397,7 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("/v1/chat/completions",
      {"model": "llm", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "llm", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-     "tools"),
+     "tools[0].type"),
     # prompt + max_tokens past the 4,096-token context: refused, as OpenAI and vLLM do (not cut short)
     ("/v1/completions", {"model": "llm", "prompt": "Hello there", "max_tokens": 4095}, "max_tokens"),
     ("/v1/chat/completions",

@@ -61,7 +61,7 @@ from paged_llm.launcher.supervise import (
     exit_status,
 )
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
-from paged_llm.openai.server import API_KEY_ENV, api_keys
+from paged_llm.openai.server import API_KEY_ENV, add_chat_arguments, api_keys
 from paged_llm.paths import paged_llm_home
 from paged_llm.triton_model.auth import API_KEY_VERIFIER_ENV, make_verifier
 
@@ -167,6 +167,9 @@ def _banner(args: argparse.Namespace, ports: ServerPorts) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.served_model_name):
         print(
             f"error: --served-model-name {args.served_model_name!r}: letters, digits, _ . - only",
@@ -253,6 +256,7 @@ def serve(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             if tokenizer_dir is not None:
                 openai_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
+            openai_command += chat_flags(args)
             env = dict(os.environ)
             env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
             children.openai_server = subprocess.Popen(openai_command, env=env)
@@ -271,6 +275,21 @@ def serve(args: argparse.Namespace) -> int:
     except BaseException:
         _stop_all(children, signal.SIGTERM)
         raise
+
+
+def chat_flags(args: argparse.Namespace) -> list[str]:
+    """The OpenAI server's chat flags (tool calling, reasoning, chat template) as given to serve."""
+    flags = []
+    if args.chat_template is not None:
+        template = Path(args.chat_template).expanduser()  # (the OpenAI server may not share the cwd)
+        flags += ["--chat-template", str(template.resolve()) if template.is_file() else args.chat_template]
+    if args.tool_call_parser:
+        flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    if args.reasoning_parser:
+        flags += ["--reasoning-parser", args.reasoning_parser]
+    return flags
 
 
 def _triton_http(ports: GuardedPorts) -> str:
@@ -463,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the OpenAI server's defaults for sampling parameters a request leaves unset: the "
         "checkpoint's generation_config.json (auto, as vLLM) or the engine's (vllm)",
     )
+    add_chat_arguments(serve_parser)
     add(
         "--openai-transport",
         choices=["http", "grpc"],

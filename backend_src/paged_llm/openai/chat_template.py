@@ -79,8 +79,15 @@ class ChatTemplates:
     """What the OpenAI server reads of a model's checkpoint: its tokenizer and chat template, and
     the sampling defaults of its generation_config.json."""
 
-    def __init__(self, tokenizer_dirs: dict[str, Path], default_dir: Path | None, backend: Any) -> None:
+    def __init__(
+        self,
+        tokenizer_dirs: dict[str, Path],
+        default_dir: Path | None,
+        backend: Any,
+        chat_template: str | None = None,
+    ) -> None:
         self._dirs = dict(tokenizer_dirs)
+        self._chat_template = chat_template  # --chat-template: instead of every checkpoint's own
         self._default_dir = default_dir
         self._backend = backend
         self._tokenizers: dict[str, Any] = {}
@@ -157,16 +164,18 @@ class ChatTemplates:
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
         after_an_answer: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text of `messages`. `after_an_answer`: they continue a conversation whose last
         message is an answer the model generated and the server keeps (a session's later turn), so
         the text is what the template puts after that answer, not a conversation's start: for
         ChatML, "\n<|im_start|>user\n...", the newline that follows the answer's <|im_end|>
-        included (the model generated the <|im_end|> itself; the newline is the template's)."""
+        included (the model generated the <|im_end|> itself; the newline is the template's).
+        `tools`: the request's tool definitions, for a template that renders them."""
         tokenizer = await self.tokenizer(model)
-        if not getattr(tokenizer, "chat_template", None):
+        template = self._chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
             raise bad_request(f"model {model!r} has no chat template; use /v1/completions", "model")
-        template = tokenizer.chat_template
         if isinstance(template, str) and "developer" not in template:
             # OpenAI's newer name for system instructions; a template that does not know it (Qwen's,
             # Llama's) would drop the message without a word
@@ -180,6 +189,8 @@ class ChatTemplates:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                **({"chat_template": self._chat_template} if self._chat_template else {}),
+                **({"tools": tools} if tools else {}),
                 **(template_kwargs or {}),
             )
         except OpenAIError:

@@ -3,9 +3,10 @@
 Unknown fields are rejected with 400 "Unrecognized request argument supplied: NAME", as OpenAI's
 API does. Besides OpenAI's fields, the vLLM extras our engine implements are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, skip_special_tokens,
-include_stop_str_in_output; chat: add_generation_prompt, chat_template_kwargs). Ranges checked here
-are OpenAI's; the engine checks its own limits (max_n, max_model_len, vocabulary) and answers
-INVALID_ARG naming the field, which becomes a 400 too.
+include_stop_str_in_output, structured_outputs and the older guided_*; chat: add_generation_prompt,
+chat_template_kwargs). Ranges checked here are OpenAI's; the engine checks its own limits (max_n,
+max_model_len, vocabulary) and answers INVALID_ARG naming the field, which becomes a 400 too. Output
+constraints are checked in constraints.py, tools in tools.py (both called from check_unsupported).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from paged_llm.coercion import lone_surrogate_field
 from paged_llm.openai import fast_json
+from paged_llm.openai.constraints import Constraint, request_constraint, two_constraints
 from paged_llm.openai.errors import OpenAIError, bad_request
+from paged_llm.openai.tools import ToolDefinition, ToolUse, history_tool_calls, tool_use
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the llm model takes INT32 ids
 MAX_PROMPTS = 2048  # OpenAI's limit on a completions prompt list
@@ -53,6 +56,18 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     _null_means_default = frozenset({"include_usage"})
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # (the schema is always enforced whole, or refused)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Body):
@@ -89,6 +104,15 @@ class _SamplingFields(_Body):
     bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Output constraints (constraints.py): OpenAI's, vLLM's and vLLM's older ones; one per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, not used: there is one backend (xgrammar)
+    guided_whitespace_pattern: str | None = None  # only empty (structured_outputs.disable_any_whitespace)
 
     @field_validator("stop")
     @classmethod
@@ -103,6 +127,12 @@ class _SamplingFields(_Body):
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        _ = self.constraint  # checked now: a bad one is the request's 400
+
+    @functools.cached_property
+    def constraint(self) -> Constraint | None:
+        """The output constraint the client asked for, checked (constraints.py)."""
+        return request_constraint(self)
 
     def common_sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """The llm model's sampling_parameters (API.md): only what the client set, plus max_tokens
@@ -212,12 +242,9 @@ class ChatMessage(BaseModel):
             content = "\n".join(texts)  # as vLLM joins a message's text parts
         message = self.model_dump(exclude_none=True)
         message["content"] = content if content is not None else ""
+        if self.role == "assistant" and message.get("tool_calls") is not None:
+            message["tool_calls"] = history_tool_calls(message["tool_calls"], f"messages[{index}].tool_calls")
         return message
-
-
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -226,9 +253,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # (checked in tools.py, naming tool_choice)
     parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
@@ -237,12 +263,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type text is supported", "response_format")
+        tools = self.tool_use
+        if tools is not None and self.constraint is not None:
+            # A forced call leaves no room for another grammar, and `auto` cannot hold a text
+            # answer to a response_format; vLLM's extra-body constraints may shape an auto answer.
+            if tools.enforced or self.constraint.field.startswith("response_format"):
+                raise two_constraints("tool_choice" if tools.enforced else "tools", self.constraint.field)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
@@ -257,6 +283,11 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
+
+    @functools.cached_property
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and tool_choice, checked (tools.py)."""
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_parameters(self) -> dict[str, Any]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

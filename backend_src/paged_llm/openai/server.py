@@ -18,7 +18,9 @@ from typing import Any
 
 from paged_llm.launcher.launch import port_bind_error
 from paged_llm.openai.app import create_app
+from paged_llm.openai.reasoning import REASONING_PARSERS
 from paged_llm.openai.settings import OpenAISettings
+from paged_llm.openai.tool_parsers import TOOL_CALL_PARSERS
 from paged_llm.openai.workers import LOG_FORMAT, run_workers
 
 API_KEY_ENV = "PAGED_LLM_API_KEY"
@@ -93,8 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
         "generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty), as "
         "vLLM's OpenAI server does by default; vllm: the engine's defaults",
     )
+    add_chat_arguments(parser)
     parser.add_argument("--log-level", default="warning")
     return parser
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """The chat flags vLLM's server has, here and on `paged-llm serve`."""
+    parser.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file (or the template itself) used instead of the checkpoint's",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="how tool calls are read from the model's output: hermes (Qwen2.5, Qwen3) or llama3_json "
+        "(Llama 3.1/3.2); also the format tool_choice required / a named function is held to",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the default with tools): the model decides, the parser reads its '
+        "calls (needs --tool-call-parser)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split the <think>...</think> block of a reasoning model into message.reasoning_content",
+    )
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template's template: the file's text, or the value itself when it is no file."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:  # neither a file nor a template: a mistyped path
+        raise SystemExit(f"error: --chat-template {value}: no such file")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (directory / "tokenizer_config.json").is_file():
             print(f"error: --tokenizer {directory}: no tokenizer_config.json there", file=sys.stderr)
             return 2
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     metrics_dir = Path(tempfile.mkdtemp(prefix="paged_llm_openai_metrics.")) if args.workers > 1 else None
     settings = OpenAISettings(
         metrics_dir=metrics_dir,
@@ -115,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         default_tokenizer_dir=default,
         max_body_bytes=args.max_body_bytes,
         generation_config=args.generation_config,
+        chat_template=chat_template_text(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     import uvicorn

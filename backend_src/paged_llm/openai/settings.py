@@ -24,6 +24,11 @@ class OpenAISettings:
     # With several worker processes: each writes its figures here every second, and /metrics in
     # any of them answers the sum.
     metrics_dir: Path | None = None
+    chat_template: str | None = None  # --chat-template: the template text every model's chats use
+    # Tool calling and reasoning, as vLLM's flags of the same names (tool_parsers.py, reasoning.py)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -39,6 +44,10 @@ class OpenAISettings:
                 "max_body_bytes": self.max_body_bytes,
                 "generation_config": self.generation_config,
                 "metrics_dir": str(self.metrics_dir) if self.metrics_dir else None,
+                "chat_template": self.chat_template,
+                "tool_call_parser": self.tool_call_parser,
+                "enable_auto_tool_choice": self.enable_auto_tool_choice,
+                "reasoning_parser": self.reasoning_parser,
             }
         )
 
@@ -57,4 +66,8 @@ class OpenAISettings:
             max_body_bytes=data["max_body_bytes"],
             generation_config=data.get("generation_config", "auto"),
             metrics_dir=Path(data["metrics_dir"]) if data["metrics_dir"] else None,
+            chat_template=data.get("chat_template"),
+            tool_call_parser=data.get("tool_call_parser"),
+            enable_auto_tool_choice=data.get("enable_auto_tool_choice", False),
+            reasoning_parser=data.get("reasoning_parser"),
         )

@@ -58,7 +58,9 @@ def lifespan_of(
             metrics,
             triton,
             ModelList(triton.ready_models, _MODELS_CACHE_S),
-            ChatTemplates(settings.tokenizer_dirs, settings.default_tokenizer_dir, triton),
+            ChatTemplates(
+                settings.tokenizer_dirs, settings.default_tokenizer_dir, triton, settings.chat_template
+            ),
         )
         app.state.server = state
         directory = settings.metrics_dir

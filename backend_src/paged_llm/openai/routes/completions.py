@@ -17,6 +17,7 @@ from paged_llm.openai.responses import CompletionLogprobs, ResponseBuilder, sse
 from paged_llm.openai.routes.generation_flow import (
     collect,
     first_chunk,
+    naming_the_constraint,
     serve,
     sse_response,
     with_generation_defaults,
@@ -45,7 +46,11 @@ async def _completions(request: Request) -> Response:
             for index in range(body.n):
                 echo_texts[position * body.n + index] = text
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    sampling = await with_generation_defaults(state, body.model, body.sampling_parameters())
+    sampling = body.sampling_parameters()
+    constraint = body.constraint
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint.spec
+    sampling = await with_generation_defaults(state, body.model, sampling)
     session = session_of(request)
     if session is not None and len(prompts) != 1:
         raise OpenAIError(400, f"a session's turn has one prompt, got {len(prompts)}", "prompt")
@@ -65,6 +70,8 @@ async def _completions(request: Request) -> Response:
     builder = ResponseBuilder("completion", request_id, body.model, body.include_usage)
     generation = Generation(body.n, len(prompts))
     chunks = merge_streams(state.triton, generation_requests)
+    if constraint is not None:
+        chunks = naming_the_constraint(chunks, constraint)
     watch = DisconnectWatch(request)
     if not body.stream:
         await collect(state, chunks, generation, watch)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from paged_llm.openai.constraints import Constraint
 from paged_llm.openai.edge import (
     ClientDisconnected,
     ClosingStreamingResponse,
@@ -64,6 +65,17 @@ async def with_generation_defaults(state: AppState, model: str, sampling: dict[s
         for name, value in (await state.chat.generation_defaults(model)).items():
             sampling.setdefault(name, value)
     return sampling
+
+
+async def naming_the_constraint(chunks: Chunks, constraint: Constraint) -> Chunks:
+    """`chunks`, an error the engine sends about the request's constraint naming the client's field
+    (`guided_regex`, not `structured_outputs.regex`)."""
+    async with aclosing(chunks):  # type: ignore[type-var]
+        try:
+            async for item in chunks:
+                yield item
+        except OpenAIError as error:
+            raise constraint.client_error(error) from None
 
 
 async def collect(state: AppState, chunks: Chunks, generation: Generation, watch: DisconnectWatch) -> None:
