@@ -2,9 +2,9 @@
 
   python scripts/bench_structured.py --launch REPO --json out.json [--plot out.png]
 
-1. Compile: a 10-property JSON schema, cold (each schema new to the compiler; the first also starts
-   the worker processes) and cached, through the engine core's GrammarCompiler on the checkpoint's
-   tokenizer.
+1. Compile: a typical 10-property JSON schema (strings, numbers, an enum, an array, a nested
+   object, anyOf), cold (each schema new to the compiler; the first also starts the worker
+   processes) and cached, through the engine core's GrammarCompiler on the checkpoint's tokenizer.
 2. Served (gRPC streaming, one stream per request, like bench_serving.py), concurrency 64, 512 prompt
    tokens, 256 output tokens; three modes run in turn, twice (A B C A B C): every request
    unconstrained, every request held to the schema, half of them (alternate requests). Targets:
@@ -49,6 +49,27 @@ def ten_property_schema(tag: str = "") -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
+def typical_schema(tag: str = "") -> dict[str, Any]:
+    """A ten-property schema of the kind applications send (the compile-time measurement's)."""
+    properties = {
+        f"{tag}id": {"type": "integer", "minimum": 0},
+        f"{tag}name": {"type": "string", "maxLength": 64},
+        f"{tag}email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
+        f"{tag}age": {"type": "integer", "minimum": 0, "maximum": 150},
+        f"{tag}active": {"type": "boolean"},
+        f"{tag}role": {"enum": ["admin", "user", "guest"]},
+        f"{tag}score": {"type": "number", "minimum": 0, "maximum": 100},
+        f"{tag}tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 8},
+        f"{tag}address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+        },
+        f"{tag}notes": {"anyOf": [{"type": "string", "maxLength": 200}, {"type": "null"}]},
+    }
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
 def megabyte_schema(num_bytes: int = 1_000_000) -> dict[str, Any]:
     """A valid schema of about `num_bytes` bytes: objects of pattern-bound strings (minutes to compile)."""
     properties: dict[str, Any] = {}
@@ -79,7 +100,7 @@ def measure_compiles(model_dir: Path, num_schemas: int) -> dict[str, Any]:
     try:
         keys = []
         for index in range(num_schemas + 1):
-            params = parse_structured_outputs({"json": ten_property_schema(f"s{index}_")}, None)
+            params = parse_structured_outputs({"json": typical_schema(f"s{index}_")}, None)
             assert params is not None
             keys.append((params.kind, params.spec, False))
         cold_ms = []
@@ -127,7 +148,7 @@ def _tpot_p50(records: list[Any], jobs: list[Job], constrained: bool | None) -> 
     return summarize(chosen)["tpot_ms"]["p50"]
 
 
-def _send_megabyte_schema(url: str, model: str, schema: dict[str, Any], delay_s: float, result: dict) -> None:
+def _send_megabyte_schema(url: str, model: str, schema: dict[str, Any], delay_s: float, outcome: dict) -> None:
     """One request with the ~1 MB schema, `delay_s` into a run (its compile will hit the cap)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -146,16 +167,16 @@ def _send_megabyte_schema(url: str, model: str, schema: dict[str, Any], delay_s:
     client = grpcclient.InferenceServerClient(url)
     done = threading.Event()
 
-    def callback(response: Any, error: Any) -> None:
-        result["error"] = None if error is None else str(error).splitlines()[0][:300]
-        if error is not None or response.get_response().parameters["triton_final_response"].bool_param:
+    def callback(result: Any, error: Any) -> None:  # tritonclient passes both by keyword
+        outcome["error"] = None if error is None else str(error).splitlines()[0][:300]
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
             done.set()
 
     sent = time.monotonic()
     client.start_stream(callback=callback)
     client.async_stream_infer(model, inputs, request_id="megabyte", enable_empty_final_response=True)
     done.wait(600)
-    result["seconds"] = time.monotonic() - sent
+    outcome["seconds"] = time.monotonic() - sent
     client.stop_stream()
     client.close()
 

@@ -1,5 +1,6 @@
-"""A request's output constraint (`structured_outputs`, vLLM's key): parsed and checked here, without
-xgrammar or torch, so the stub refuses a bad constraint before the engine core sees it.
+"""A request's output constraint (`structured_outputs`, vLLM's key): parsed here, without xgrammar or
+torch, so the stub refuses a malformed constraint (unknown key, two kinds, a size over the cap,
+JSON that does not parse) before the engine core sees it.
 
     {"json": {...schema...}}      the output is JSON valid under the schema (or the schema as JSON text)
     {"json_object": true}         the output is a JSON object
@@ -17,6 +18,9 @@ refused.
 A JSON schema must be valid JSON Schema (checked with `jsonschema`) and use only keywords the
 grammar can enforce: a keyword xgrammar 0.2.9 would ignore (`not`, `uniqueItems`, `if`/`then`, ...)
 would let invalid output through, so it is refused, naming the keyword's place in the schema.
+`check_json_schema` does that where the schema compiles (structured_output/compile.py, in a
+compile worker process; a cached schema is not checked again) and in the OpenAI server: checking
+a 1 MB schema takes seconds of pure Python, which the stub's threads must not wait for.
 """
 
 from __future__ import annotations
@@ -155,7 +159,6 @@ def _json_spec(raw: Any, field: str) -> str:
         raise InvalidRequestError(field, "the schema false admits no output")
     if not isinstance(schema, Mapping):
         raise InvalidRequestError(field, "must be a JSON Schema object (or its JSON text)")
-    check_json_schema(schema, field)
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 

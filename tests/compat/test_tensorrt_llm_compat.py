@@ -219,8 +219,11 @@ def test_guide_type_json_over_http_generate_as_tensorrtllm_backends_curl_example
         # found by the engine core's compile, named as this client sent it
         ({"guided_decoding_guide_type": words("regex"), "guided_decoding_guide": words("[0-9")},
          "guided_decoding_guide: "),
+        ({"guided_decoding_guide_type": words("json_schema"),
+          "guided_decoding_guide": words('{"type": "array", "uniqueItems": true}')},
+         "guided_decoding_guide/uniqueItems: unsupported JSON Schema keyword: unique array items"),
     ],
-    ids=["guide-without-type", "type-without-guide", "unknown-type", "bad-regex"],
+    ids=["guide-without-type", "type-without-guide", "unknown-type", "bad-regex", "unenforceable-schema"],
 )  # fmt: skip
 def test_a_guided_decoding_mistake_is_an_error_naming_the_input(server, extra, message):
     for model in ("tensorrt_llm_bls", "llm_trtllm"):

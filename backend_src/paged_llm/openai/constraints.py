@@ -15,12 +15,13 @@ from the engine naming `structured_outputs...`, and `Constraint.client_error` re
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from paged_llm.errors import InvalidRequestError
 from paged_llm.openai.errors import OpenAIError, bad_request
-from paged_llm.structured_output_params import FIELD, KINDS, parse_structured_outputs
+from paged_llm.structured_output_params import FIELD, KINDS, check_json_schema, parse_structured_outputs
 
 # vLLM's older extra-body fields, each one constraint kind.
 GUIDED_FIELDS = {
@@ -76,6 +77,10 @@ def checked(field: str, spec: dict[str, Any]) -> Constraint | None:
     errors naming `field`; None when it asks for none."""
     try:
         params = parse_structured_outputs(spec, None)
+        if params is not None and params.kind == "json":
+            # The stub leaves the schema's checks to the engine (they can take seconds of pure
+            # Python for a big schema): here the error names the client's own field at once.
+            check_json_schema(json.loads(params.spec), f"{FIELD}.json")
     except InvalidRequestError as error:
         kinds = [kind for kind in KINDS if isinstance(spec, dict) and spec.get(kind) is not None]
         draft = Constraint(field, {}, kinds[0] if len(kinds) == 1 else "")

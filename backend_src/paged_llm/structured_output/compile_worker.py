@@ -7,7 +7,7 @@ multiprocessing.connection messages):
     core -> worker   ("tokenizer_info", json)                     once, first
     worker -> core   ("ready",)
     core -> worker   ("compile", job_id, kind, spec, any_whitespace)
-    worker -> core   ("done", job_id, ok, grammar json | error text, seconds)
+    worker -> core   ("done", job_id, ok, grammar json | error text, seconds, error field | None)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
     warnings.simplefilter("ignore")  # xgrammar warns about schema details on stderr, per compile
     import xgrammar
 
+    from paged_llm.errors import InvalidRequestError
     from paged_llm.structured_output.compile import compile_constraint, error_text
 
     connection = Connection(socket.socket(fileno=fd).detach())
@@ -45,12 +46,16 @@ def main(argv: list[str]) -> int:
             return 0
         _, job_id, kind, spec, any_whitespace = message
         started = time.perf_counter()
+        field = None
         try:
             grammar = compile_constraint(compiler, kind, spec, any_whitespace)
             result = (True, grammar.serialize_json())
+        except InvalidRequestError as error:  # a schema the grammar cannot enforce: where, and why
+            field = error.field
+            result = (False, str(error).removeprefix(f"{field}: "))
         except Exception as error:  # a client's constraint that does not compile: its error, not ours
             result = (False, error_text(error))
-        connection.send(("done", job_id, *result, time.perf_counter() - started))
+        connection.send(("done", job_id, *result, time.perf_counter() - started, field))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """GrammarCompiler: compiles constraints off the engine core's step loop, in worker processes, and
 keeps the compiled grammars (an LRU of `cache_entries`, keyed by kind, text and whitespace mode).
 
-Each of `num_workers` dispatcher threads owns one worker process (compile_worker.py), started on
-its first job: a compile that overruns `timeout_s` is ended by killing its process (a thread could
+Each of `num_workers` dispatcher threads owns one worker process (compile_worker.py), all started
+with the first job: a compile that overruns `timeout_s` is ended by killing its process (a thread could
 only be abandoned, burning a core until xgrammar finished: a 1 MB schema took minutes), and the
 thread starts a new one for its next job. The xgrammar tokenizer info is built once, on the first
 compile, and sent to each worker as it starts.
@@ -44,6 +44,7 @@ class CompileResult:
     error: str | None
     seconds: float  # from the job's start in a worker to its result (the compile alone when it ran)
     timed_out: bool = False
+    error_field: str | None = None  # where in the constraint the error is, when the check knows
 
 
 class GrammarCompiler:
@@ -94,13 +95,13 @@ class GrammarCompiler:
         """Compiles `key` on a worker; its CompileResult comes from take_results() (the caller
         submits a key once however many requests wait for it)."""
         assert not self._closed, "the grammar compiler is closed"
-        if len(self._threads) < self._num_workers:  # one more dispatcher per job until all run
-            index = len(self._threads)
-            thread = threading.Thread(
-                target=self._dispatch, args=(index,), name=f"paged_llm-grammar-{index}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
+        if not self._threads:  # the first job: every worker starts now, so none starts under a later job
+            for index in range(self._num_workers):
+                thread = threading.Thread(
+                    target=self._dispatch, args=(index,), name=f"paged_llm-grammar-{index}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
         self._jobs.put(key)
 
     def take_results(self) -> list[CompileResult]:
@@ -124,6 +125,11 @@ class GrammarCompiler:
     # ----------------------------------------------------------------------------- dispatchers
     def _dispatch(self, index: int) -> None:
         worker: tuple[subprocess.Popen, Connection] | None = None
+        startup_error = None
+        try:
+            worker = self._start_worker(index)
+        except Exception as error:  # its first job fails below (and the next one tries again)
+            startup_error = error
         while True:
             key = self._jobs.get()
             if key is None or self._closed:
@@ -132,6 +138,9 @@ class GrammarCompiler:
                 return
             started = time.perf_counter()
             try:
+                if startup_error is not None:
+                    error, startup_error = startup_error, None
+                    raise error
                 if worker is None:
                     worker = self._start_worker(index)
                 result, worker = self._run(worker, key, started)
@@ -172,9 +181,9 @@ class GrammarCompiler:
                 f"({self.timeout_s:g} s)"
             )
             return CompileResult(key, None, error, time.perf_counter() - started, timed_out=True), None
-        _, _job, ok, payload, seconds = connection.recv()
+        _, _job, ok, payload, seconds, field = connection.recv()
         if not ok:
-            return CompileResult(key, None, payload, seconds), worker
+            return CompileResult(key, None, payload, seconds, error_field=field), worker
         grammar = xgrammar.CompiledGrammar.deserialize_json(payload, self.tokenizer_info)
         return CompileResult(key, grammar, None, seconds), worker
 
