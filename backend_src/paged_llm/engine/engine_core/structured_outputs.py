@@ -101,9 +101,8 @@ class StructuredOutputs:
             else:
                 self._stats.num_compile_errors += 1
                 self._stats.num_compile_timeouts += int(result.timed_out)
-                error = CoreError(
-                    "invalid_arg", result.error or "the grammar did not compile", f"{FIELD}.{kind}"
-                )
+                field = result.error_field or f"{FIELD}.{kind}"
+                error = CoreError("invalid_arg", result.error or "the grammar did not compile", field)
             for record, sequences in self._parked.pop(result.key, []):
                 if result.grammar is not None:
                     _attach(sequences, result.grammar, kind)
