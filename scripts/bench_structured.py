@@ -148,7 +148,9 @@ def _tpot_p50(records: list[Any], jobs: list[Job], constrained: bool | None) -> 
     return summarize(chosen)["tpot_ms"]["p50"]
 
 
-def _send_megabyte_schema(url: str, model: str, schema: dict[str, Any], delay_s: float, outcome: dict) -> None:
+def _send_megabyte_schema(
+    url: str, model: str, schema: dict[str, Any], delay_s: float, outcome: dict
+) -> None:
     """One request with the ~1 MB schema, `delay_s` into a run (its compile will hit the cap)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
