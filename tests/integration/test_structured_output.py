@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 import jsonschema
@@ -394,3 +395,35 @@ def test_requests_waiting_for_one_grammar_share_its_compile_and_an_abort_while_w
     assert core.structured.take_stats().num_compiles == compiles_before + 1
     engine.check_integrity()
     assert engine.scheduler_stats().kv_usage == 0.0
+
+
+def test_a_small_constraint_over_the_cap_is_left_on_its_thread_and_compiles_go_to_workers_meanwhile(
+    module_engines, prompts
+):
+    # 12 bytes, seconds to compile: the in-process route's cap fails the request, the thread runs on.
+    engine = module_engines("capped", structured_output=StructuredOutputConfig(grammar_compile_timeout_s=0.5))
+    compiler = engine.core.structured.compiler
+    slow = SamplingParams.from_mapping({"max_tokens": 8, "structured_outputs": {"regex": "[^x]{0,2000}"}})
+    [[failed]] = _outcomes(engine, prompts[0], slow)
+    assert "grammar_compile_timeout_s" in str(failed)
+    if compiler._num_abandoned:  # still compiling: this one must not wait behind it
+        small = SamplingParams.from_mapping(
+            {"max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["left", "right"]}}
+        )
+        [[completion]] = run_to_completion(engine, prompts[1:2], small)
+        assert completion.text in ("left", "right")
+        assert compiler._threads, "the compile went to a worker process"
+    deadline = time.monotonic() + 120
+    while compiler._num_abandoned and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert compiler._num_abandoned == 0
+
+
+def _outcomes(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[Any]]:
+    engine.add_request("one", prompt, params)
+    errors = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.error is not None:
+                errors.append(output.error)
+    return [errors]

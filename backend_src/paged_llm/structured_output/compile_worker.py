@@ -1,4 +1,4 @@
-"""A grammar compile worker: `python -m paged_llm.structured_output.compile_worker FD PARENT_PID`.
+"""A grammar compile worker: `python -m paged_llm.structured_output.compile_worker FD PARENT_PID THREADS`.
 
 The engine core's GrammarCompiler (compiler.py) starts these so that a compile never runs on the
 step loop's process and one that overruns its time cap can be killed. Over the socket FD (pickled
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     assert message[0] == "tokenizer_info", message[0]
     info = xgrammar.TokenizerInfo.deserialize_json(message[1])
     # Our own cache is the core's (compiler.py); this process may be killed any time.
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=int(argv[2]), cache_enabled=False)
     connection.send(("ready",))
     while True:
         try:

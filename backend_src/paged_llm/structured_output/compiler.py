@@ -1,14 +1,19 @@
-"""GrammarCompiler: compiles constraints off the engine core's step loop, in worker processes, and
-keeps the compiled grammars (an LRU of `cache_entries`, keyed by kind, text and whitespace mode).
+"""GrammarCompiler: compiles constraints off the engine core's step loop and keeps the compiled
+grammars (an LRU of `cache_entries`, keyed by kind, text and whitespace mode).
 
-Each of `num_workers` dispatcher threads owns one worker process (compile_worker.py), all started
-with the first job: a compile that overruns `timeout_s` is ended by killing its process (a thread could
-only be abandoned, burning a core until xgrammar finished: a 1 MB schema took minutes), and the
-thread starts a new one for its next job. The xgrammar tokenizer info is built once, on the first
-compile, and sent to each worker as it starts.
+Two routes, by the constraint's size:
+- up to `inprocess_max_bytes` (a typical schema, regex or choice list): on a thread of this process
+  (xgrammar releases the GIL and spreads the work over `compile_threads`), as vLLM does. A 10-property
+  schema compiles in tens of ms; moving it between processes would cost more than the compile (its
+  serialized form is ~1 MB). A compile past `timeout_s` fails its request, and its thread is left
+  to finish; while such a thread still runs, every compile takes the second route.
+- larger ones, and everything while an abandoned thread runs: in worker processes (compile_worker.py),
+  `num_workers` of them, started with the first such job. One that overruns `timeout_s` is killed
+  (a thread can only be abandoned: a 1 MB schema took minutes, burning a core) and replaced.
+The xgrammar tokenizer info is built once, at the first compile, and sent to each worker as it starts.
 
 The core asks `cached(key)` first, `submit(key)` on a miss, and collects `take_results()` between
-steps; `on_done` tells it (from a dispatcher thread) that a result is waiting.
+steps; `on_done` tells it (from a compiling thread) that a result is waiting.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import xgrammar
 
+from paged_llm.errors import InvalidRequestError
 from paged_llm.processes import parent_death_signal, spawn_module
+from paged_llm.structured_output.compile import compile_constraint, error_text
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "paged_llm.structured_output.compile_worker"
@@ -55,6 +62,8 @@ class GrammarCompiler:
         timeout_s: float,
         cache_entries: int,
         on_done: Callable[[], None] = lambda: None,
+        inprocess_max_bytes: int = 16384,
+        compile_threads: int = 8,
     ) -> None:
         self._make_tokenizer_info = tokenizer_info
         self._info: xgrammar.TokenizerInfo | None = None
@@ -72,6 +81,12 @@ class GrammarCompiler:
         self._threads: list[threading.Thread] = []
         self._processes: dict[int, subprocess.Popen] = {}  # dispatcher index -> its live worker
         self._closed = False
+        self.inprocess_max_bytes = inprocess_max_bytes
+        self.compile_threads = max(1, min(compile_threads, os.cpu_count() or 1))
+        self._local_jobs: queue.SimpleQueue[GrammarKey | None] = queue.SimpleQueue()
+        self._local_threads: list[threading.Thread] = []
+        self._local_compiler: xgrammar.GrammarCompiler | None = None
+        self._num_abandoned = 0  # in-process compiles past the cap, still running
 
     # ----------------------------------------------------------------------------- the core's side
     @property
@@ -95,14 +110,24 @@ class GrammarCompiler:
         """Compiles `key` on a worker; its CompileResult comes from take_results() (the caller
         submits a key once however many requests wait for it)."""
         assert not self._closed, "the grammar compiler is closed"
-        if not self._threads:  # the first job: every worker starts now, so none starts under a later job
-            for index in range(self._num_workers):
-                thread = threading.Thread(
-                    target=self._dispatch, args=(index,), name=f"paged_llm-grammar-{index}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()
-        self._jobs.put(key)
+        with self._lock:
+            local = len(key[1].encode()) <= self.inprocess_max_bytes and self._num_abandoned == 0
+        if local:
+            self._start_threads(self._local_threads, self._dispatch_local, "paged_llm-grammar-local")
+            self._local_jobs.put(key)
+        else:  # the first such job starts every worker, so none starts under a later job
+            self._start_threads(self._threads, self._dispatch, "paged_llm-grammar")
+            self._jobs.put(key)
+
+    def _start_threads(
+        self, threads: list[threading.Thread], target: Callable[[int], None], name: str
+    ) -> None:
+        if threads:
+            return
+        for index in range(self._num_workers):
+            thread = threading.Thread(target=target, args=(index,), name=f"{name}-{index}", daemon=True)
+            threads.append(thread)
+            thread.start()
 
     def take_results(self) -> list[CompileResult]:
         with self._lock:
@@ -119,6 +144,8 @@ class GrammarCompiler:
         self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
+        for _ in self._local_threads:
+            self._local_jobs.put(None)
         for process in list(self._processes.values()):
             _kill(process)
 
@@ -154,14 +181,81 @@ class GrammarCompiler:
                 result = CompileResult(
                     key, None, f"the grammar compiler failed ({error})", time.perf_counter() - started
                 )
-            with self._results_ready:
-                if result.grammar is not None:
-                    self._cache[key] = result.grammar
-                    while len(self._cache) > self.cache_entries:
-                        self._cache.popitem(last=False)
-                self._results.append(result)
-                self._results_ready.notify_all()
-            self.on_done()
+            self._publish(result)
+
+    def _publish(self, result: CompileResult) -> None:
+        with self._results_ready:
+            if result.grammar is not None:
+                self._cache[result.key] = result.grammar
+                while len(self._cache) > self.cache_entries:
+                    self._cache.popitem(last=False)
+            self._results.append(result)
+            self._results_ready.notify_all()
+        self.on_done()
+
+    def _dispatch_local(self, index: int) -> None:
+        """Compiles on a thread of its own per job, waiting at most `timeout_s` for it."""
+        while True:
+            key = self._local_jobs.get()
+            if key is None or self._closed:
+                return
+            started = time.perf_counter()
+            job = _LocalJob(key)
+            thread = threading.Thread(
+                target=self._compile_here, args=(job,), name="paged_llm-grammar-job", daemon=True
+            )
+            thread.start()
+            if job.done.wait(self.timeout_s):
+                result = job.result
+                assert result is not None
+            else:
+                with self._lock:
+                    if job.result is None:  # still compiling: left to finish, its result dropped
+                        job.abandoned = True
+                        self._num_abandoned += 1
+                if job.abandoned:
+                    logger.warning(
+                        "a %s grammar of %d characters overran the %.1f s compile cap (left to finish "
+                        "on its thread; compiles go to worker processes until it does)",
+                        key[0],
+                        len(key[1]),
+                        self.timeout_s,
+                    )
+                    result = _timed_out(key, time.perf_counter() - started, self.timeout_s)
+                else:
+                    result = job.result
+                    assert result is not None
+            if not self._closed:
+                self._publish(result)
+
+    def _compile_here(self, job: _LocalJob) -> None:
+        started = time.perf_counter()
+        try:
+            compiler = self._in_process_compiler()
+            grammar = compile_constraint(compiler, *job.key)
+            result = CompileResult(job.key, grammar, None, time.perf_counter() - started)
+        except InvalidRequestError as error:  # a schema the grammar cannot enforce: where, and why
+            message = str(error).removeprefix(f"{error.field}: ")
+            result = CompileResult(
+                job.key, None, message, time.perf_counter() - started, error_field=error.field
+            )
+        except Exception as error:  # a client's constraint that does not compile: its error, not ours
+            result = CompileResult(job.key, None, error_text(error), time.perf_counter() - started)
+        with self._lock:
+            job.result = result
+            if job.abandoned:
+                self._num_abandoned -= 1
+        job.done.set()
+
+    def _in_process_compiler(self) -> xgrammar.GrammarCompiler:
+        info = self.tokenizer_info
+        with self._info_lock:
+            if self._local_compiler is None:
+                # Our own cache is the LRU above (xgrammar's would keep every grammar ever compiled).
+                self._local_compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=self.compile_threads, cache_enabled=False
+                )
+            return self._local_compiler
 
     def _run(
         self, worker: tuple[subprocess.Popen, Connection], key: GrammarKey, started: float
@@ -171,16 +265,12 @@ class GrammarCompiler:
         if not connection.poll(self.timeout_s):
             _kill(process)
             logger.warning(
-                "a %s grammar of %d characters overran the %.1f s compile cap",
+                "a %s grammar of %d characters overran the %.1f s compile cap (its worker was killed)",
                 key[0],
                 len(key[1]),
                 self.timeout_s,
             )
-            error = (
-                "compiling the grammar took longer than this server's grammar_compile_timeout_s "
-                f"({self.timeout_s:g} s)"
-            )
-            return CompileResult(key, None, error, time.perf_counter() - started, timed_out=True), None
+            return _timed_out(key, time.perf_counter() - started, self.timeout_s), None
         _, _job, ok, payload, seconds, field = connection.recv()
         if not ok:
             return CompileResult(key, None, payload, seconds, error_field=field), worker
@@ -196,7 +286,7 @@ class GrammarCompiler:
         try:
             process = spawn_module(
                 WORKER_MODULE,
-                [str(theirs.fileno()), str(os.getpid())],
+                [str(theirs.fileno()), str(os.getpid()), str(self.compile_threads)],
                 pass_fds=[theirs.fileno()],
                 preexec_fn=parent_death_signal(signal.SIGKILL),  # the core killed hard
             )
@@ -210,6 +300,21 @@ class GrammarCompiler:
             raise RuntimeError(f"the compile worker did not start within {WORKER_START_TIMEOUT_S:g} s")
         assert connection.recv() == ("ready",)
         return process, connection
+
+
+@dataclass
+class _LocalJob:
+    key: GrammarKey
+    result: CompileResult | None = None
+    abandoned: bool = False  # its request failed at the cap; the compile still runs
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _timed_out(key: GrammarKey, seconds: float, timeout_s: float) -> CompileResult:
+    error = (
+        f"compiling the grammar took longer than this server's grammar_compile_timeout_s ({timeout_s:g} s)"
+    )
+    return CompileResult(key, None, error, seconds, timed_out=True)
 
 
 def _kill(process: subprocess.Popen) -> None:

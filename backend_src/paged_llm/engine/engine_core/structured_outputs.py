@@ -1,6 +1,7 @@
 """The engine core's side of structured output: gives a constrained request's sequences their
 grammar matchers, or parks the request until its grammar is compiled (the compiler works off the
-step loop: structured_output/compiler.py), and keeps the counters.
+step loop, on its threads or in worker processes: structured_output/compiler.py), and keeps the
+counters.
 
 A parked request is in the request table (an abort or its deadline ends it as usual) but none of
 its sequences is in the scheduler: the other requests keep stepping. Requests that wait for the
@@ -55,6 +56,8 @@ class StructuredOutputs:
                 timeout_s=self.config.grammar_compile_timeout_s,
                 cache_entries=self.config.grammar_cache_entries,
                 on_done=lambda: self.wake(),
+                inprocess_max_bytes=self.config.grammar_inprocess_max_bytes,
+                compile_threads=self.config.grammar_compile_threads,
             )
         return self._compiler
 
