@@ -286,7 +286,9 @@ class GrammarCompiler:
         try:
             process = spawn_module(
                 WORKER_MODULE,
-                [str(theirs.fileno()), str(os.getpid()), str(self.compile_threads)],
+                # One thread: a worker's compile is a large one, which must not crowd the cores that
+                # serve while it runs (up to the cap); small ones (on the core's threads) get them all.
+                [str(theirs.fileno()), str(os.getpid()), "1"],
                 pass_fds=[theirs.fileno()],
                 preexec_fn=parent_death_signal(signal.SIGKILL),  # the core killed hard
             )
