@@ -39,7 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import offline_engine, read_llm_parameters, run_served
 from tqdm import tqdm
 
-from paged_llm.testing.bench_workload import Job, format_summary, random_workload, run_offline, summarize
+from paged_llm.testing.bench_workload import (
+    Job,
+    format_summary,
+    infer_inputs,
+    random_workload,
+    run_offline,
+    summarize,
+)
 
 TARGETS = {"c64_tpot_ratio": 1.10, "half_tpot_ratio": 1.03, "b1_tpot_ratio": 1.05, "cold_compile_ms": 50.0,
            "cached_compile_ms": 1.0, "cap_itl_p99_ratio": 1.05}  # fmt: skip
@@ -165,11 +172,7 @@ def _send_megabyte_schema(
         ("input_ids", np.asarray([1, 2, 3], dtype=np.int32), "INT32"),
         ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
     ]
-    inputs = []
-    for name, array, datatype in arrays:
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    inputs = infer_inputs(grpcclient, arrays)
     client = grpcclient.InferenceServerClient(url)
     done = threading.Event()
 
