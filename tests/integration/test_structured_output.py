@@ -189,6 +189,23 @@ def test_json_schema_outputs_validate_with_ngram_speculation(module_engines, pro
     assert engine.scheduler_stats().spec_num_drafts > before
 
 
+@given(schemas=st.lists(SCHEMAS, min_size=3, max_size=3))
+@PROPERTY_SETTINGS
+def test_json_schema_outputs_validate_in_session_turns(module_engines, prompts, schemas):
+    from paged_llm.config import SessionConfig
+
+    engine = module_engines("sessions", sessions=SessionConfig(max_sessions=4))
+    outcomes = []
+    for index, schema in enumerate(schemas):  # one session, a schema per turn, the history growing
+        turn = SessionTurn("drawn", start=index == 0, end=index == len(schemas) - 1)
+        completion = _run_turn(engine, f"drawn{index}", prompts[index], _params(schema, False, index), turn)
+        outcomes.append(completion.finish_reason)
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), schema)
+    assert outcomes.count("stop") >= len(outcomes) - 1, outcomes
+    engine.check_integrity()
+
+
 def test_a_session_turn_is_constrained_and_the_next_turn_is_free(module_engines, prompts):
     from paged_llm.config import SessionConfig
 
