@@ -25,6 +25,9 @@ from paged_llm.processes import watch_parent
 
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
+    # Background work: the step loop, the stubs and tritonserver on the same cores come first (a
+    # large compile may run for the whole cap).
+    os.nice(10)
     watch_parent(parent_pid, lambda: os._exit(0), "paged_llm-compile-watchdog")
     warnings.simplefilter("ignore")  # xgrammar warns about schema details on stderr, per compile
     import xgrammar
