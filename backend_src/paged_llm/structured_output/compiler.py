@@ -107,8 +107,9 @@ class GrammarCompiler:
             return grammar
 
     def submit(self, key: GrammarKey) -> None:
-        """Compiles `key` on a worker; its CompileResult comes from take_results() (the caller
-        submits a key once however many requests wait for it)."""
+        """Compiles `key` (on a thread here or in a worker process: the module docstring); its
+        CompileResult comes from take_results(). The caller submits a key once however many
+        requests wait for it."""
         assert not self._closed, "the grammar compiler is closed"
         with self._lock:
             local = len(key[1].encode()) <= self.inprocess_max_bytes and self._num_abandoned == 0
