@@ -292,21 +292,17 @@ def main() -> int:
         offline: dict[str, Any] = {}
         try:
             run_offline(engine, _with(jobs(16, "16", "8"), "json", schema), 16)
+            workloads = {"c64": (args.num_prompts, "512", 64), "b1": (args.batch1_prompts, "128", 1)}
             for mode in ("free", "json"):
-                run_jobs = _with(jobs(args.num_prompts, "512", "256"), mode, schema)
-                records = run_offline(engine, run_jobs, 64)
-                offline[f"c64_{mode}"] = {
-                    "summary": summarize(records),
-                    "tpot_p50_ms": _tpot_p50(records, run_jobs, None),
-                }
-                print(format_summary(f"offline c64 {mode}", offline[f"c64_{mode}"]["summary"]), flush=True)
-                run_jobs = _with(jobs(args.batch1_prompts, "128", "256"), mode, schema)
-                records = run_offline(engine, run_jobs, 1)
-                offline[f"b1_{mode}"] = {
-                    "summary": summarize(records),
-                    "tpot_p50_ms": _tpot_p50(records, run_jobs, None),
-                }
-                print(format_summary(f"offline b1 {mode}", offline[f"b1_{mode}"]["summary"]), flush=True)
+                for name, (num, input_len, concurrency) in workloads.items():
+                    run_jobs = _with(jobs(num, input_len, "256"), mode, schema)
+                    records = run_offline(engine, run_jobs, concurrency)
+                    summary = summarize(records)
+                    offline[f"{name}_{mode}"] = {
+                        "summary": summary,
+                        "tpot_p50_ms": _tpot_p50(records, run_jobs, None),
+                    }
+                    print(format_summary(f"offline {name} {mode}", summary), flush=True)
         finally:
             engine.shutdown()
         results["offline"] = offline
