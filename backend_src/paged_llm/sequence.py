@@ -51,8 +51,6 @@ _FINISHED = {
 class GrammarState(Protocol):
     """A constrained sequence's grammar (structured_output/grammar.py), as the scheduler sees it."""
 
-    kind: str
-
     def accept_token(self, token_id: int) -> bool:
         """Advances past `token_id`; False if the grammar does not allow it (state unchanged)."""
         ...

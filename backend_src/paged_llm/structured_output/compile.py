@@ -8,6 +8,7 @@ from typing import Any
 
 import xgrammar
 
+from paged_llm.errors import InvalidRequestError
 from paged_llm.structured_output_params import FIELD, check_json_schema
 
 # xgrammar's C++ errors start with "[HH:MM:SS] /path/file.cc:123: ": the rest is for the client.
@@ -43,6 +44,19 @@ def compile_constraint(
     else:
         raise ValueError(f"unknown constraint kind {kind!r}")
     return compiler.compile_grammar(str(grammar).replace(_BOUNDED_STRING_CLASS, _JSON_STRING_CLASS))
+
+
+def attempt_compile(
+    compiler: xgrammar.GrammarCompiler, kind: str, spec: str, any_whitespace: bool
+) -> tuple[xgrammar.CompiledGrammar | None, str | None, str | None]:
+    """(the grammar, None, None), or (None, the client's error, where in the constraint or None):
+    a constraint that does not compile is its request's error, never the compiler's."""
+    try:
+        return compile_constraint(compiler, kind, spec, any_whitespace), None, None
+    except InvalidRequestError as error:  # a schema the grammar cannot enforce: where, and why
+        return None, str(error).removeprefix(f"{error.field}: "), error.field
+    except Exception as error:  # xgrammar's parse or compile error
+        return None, error_text(error), None
 
 
 def _check_tag_schemas(node: Any, where: str) -> None:

@@ -1,8 +1,8 @@
 """A grammar compile worker: `python -m paged_llm.structured_output.compile_worker FD PARENT_PID THREADS`.
 
-The engine core's GrammarCompiler (compiler.py) starts these so that a compile never runs on the
-step loop's process and one that overruns its time cap can be killed. Over the socket FD (pickled
-multiprocessing.connection messages):
+The engine core's GrammarCompiler (compiler.py) compiles its large constraints here, so that one
+that overruns its time cap can be killed (small ones compile on the core's own threads). Over the
+socket FD (pickled multiprocessing.connection messages):
 
     core -> worker   ("tokenizer_info", json)                     once, first
     worker -> core   ("ready",)
@@ -32,8 +32,7 @@ def main(argv: list[str]) -> int:
     warnings.simplefilter("ignore")  # xgrammar warns about schema details on stderr, per compile
     import xgrammar
 
-    from paged_llm.errors import InvalidRequestError
-    from paged_llm.structured_output.compile import compile_constraint, error_text
+    from paged_llm.structured_output.compile import attempt_compile
 
     connection = Connection(socket.socket(fileno=fd).detach())
     message = connection.recv()
@@ -49,15 +48,8 @@ def main(argv: list[str]) -> int:
             return 0
         _, job_id, kind, spec, any_whitespace = message
         started = time.perf_counter()
-        field = None
-        try:
-            grammar = compile_constraint(compiler, kind, spec, any_whitespace)
-            result = (True, grammar.serialize_json())
-        except InvalidRequestError as error:  # a schema the grammar cannot enforce: where, and why
-            field = error.field
-            result = (False, str(error).removeprefix(f"{field}: "))
-        except Exception as error:  # a client's constraint that does not compile: its error, not ours
-            result = (False, error_text(error))
+        grammar, error, field = attempt_compile(compiler, kind, spec, any_whitespace)
+        result = (True, grammar.serialize_json()) if grammar is not None else (False, error)
         connection.send(("done", job_id, *result, time.perf_counter() - started, field))
 
 

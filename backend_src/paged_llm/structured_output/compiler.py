@@ -33,9 +33,8 @@ from multiprocessing.connection import Connection
 
 import xgrammar
 
-from paged_llm.errors import InvalidRequestError
 from paged_llm.processes import parent_death_signal, spawn_module
-from paged_llm.structured_output.compile import compile_constraint, error_text
+from paged_llm.structured_output.compile import attempt_compile, error_text
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "paged_llm.structured_output.compile_worker"
@@ -232,16 +231,10 @@ class GrammarCompiler:
     def _compile_here(self, job: _LocalJob) -> None:
         started = time.perf_counter()
         try:
-            compiler = self._in_process_compiler()
-            grammar = compile_constraint(compiler, *job.key)
-            result = CompileResult(job.key, grammar, None, time.perf_counter() - started)
-        except InvalidRequestError as error:  # a schema the grammar cannot enforce: where, and why
-            message = str(error).removeprefix(f"{error.field}: ")
-            result = CompileResult(
-                job.key, None, message, time.perf_counter() - started, error_field=error.field
-            )
-        except Exception as error:  # a client's constraint that does not compile: its error, not ours
-            result = CompileResult(job.key, None, error_text(error), time.perf_counter() - started)
+            grammar, error, field = attempt_compile(self._in_process_compiler(), *job.key)
+        except Exception as failure:  # the tokenizer info would not build: this job fails, not the core
+            grammar, error, field = None, error_text(failure), None
+        result = CompileResult(job.key, grammar, error, time.perf_counter() - started, error_field=field)
         with self._lock:
             job.result = result
             if job.abandoned:

@@ -14,11 +14,10 @@ class SequenceGrammar:
     """The grammar state of one sequence (sequence.GrammarState): advanced with each token the
     sequence takes, terminated once the grammar ended on one of the model's EOS tokens."""
 
-    __slots__ = ("kind", "matcher")
+    __slots__ = ("matcher",)
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, kind: str) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
         self.matcher = xgrammar.GrammarMatcher(compiled)
-        self.kind = kind  # json, regex, ...: for metrics
 
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
@@ -40,7 +39,6 @@ class StepBitmask:
     host, which follows N's copy in stream order)."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
-        self.vocab_size = vocab_size
         self.device = device
         shape = xgrammar.get_bitmask_shape(max_rows, vocab_size)
         self._host = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory) for _ in range(2)]

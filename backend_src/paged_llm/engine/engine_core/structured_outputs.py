@@ -78,7 +78,7 @@ class StructuredOutputs:
         compiled = self.compiler.cached(key)
         if compiled is not None:
             self._stats.num_cache_hits += 1
-            _attach(sequences, compiled, params.kind)
+            _attach(sequences, compiled)
             return True
         waiting = self._parked.setdefault(key, [])
         waiting.append((record, sequences))
@@ -108,7 +108,7 @@ class StructuredOutputs:
                 error = CoreError("invalid_arg", result.error or "the grammar did not compile", field)
             for record, sequences in self._parked.pop(result.key, []):
                 if result.grammar is not None:
-                    _attach(sequences, result.grammar, kind)
+                    _attach(sequences, result.grammar)
                 ready.append(ReadyRequest(record, sequences, error))
         return ready
 
@@ -142,6 +142,6 @@ class StructuredOutputs:
             self._compiler.close()
 
 
-def _attach(sequences: list[Sequence], compiled: object, kind: str) -> None:
+def _attach(sequences: list[Sequence], compiled: object) -> None:
     for seq in sequences:
-        seq.grammar = SequenceGrammar(compiled, kind)  # type: ignore[arg-type]
+        seq.grammar = SequenceGrammar(compiled)  # type: ignore[arg-type]
