@@ -174,6 +174,8 @@ class ModelRunner:
     def close(self, abort: bool = False) -> None:
         """Stops the tensor-parallel workers (nothing to do without them). `abort`: rank 0 failed
         partway (the ranks may be inside different collectives): kill them instead."""
+        if self.bitmask is not None:
+            self.bitmask.close()
         if self.workers is not None:
             # A dead worker may have left a collective half done: the device never finishes it.
             abort = abort or self.ranks_out_of_step or bool(self.workers.dead_workers())
@@ -289,14 +291,33 @@ class ModelRunner:
         self._copy_to_host(step)
         return step
 
+    def start_deferred_sampling(self, step: LaunchedStep) -> None:
+        """A step launched with `needs_sampling` whose grammars took the previous step's tokens:
+        starts filling its bitmask in the background (StepBitmask.start). Until `sample_deferred`
+        ran, nothing may advance or read these sequences' grammars."""
+        if step.needs_sampling and step.pending_bitmask is None:
+            step.pending_bitmask = self._step_bitmask().start(step.seqs)
+
     @torch.inference_mode()
     def sample_deferred(self, step: LaunchedStep) -> None:
-        """Samples a step launched with `needs_sampling`: its grammars are up to date now."""
+        """Samples a step launched with `needs_sampling` (its grammars are up to date now), with
+        the bitmask `start_deferred_sampling` began, if it did."""
         assert step.needs_sampling and step.unsampled_logits is not None
-        step.sampled = self._sample(step.unsampled_logits, step.seqs, deferred=True)
+        pending, step.pending_bitmask = step.pending_bitmask, None
+        token_bitmask = self._step_bitmask().finish(pending) if pending is not None else None
+        step.sampled = self._sample(
+            step.unsampled_logits, step.seqs, deferred=True, token_bitmask=token_bitmask
+        )
         step.unsampled_logits = None
         step.needs_sampling = False
         self._copy_to_host(step)
+
+    def _step_bitmask(self) -> StepBitmask:
+        if self.bitmask is None:
+            self.bitmask = StepBitmask(
+                self.max_num_seqs, self.spec.vocab_size, self.device.torch_device, self.device.pin_memory
+            )
+        return self.bitmask
 
     def _copy_to_host(self, step: LaunchedStep) -> None:
         """Starts the copy of the step's tokens to the host, behind the step on the device."""
@@ -319,6 +340,8 @@ class ModelRunner:
 
     def _launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         assert self.model is not None, "load() first"
+        if previous is not None and previous.needs_sampling:
+            self.sample_deferred(previous)  # this step's inputs are its tokens
         pending = previous.pending_tokens() if previous is not None else None
         inputs = self.buffers.prepare(scheduler_output, pending)
         model_inputs = (inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
@@ -384,17 +407,19 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden.index_select(0, sample_indices))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], deferred: bool = False) -> SamplerOutput:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        deferred: bool = False,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """`deferred`: the step's own pending token is already appended to each sequence (its
-        on_launched ran): a row samples output position len - 1, as it would have at launch."""
+        on_launched ran): a row samples output position len - 1, as it would have at launch.
+        `token_bitmask`: the rows' grammar bitmask, filled already (else filled here if needed)."""
         num_ahead = int(deferred)
-        token_bitmask = None
-        if not self.greedy_only and any(seq.grammar is not None for seq in seqs):
-            if self.bitmask is None:
-                self.bitmask = StepBitmask(
-                    self.max_num_seqs, self.spec.vocab_size, self.device.torch_device, self.device.pin_memory
-                )
-            token_bitmask = self.bitmask.fill(seqs)
+        if token_bitmask is None and not self.greedy_only and any(seq.grammar is not None for seq in seqs):
+            token_bitmask = self._step_bitmask().fill(seqs)
         if self.greedy_only or all(
             r.sampling_params.is_plain_greedy
             and r.num_output_tokens - num_ahead >= r.sampling_params.min_tokens

@@ -36,6 +36,7 @@ class LaunchedStep:
     # the previous step's tokens (ModelRunner.sample_deferred); these are the rows' logits.
     needs_sampling: bool = False
     unsampled_logits: Any = None
+    pending_bitmask: Any = None  # the rows' bitmask being filled (StepBitmask.start), if begun
 
     def pending_tokens(self) -> PendingTokens | None:
         """This step's sampled tokens on the device, for a step launched before its result()."""

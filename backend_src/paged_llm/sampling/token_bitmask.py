@@ -1,14 +1,43 @@
 """Masking logits with a packed token bitmask (structured output): bit t of a row's int32 words
 (word t // 32, bit t % 32) allows token t; every other token's logit becomes -inf.
 
-Plain torch, so it runs wherever the sampler does: the bitmask's bytes index a 256 x 8 table of
-their bits, one bool per token (B x V bytes of temporaries, only on steps with a constrained row)."""
+On CUDA one Triton kernel writes the -inf in place (a 64-row step of a 152k vocabulary: the plain
+torch version's temporaries cost ~0.3 ms of device time there, a tenth of a Qwen3-0.6B decode step).
+Elsewhere plain torch, so it runs wherever the sampler does: the bitmask's bytes index a 256 x 8
+table of their bits, one bool per token (B x V bytes of temporaries, only on steps with a
+constrained row)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the plain torch version
+    triton = None
+
+WORDS_PER_PROGRAM = 64  # 2048 tokens a program
+
+if triton is not None:
+
+    @triton.jit
+    def _apply_bitmask_kernel(
+        logits_ptr, bitmask_ptr, logits_stride, bitmask_stride, vocab_size, num_words,
+        WORDS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+        packed = tl.load(bitmask_ptr + row * bitmask_stride + words, mask=words < num_words, other=-1)
+        bits = tl.arange(0, 32)
+        blocked = ((packed[:, None] >> bits[None, :]) & 1) == 0  # [WORDS, 32]
+        tokens = words[:, None] * 32 + bits[None, :]
+        tl.store(
+            logits_ptr + row * logits_stride + tokens, float("-inf"), mask=blocked & (tokens < vocab_size)
+        )
+
 
 _BYTE_BITS: dict[torch.device, torch.Tensor] = {}
 
@@ -29,6 +58,28 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     num_rows, vocab_size = logits.shape
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == num_rows
     assert bitmask.shape[1] * 32 >= vocab_size, "the bitmask covers fewer tokens than the logits"
+    if num_rows == 0:
+        return logits
+    if triton is not None and logits.is_cuda and logits.stride(1) == 1:
+        bitmask = bitmask.contiguous()
+        num_words = -(-vocab_size // 32)
+        grid = (num_rows, triton.cdiv(num_words, WORDS_PER_PROGRAM))
+        _apply_bitmask_kernel[grid](
+            logits,
+            bitmask,
+            logits.stride(0),
+            bitmask.stride(0),
+            vocab_size,
+            num_words,
+            WORDS=WORDS_PER_PROGRAM,
+        )
+        return logits
+    return apply_token_bitmask_torch_(logits, bitmask)
+
+
+def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """apply_token_bitmask_ in plain torch (any device)."""
+    num_rows, vocab_size = logits.shape
     as_bytes = bitmask.contiguous().view(torch.uint8)  # [B, W * 4]
     allowed = _byte_bits(logits.device)[as_bytes.long()].view(num_rows, -1)[:, :vocab_size]
     return logits.masked_fill_(~allowed, -math.inf)

@@ -276,16 +276,15 @@ class EngineCore:
         in_flight = self.launch_step()
         return self.finish_step(in_flight)
 
-    def _sample_deferred(self) -> None:
+    def _start_deferred_sampling(self) -> None:
         """The running step was launched ahead with constrained rows: its grammars took the previous
-        step's tokens just now, so its sampling can be enqueued (ModelRunner.sample_deferred)."""
+        step's tokens just now, so its bitmask can be filled, in the background while this thread
+        publishes and schedules. The next launch, or finish_step, samples it (sample_deferred)."""
         in_flight = self._in_flight
         if in_flight is None or not in_flight.launched.needs_sampling:
             return
         try:
-            self.runner.sample_deferred(in_flight.launched)
-        except TensorParallelError:
-            raise
+            self.runner.start_deferred_sampling(in_flight.launched)
         except Exception as error:  # as a fault in launch_step: the step's requests fail, not the core
             self._in_flight = None
             self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
@@ -317,7 +316,7 @@ class EngineCore:
                     failed.launched, failed.scheduler_output.scheduled, failed.step_number
                 )
                 self._in_flight = None
-            self._sample_deferred()
+            self._start_deferred_sampling()
         return outputs if outputs is not None else self.take_outputs()
 
     def finish_in_flight(self) -> EngineCoreOutputs:
@@ -383,6 +382,8 @@ class EngineCore:
         """The second half of step(): wait for the device, apply the sampled tokens, publish."""
         if in_flight is not None:
             try:
+                if in_flight.launched.needs_sampling:  # not launched on: sampled here
+                    self.runner.sample_deferred(in_flight.launched)
                 runner_output = in_flight.launched.result()
             except Exception as error:
                 self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
