@@ -118,7 +118,7 @@ async def _one_request(client: Any, model: str, job: Job, text_only: bool) -> Re
         # mean tokens per response is reported, so spread them evenly over its responses.
         count, extra = divmod(job.num_output_tokens, len(record.arrival_times))
         record.tokens_per_response = [count + (i < extra) for i in range(len(record.arrival_times))]
-    if record.error is None and record.num_output_tokens != job.num_output_tokens:
+    if record.error is None and not _expected_length(job, record.num_output_tokens):
         record.error = f"got {record.num_output_tokens} tokens, expected {job.num_output_tokens}"
     return record
 
@@ -158,7 +158,7 @@ async def _one_openai_request(session: Any, base_url: str, model: str, job: Job)
     if record.error is None and record.arrival_times:
         count, extra = divmod(num_tokens, len(record.arrival_times))
         record.tokens_per_response = [count + (i < extra) for i in range(len(record.arrival_times))]
-    if record.error is None and record.num_output_tokens != job.num_output_tokens:
+    if record.error is None and not _expected_length(job, record.num_output_tokens):
         record.error = f"got {record.num_output_tokens} tokens, expected {job.num_output_tokens}"
     return record
 
@@ -290,6 +290,13 @@ def run_served(
 def read_llm_parameters(repository: Path) -> dict[str, str]:
     """The `parameters` of REPOSITORY/llm/config.pbtxt (the engine settings the server uses)."""
     return dict(_PARAMETER.findall((repository / "llm" / "config.pbtxt").read_text()))
+
+
+def _expected_length(job: Job, num_output_tokens: int) -> bool:
+    """ignore_eos: exactly max_tokens; but a constrained request ends where its grammar ends."""
+    if job.structured_outputs is not None:
+        return 0 < num_output_tokens <= job.num_output_tokens
+    return num_output_tokens == job.num_output_tokens
 
 
 def offline_engine(repository: Path, model_dir: str | None, core_mode: str):

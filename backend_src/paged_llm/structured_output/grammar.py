@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence as Rows
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xgrammar
 
-from paged_llm.sequence import GrammarState, Sequence
+from paged_llm.sequence import Sequence
 
 
 class SequenceGrammar:
@@ -31,6 +33,13 @@ class SequenceGrammar:
         return self.matcher.is_completed()
 
 
+# Rows split over at most this many fill threads (one xgrammar call each), at least
+# MIN_ROWS_PER_THREAD rows a thread; one thread on small hosts, where a second would take the core
+# the engine's own thread runs on.
+MAX_FILL_THREADS = 2 if (os.cpu_count() or 1) >= 8 else 1
+MIN_ROWS_PER_THREAD = 16
+
+
 class StepBitmask:
     """Fills the bitmask of one step's sampled rows on the host (bit t of row r: token t allowed)
     and hands it to the sampler on the device. Rows without a grammar allow everything.
@@ -39,11 +48,14 @@ class StepBitmask:
     flight while step N+1's is filled (step N+2 is filled only after step N+1's tokens reached the
     host, which follows N's copy in stream order).
 
-    `start` fills on a background thread (xgrammar's fill lets go of the GIL), so that a step
-    launched ahead has its mask filled while the engine's thread publishes the step before and
-    schedules the next one; `finish` waits for it. Filled on the caller's thread instead
-    (`fill`), 64 rows of a JSON schema took ~1.9 ms a step on an H100 host, against 3.1 ms of
-    forward for Qwen3-0.6B: with the rest of the step's host work, more than the device's time."""
+    The rows are filled by xgrammar's batch fill on one thread a call: a single call for many rows,
+    which lets go of the GIL for all of them (a Python loop over the rows takes the GIL back after
+    each one, and on a thread beside the engine's busy thread each take can wait). xgrammar's own
+    threads (max_threads > 1) cost a constant ~6 ms a step on an H100 host, so rows are split over
+    our fill threads instead. `start` fills on those threads, so that a step launched ahead has its
+    mask filled while the engine's thread publishes the step before and schedules the next one;
+    `finish` waits for it. 64 rows of the benchmark's JSON schema took ~2-2.7 ms a step on an H100
+    host, against 3.1 ms of forward for Qwen3-0.6B."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
         self.device = device
@@ -51,49 +63,75 @@ class StepBitmask:
         self._host = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory) for _ in range(2)]
         self._turn = 0
         self._filler: ThreadPoolExecutor | None = None
+        self._batch_matchers = threading.local()  # one xgrammar BatchGrammarMatcher per thread
 
     def fill(self, seqs: Rows[Sequence]) -> torch.Tensor | None:
         """The [len(seqs), words] int32 bitmask on the device, or None when no row is constrained."""
-        host = self._fill_host(self._take_buffer(seqs), [seq.grammar for seq in seqs])
-        return None if host is None else self._to_device(host)
+        plan = self._plan(seqs)
+        if plan is None:
+            return None
+        host, rows = plan
+        self._fill_rows(host, rows)
+        return self._to_device(host)
 
     def start(self, seqs: Rows[Sequence]) -> PendingBitmask:
-        """Starts filling `seqs`' rows on the background thread. The caller must not advance or
-        read these sequences' grammars until `finish` returned."""
+        """Starts filling `seqs`' rows on the fill threads. The caller must not advance or read
+        these sequences' grammars until `finish` returned."""
+        plan = self._plan(seqs)
+        if plan is None:
+            return PendingBitmask(None, [])
+        host, rows = plan
+        num_threads = max(1, min(MAX_FILL_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
         if self._filler is None:
-            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
-        grammars = [seq.grammar for seq in seqs]
-        return PendingBitmask(self._filler.submit(self._fill_host, self._take_buffer(seqs), grammars))
+            self._filler = ThreadPoolExecutor(MAX_FILL_THREADS, thread_name_prefix="grammar-bitmask")
+        per_thread = -(-len(rows) // num_threads)
+        futures = [
+            self._filler.submit(self._fill_rows, host, rows[first : first + per_thread])
+            for first in range(0, len(rows), per_thread)
+        ]
+        return PendingBitmask(host, futures)
 
     def finish(self, pending: PendingBitmask) -> torch.Tensor | None:
-        """`start`'s bitmask on the device (None: no row constrained); raises what the fill raised."""
-        host = pending.future.result()
-        return None if host is None else self._to_device(host)
+        """`start`'s bitmask on the device (None: no row constrained); raises what a fill raised."""
+        for future in pending.futures:
+            future.result()
+        return None if pending.host is None else self._to_device(pending.host)
 
     def close(self) -> None:
         if self._filler is not None:
             self._filler.shutdown(wait=True)
             self._filler = None
 
-    def _take_buffer(self, seqs: Rows[Sequence]) -> torch.Tensor:
-        host = self._host[self._turn][: len(seqs)]
-        self._turn ^= 1
-        return host
-
-    @staticmethod
-    def _fill_host(host: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor | None:
-        """One matcher after another (~2-30 us a row), with no thread pool: xgrammar's batch fill
-        (rows spread over a thread per core) cost a constant ~6 ms a step on an H100 host. Each row
-        is written whole, so no tensor-wide fill (torch's intra-op thread pool) runs either."""
+    def _plan(self, seqs: Rows[Sequence]) -> tuple[torch.Tensor, list[tuple[int, object]]] | None:
+        """The host buffer for this step, with the rows that allow everything already set, and the
+        (row, matcher) pairs left to fill; None when no row has a grammar."""
+        grammars = [seq.grammar for seq in seqs]
         if all(grammar is None for grammar in grammars):
             return None
-        with torch.inference_mode():  # the buffers may be inference tensors; this thread is not in that mode
-            for row, grammar in enumerate(grammars):
-                if grammar is None or grammar.is_terminated():  # ended: its row's token is dropped
-                    host[row].fill_(-1)
-                else:
-                    grammar.matcher.fill_next_token_bitmask(host, row)  # type: ignore[union-attr]
-        return host
+        host = self._host[self._turn][: len(seqs)]
+        self._turn ^= 1
+        rows: list[tuple[int, object]] = []
+        free_rows: list[int] = []
+        for row, grammar in enumerate(grammars):
+            if grammar is None or grammar.is_terminated():  # ended: its row's token is dropped
+                free_rows.append(row)
+            else:
+                rows.append((row, grammar.matcher))  # type: ignore[attr-defined]
+        if free_rows:
+            with torch.inference_mode():  # the buffers may be inference tensors
+                host.index_fill_(0, torch.tensor(free_rows), -1)
+        return host, rows
+
+    def _fill_rows(self, host: torch.Tensor, rows: list[tuple[int, object]]) -> None:
+        if not rows:
+            return
+        batch = getattr(self._batch_matchers, "matcher", None)
+        if batch is None:
+            batch = self._batch_matchers.matcher = xgrammar.BatchGrammarMatcher(1)
+        with (
+            torch.inference_mode()
+        ):  # the buffers may be inference tensors; a fill thread is not in that mode
+            batch.batch_fill_next_token_bitmask([m for _, m in rows], host, [r for r, _ in rows])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -102,9 +140,10 @@ class StepBitmask:
 
 
 class PendingBitmask:
-    """A bitmask being filled on StepBitmask's background thread."""
+    """A bitmask being filled on StepBitmask's fill threads (host None: no row constrained)."""
 
-    __slots__ = ("future",)
+    __slots__ = ("futures", "host")
 
-    def __init__(self, future: Future[torch.Tensor | None]) -> None:
-        self.future = future
+    def __init__(self, host: torch.Tensor | None, futures: list[Future[None]]) -> None:
+        self.host = host
+        self.futures = futures

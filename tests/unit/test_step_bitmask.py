@@ -1,0 +1,81 @@
+"""StepBitmask: the rows it fills on its fill threads (split over two, as on a large host) are the
+rows each matcher fills alone; rows without a grammar, or whose grammar ended, allow everything."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import xgrammar
+
+from paged_llm.sampling.token_bitmask import apply_token_bitmask_torch_
+from paged_llm.structured_output import grammar as grammar_module
+from paged_llm.structured_output.grammar import SequenceGrammar, StepBitmask
+from paged_llm.structured_output.tokenizer_info import build_tokenizer_info
+
+VOCAB_SIZE = 151936
+EOS = 151645
+
+
+@dataclass
+class Row:
+    grammar: SequenceGrammar | None
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dir):
+    info = build_tokenizer_info(tiny_model_dir, VOCAB_SIZE, [EOS])
+    return xgrammar.GrammarCompiler(info).compile_regex("(ab|cd){2,40}e")
+
+
+def _rows(compiled, num_rows: int, seed: int) -> list[Row]:
+    """Matchers at assorted depths, some rows unconstrained, one grammar ended."""
+    rng = random.Random(seed)
+    scratch = torch.empty(xgrammar.get_bitmask_shape(1, VOCAB_SIZE), dtype=torch.int32)
+    rows = []
+    for index in range(num_rows):
+        if index % 5 == 4:
+            rows.append(Row(None))
+            continue
+        grammar = SequenceGrammar(compiled)
+        for _ in range(rng.randint(0, 12)):
+            grammar.matcher.fill_next_token_bitmask(scratch, 0)
+            allowed = apply_token_bitmask_torch_(torch.zeros(1, VOCAB_SIZE), scratch)[0].isfinite()
+            allowed[EOS] = False
+            if not allowed.any():
+                break
+            assert grammar.accept_token(rng.choice(allowed.nonzero().view(-1).tolist()))
+        rows.append(Row(grammar))
+    ended = SequenceGrammar(compiled)
+    for token in ("ab", "ab", "e"):
+        assert ended.matcher.accept_string(token)
+    assert ended.accept_token(EOS) and ended.is_terminated()
+    rows[1] = Row(ended)
+    return rows
+
+
+def _alone(rows: list[Row]) -> torch.Tensor:
+    expected = torch.full(xgrammar.get_bitmask_shape(len(rows), VOCAB_SIZE), -1, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        if row.grammar is not None and not row.grammar.is_terminated():
+            row.grammar.matcher.fill_next_token_bitmask(expected, index)
+    return expected
+
+
+@pytest.mark.parametrize("num_rows", [3, 40])
+def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
+    monkeypatch.setattr(grammar_module, "MAX_FILL_THREADS", 2)
+    rows = _rows(compiled, num_rows, seed=num_rows)
+    expected = _alone(rows)
+    bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    try:
+        for _ in range(3):  # both host buffers, and one of them again (stale rows overwritten)
+            started = bitmask.finish(bitmask.start(rows))
+            assert started is not None and torch.equal(started, expected)
+        assert torch.equal(bitmask.fill(rows), expected)
+        assert bitmask.fill([Row(None)] * 4) is None
+        assert bitmask.finish(bitmask.start([Row(None)] * 4)) is None
+    finally:
+        bitmask.close()
