@@ -199,6 +199,11 @@ class GrammarCompiler:
             key = self._local_jobs.get()
             if key is None or self._closed:
                 return
+            try:  # built once (the tokenizer load: 5-10 s), before the clock starts: not the grammar's time
+                self._in_process_compiler()
+            except Exception as failure:  # the tokenizer info would not build: this job fails, not the core
+                self._publish(CompileResult(key, None, error_text(failure), 0.0))
+                continue
             started = time.perf_counter()
             job = _LocalJob(key)
             thread = threading.Thread(
