@@ -114,8 +114,8 @@ class StepBitmask:
         with torch.inference_mode():  # the buffers may be inference tensors
             for row, grammar in enumerate(grammars):
                 if grammar is None or grammar.is_terminated():  # ended: its row's token is dropped
-                    # Row by row: one op over many rows would run on torch's intra-op threads,
-                    # which spin after it on every core (half the rows free: 1.7x the TPOT).
+                    # Row by row: one op over many rows runs on torch's intra-op threads, which
+                    # spin on every core after it (suspected in a half-constrained c64 run at 1.7x).
                     host[row].fill_(-1)
                 else:
                     rows.append((row, grammar.matcher))  # type: ignore[attr-defined]
