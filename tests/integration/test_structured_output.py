@@ -444,3 +444,46 @@ def _outcomes(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> l
             if output.error is not None:
                 errors.append(output.error)
     return [errors]
+
+
+def test_a_bitmask_fill_that_raises_fails_its_steps_requests_and_the_engine_goes_on(
+    async_engine, prompts, monkeypatch
+):
+    """The launched-ahead step's bitmask fills on a fill thread: an error there reaches the core when
+    the next launch samples that step, fails the requests in it (an error, never a hang), returns
+    their blocks, and the engine keeps serving."""
+    from paged_llm.structured_output.grammar import StepBitmask
+
+    original = StepBitmask._fill_rows
+    calls = {"n": 0}
+
+    def failing_once(self, host, rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fill failure")
+        return original(self, host, rows)
+
+    monkeypatch.setattr(StepBitmask, "_fill_rows", failing_once)
+    params = SamplingParams.from_mapping(
+        {"max_tokens": 12, "temperature": 0, "structured_outputs": {"regex": "[a-z]{40}"}}
+    )
+    for index in range(2):
+        async_engine.add_request(f"g{index}", prompts[index], params)
+    async_engine.add_request("free", prompts[2], SamplingParams(max_tokens=12, temperature=0))
+    errors, finished = {}, set()
+    while async_engine.has_unfinished_requests():
+        for output in async_engine.step():
+            if output.error is not None:
+                errors[output.request_id] = output.error
+            if output.finished:
+                finished.add(output.request_id)
+    assert calls["n"] >= 3
+    assert finished == {"g0", "g1", "free"}
+    assert set(errors) <= {"g0", "g1", "free"} and {"g0", "g1"} <= set(errors)
+    assert all("injected fill failure" in str(error) for error in errors.values())
+    monkeypatch.setattr(StepBitmask, "_fill_rows", original)
+    async_engine.check_integrity()
+    assert async_engine.scheduler_stats().kv_usage == 0.0
+    [[after]] = run_to_completion(async_engine, prompts[3:4], params)
+    assert re.fullmatch("[a-z]+", after.text)
+    assert after.finish_reason == "length" or (after.finish_reason == "stop" and len(after.text) == 40)

@@ -77,5 +77,7 @@ def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
         assert torch.equal(bitmask.fill(rows), expected)
         assert bitmask.fill([Row(None)] * 4) is None
         assert bitmask.finish(bitmask.start([Row(None)] * 4)) is None
+        ended = [rows[1], Row(None)]  # every grammar ended: rows that allow all, nothing to fill
+        assert torch.equal(bitmask.finish(bitmask.start(ended)), torch.full_like(expected[:2], -1))
     finally:
         bitmask.close()

@@ -81,6 +81,8 @@ class StepBitmask:
         if plan is None:
             return PendingBitmask(None, [])
         host, rows = plan
+        if not rows:  # every grammar ended: their rows allow all, nothing to fill
+            return PendingBitmask(host, [])
         num_threads = max(1, min(MAX_FILL_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
         if self._filler is None:
             self._filler = ThreadPoolExecutor(MAX_FILL_THREADS, thread_name_prefix="grammar-bitmask")
