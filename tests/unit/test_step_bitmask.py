@@ -4,6 +4,7 @@ rows each matcher fills alone; rows without a grammar, or whose grammar ended, a
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -81,3 +82,22 @@ def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
         assert torch.equal(bitmask.finish(bitmask.start(ended)), torch.full_like(expected[:2], -1))
     finally:
         bitmask.close()
+
+
+def test_fill_threads_lower_the_gil_switch_interval(compiled):
+    """A fill thread must get the GIL while the engine's thread runs Python (to enter xgrammar's
+    call): the first start() lowers the process's switch interval, never raises it."""
+    saved = sys.getswitchinterval()
+    bitmask = StepBitmask(4, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    try:
+        sys.setswitchinterval(0.005)
+        bitmask.finish(bitmask.start([Row(SequenceGrammar(compiled))]))
+        assert sys.getswitchinterval() == pytest.approx(grammar_module.FILL_SWITCH_INTERVAL_S)
+        other = StepBitmask(4, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+        sys.setswitchinterval(0.0001)
+        other.finish(other.start([Row(SequenceGrammar(compiled))]))
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        other.close()
+    finally:
+        bitmask.close()
+        sys.setswitchinterval(saved)

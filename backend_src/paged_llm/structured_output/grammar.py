@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence as Rows
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,6 +13,8 @@ import torch
 import xgrammar
 
 from paged_llm.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class SequenceGrammar:
@@ -38,6 +42,11 @@ class SequenceGrammar:
 # the engine's own thread runs on.
 MAX_FILL_THREADS = 2 if (os.cpu_count() or 1) >= 8 else 1
 MIN_ROWS_PER_THREAD = 16
+# A fill thread needs the GIL for a moment to enter xgrammar's call (and to leave it). With Python's
+# default switch interval (5 ms) it waits until the core's thread lets go (blocks, or 5 ms pass), so
+# the fill ran after the core's publish and schedule instead of under them
+# (scripts/bench_bitmask_overlap.py). The process's interval is lowered to this once fill threads start.
+FILL_SWITCH_INTERVAL_S = 0.0002
 
 
 class StepBitmask:
@@ -86,6 +95,13 @@ class StepBitmask:
         num_threads = max(1, min(MAX_FILL_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
         if self._filler is None:
             self._filler = ThreadPoolExecutor(MAX_FILL_THREADS, thread_name_prefix="grammar-bitmask")
+            if sys.getswitchinterval() > FILL_SWITCH_INTERVAL_S:
+                logger.info(
+                    "bitmask fill threads: the GIL switch interval goes from %.1f to %.1f ms",
+                    sys.getswitchinterval() * 1e3,
+                    FILL_SWITCH_INTERVAL_S * 1e3,
+                )
+                sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
         per_thread = -(-len(rows) // num_threads)
         futures = [
             self._filler.submit(self._fill_rows, host, rows[first : first + per_thread])
