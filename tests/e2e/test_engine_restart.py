@@ -20,10 +20,10 @@ import pytest
 
 from paged_llm.launcher.launch import ServerPorts
 from paged_llm.launcher.repository import make_model_repository
-from paged_llm.testing.server_process import RunningServer, free_ports, start_server
+from paged_llm.testing.server_process import RunningServer, free_ports, start_server, stop_process_group
 from tests.e2e.client import make_inputs, stream_many
 from tests.e2e.metrics import value, wait_for
-from tests.e2e.test_openai import _get, _start_openai_server, _stop_group, post
+from tests.e2e.test_openai import _get, _start_openai_server, post
 from tests.e2e.test_robustness import StreamClient, our_processes
 
 pytestmark = pytest.mark.timeout(600)
@@ -139,7 +139,7 @@ def test_a_killed_core_under_load_fails_each_stream_once_says_503_and_serves_aga
     finally:
         for client in clients:
             client.cancel()
-        _stop_group(openai_server, signal.SIGTERM)
+        stop_process_group(openai_server, signal.SIGTERM)
 
 
 def test_a_core_killed_each_time_it_comes_back_makes_the_launcher_exit_non_zero(tmp_path):

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from paged_llm.testing.server_process import free_ports
+from paged_llm.testing.server_process import free_ports, http_status, stop_process_group, wait_until_healthy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,38 +41,6 @@ class Served:
         return server
 
 
-def _status(url: str, timeout_s: float = 10.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except OSError:
-        return 0
-
-
-def _wait_healthy(served: Served, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert served.process.poll() is None, (
-            f"exited with {served.process.returncode}:\n{served.log()[-4000:]}"
-        )
-        if _status(f"http://127.0.0.1:{served.port}/health", 5) == 200:
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"not healthy after {timeout_s} s:\n{served.log()[-4000:]}")
-
-
-def _stop(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 def start_served(root: Path, *args: str) -> Served:
     port, http_port, grpc_port, metrics_port = free_ports(4)
     log_path = root / "serve.log"
@@ -90,9 +54,9 @@ def start_served(root: Path, *args: str) -> Served:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     served = Served(process, log_path, port, http_port, grpc_port, metrics_port)
     try:
-        _wait_healthy(served)
+        wait_until_healthy(f"http://127.0.0.1:{port}/health", process, log_path)
     except BaseException:
-        _stop(process)
+        stop_process_group(process)
         raise
     return served
 
@@ -103,7 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator
     try:
         yield running
     finally:
-        _stop(running.process)
+        stop_process_group(running.process)
 
 
 def send_raw(port: int, head: bytes, body: bytes = b"", timeout_s: float = 30.0) -> bytes:
@@ -157,8 +121,8 @@ def test_a_4_2_mb_form_encoded_body_on_any_port_stops_nothing(served):
     assert served.process.poll() is None
     status, text = generate(served.http_port, {"text_input": "Hello", "max_tokens": 2})
     assert status == 200 and "text_output" in text
-    assert _status(f"http://127.0.0.1:{served.metrics_port}/metrics") == 200
-    assert _status(f"http://127.0.0.1:{served.port}/health") == 200
+    assert http_status(f"http://127.0.0.1:{served.metrics_port}/metrics") == 200
+    assert http_status(f"http://127.0.0.1:{served.port}/health") == 200
     import tritonclient.grpc as grpcclient
 
     assert grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}").is_server_ready()
@@ -232,7 +196,7 @@ def _serves_again(served: Served, old_server_pid: int) -> bool:
             return False
     except (ValueError, psutil.Error):  # between two servers
         return False
-    if _status(f"http://127.0.0.1:{served.port}/health", 5) != 200:
+    if http_status(f"http://127.0.0.1:{served.port}/health", 5) != 200:
         return False
     try:
         status, _ = generate(served.http_port, {"text_input": "again", "max_tokens": 2})
@@ -264,4 +228,4 @@ def test_a_dead_stub_or_a_crashed_server_is_restarted_until_the_budget_is_spent(
         assert served.process.returncode != 0
         assert "2 restarts within 600 s already: stopping" in served.log()
     finally:
-        _stop(served.process)
+        stop_process_group(served.process)

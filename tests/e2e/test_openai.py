@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from paged_llm.launcher.repository import make_model_repository
-from paged_llm.testing.server_process import free_ports, start_server
+from paged_llm.testing.server_process import free_ports, start_server, stop_process_group, wait_until_healthy
 from tests.e2e.metrics import value, wait_for
 
 API_KEY = "test-key-123"
@@ -92,29 +92,9 @@ def post(
         return status, text, response_headers
 
 
-def _wait_healthy(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
-        if _get(f"{base_url}/health")[0] == 200:
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"not healthy after {timeout_s} s:\n{log_path.read_text()[-4000:]}")
-
-
-def _stop_group(process: subprocess.Popen, signum: int = signal.SIGINT, timeout_s: float = 30.0) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signum)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 def _start_openai_server(grpc_url: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
     """The OpenAI server alone (python -m paged_llm.openai, no keys) in front of `grpc_url`, once
-    healthy: (process, base URL). The caller stops it (_stop_group)."""
+    healthy: (process, base URL). The caller stops it (stop_process_group)."""
     [port] = free_ports(1)
     with open(log_path, "w") as log:
         openai_server = subprocess.Popen(
@@ -124,9 +104,9 @@ def _start_openai_server(grpc_url: str, log_path: Path, *args: str) -> tuple[sub
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base_url, openai_server, log_path)
+        wait_until_healthy(f"{base_url}/health", openai_server, log_path)
     except BaseException:
-        _stop_group(openai_server, signal.SIGKILL, timeout_s=10)
+        stop_process_group(openai_server, signal.SIGKILL, timeout_s=10)
         raise
     return openai_server, base_url
 
@@ -146,10 +126,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     running = Served(process, port, metrics_port, log_path, http_port, grpc_port)
     try:
-        _wait_healthy(running.base_url, process, log_path)
+        wait_until_healthy(f"{running.base_url}/health", process, log_path)
         yield running
     finally:
-        _stop_group(process)
+        stop_process_group(process)
 
 
 def test_completions_and_chat_streaming_and_not_agree_and_count_tokens(served, tiny_tokenizer):
@@ -597,7 +577,7 @@ def admission(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Itera
         try:
             yield server, base_url
         finally:
-            _stop_group(openai_server, signal.SIGTERM)
+            stop_process_group(openai_server, signal.SIGTERM)
     finally:
         server.stop()
 
@@ -687,7 +667,7 @@ def grpc_transport(admission, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         yield base_url
     finally:
-        _stop_group(openai_server, signal.SIGTERM)
+        stop_process_group(openai_server, signal.SIGTERM)
 
 
 def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission, tmp_path, tiny_model_dir):
@@ -721,7 +701,7 @@ def test_sampling_defaults_come_from_the_checkpoints_generation_config(admission
             in (tmp_path / "openai_server.log").read_text()
         )
     finally:
-        _stop_group(openai_server, signal.SIGTERM)
+        stop_process_group(openai_server, signal.SIGTERM)
 
 
 def test_both_transports_stream_the_same_tokens_and_cancel_a_client_that_left(admission, grpc_transport):
@@ -768,7 +748,7 @@ def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base_url, process, log_path)
+        wait_until_healthy(f"{base_url}/health", process, log_path)
         # The launcher prints its URLs once it saw the OpenAI server healthy too (it polls as well).
         assert wait_for(lambda: "curl -s http://127.0.0.1:" in log_path.read_text(), timeout_s=30)
         chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -781,7 +761,7 @@ def test_paged_llm_serve_stops_everything_on_ctrl_c(served, tmp_path):
         _gone, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
     finally:  # a failure above must not leave the launcher, tritonserver and the stubs running
-        _stop_group(process, signal.SIGKILL, timeout_s=10)
+        stop_process_group(process, signal.SIGKILL, timeout_s=10)
 
 
 def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
@@ -812,7 +792,7 @@ def test_health_turns_503_when_the_llm_stub_dies(tmp_path, tiny_model_dir):
         ]
     finally:
         if openai_server is not None:
-            _stop_group(openai_server, signal.SIGTERM)
+            stop_process_group(openai_server, signal.SIGTERM)
         server.stop()
 
 
@@ -853,7 +833,7 @@ def test_a_restarted_tritonserver_is_served_again_from_its_first_request(tmp_pat
         assert wait_for(lambda: _get(f"{base_url}/health")[0] == 200, timeout_s=30)
     finally:
         if openai_server is not None:
-            _stop_group(openai_server, signal.SIGTERM)
+            stop_process_group(openai_server, signal.SIGTERM)
         server.stop()
 
 
@@ -902,7 +882,7 @@ def test_health_says_200_only_once_every_worker_is_warm(tmp_path, tiny_model_dir
             assert time.monotonic() - start < cold_s / 2
     finally:
         if openai_server is not None:
-            _stop_group(openai_server, signal.SIGTERM)
+            stop_process_group(openai_server, signal.SIGTERM)
         server.stop()
 
 
@@ -975,7 +955,7 @@ def test_streams_cut_by_a_killed_llm_stub_end_with_an_error_event_and_done(tmp_p
         ),
     ]
     try:
-        _wait_healthy(base_url, process, log_path)
+        wait_until_healthy(f"{base_url}/health", process, log_path)
         for thread in streams:
             thread.start()
         for _ in streams:  # every stream is past its first byte
@@ -1001,7 +981,7 @@ def test_streams_cut_by_a_killed_llm_stub_end_with_an_error_event_and_done(tmp_p
             error = json.loads(lines[-2].removeprefix("data: "))["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
     finally:
-        _stop_group(process, signal.SIGINT)
+        stop_process_group(process, signal.SIGINT)
         for thread in streams:
             thread.join(timeout=30)
 
@@ -1025,4 +1005,4 @@ def test_a_worker_that_finds_no_tritonserver_listens_and_says_it_is_warming(tmp_
         assert status == 503 and json.loads(body) == {"status": "warming"}
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
     finally:
-        _stop_group(openai_server, signal.SIGTERM)
+        stop_process_group(openai_server, signal.SIGTERM)

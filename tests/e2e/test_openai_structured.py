@@ -23,8 +23,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from paged_llm.testing.server_process import free_ports
-from tests.e2e.test_openai import _start_openai_server, _stop_group, _wait_healthy
+from paged_llm.testing.server_process import free_ports, stop_process_group, wait_until_healthy
+from tests.e2e.test_openai import _start_openai_server
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "llm"
@@ -129,7 +129,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterato
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(base_url, process, log_path)
+        wait_until_healthy(f"{base_url}/health", process, log_path)
         r1_server, r1_url = _start_openai_server(
             f"127.0.0.1:{grpc_port}", root / "r1_server.log", "--chat-template", str(root / "r1.jinja"),
             "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1",
@@ -137,9 +137,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterato
         try:
             yield Servers(_client(base_url), _client(r1_url))
         finally:
-            _stop_group(r1_server, signal.SIGTERM)
+            stop_process_group(r1_server, signal.SIGTERM)
     finally:
-        _stop_group(process)
+        stop_process_group(process)
 
 
 # ----------------------------------------------------------------------------------- structured output

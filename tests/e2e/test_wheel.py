@@ -15,7 +15,6 @@ import http.client
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from paged_llm.paths import repo_root
-from paged_llm.testing.server_process import free_ports
+from paged_llm.testing.server_process import free_ports, stop_process_group
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,16 +88,6 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
         connection.close()
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 def test_a_wheel_in_a_venv_outside_the_checkout_serves_from_a_temporary_directory(tmp_path, tiny_model_dir):
     checkout = repo_root().resolve()
     assert checkout not in tmp_path.resolve().parents, "the temporary directory must lie outside the checkout"
@@ -155,5 +144,5 @@ def test_a_wheel_in_a_venv_outside_the_checkout_serves_from_a_temporary_director
         assert served_from == package_dir, lines
         assert checkout not in served_from.resolve().parents
     finally:
-        _stop(process)
+        stop_process_group(process, timeout_s=_STOP_TIMEOUT_S)
     assert process.returncode is not None

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,3 +162,43 @@ def start_server(
         time.sleep(0.25)
     server.stop()
     raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n{server.log()[-5000:]}")
+
+
+def http_status(url: str, timeout_s: float = 10.0) -> int:
+    """The HTTP status of a GET of `url` (0: no answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0
+
+
+def wait_until_healthy(
+    health_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 300.0
+) -> None:
+    """Polls `health_url` until it answers 200 (a process started with its own session, e.g.
+    `paged-llm serve`); raises with the log's tail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log = log_path.read_text(errors="replace")
+            raise AssertionError(f"exited with {process.returncode}:\n{log[-4000:]}")
+        if http_status(health_url, 5.0) == 200:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"not healthy after {timeout_s} s:\n{log_path.read_text(errors='replace')[-4000:]}")
+
+
+def stop_process_group(
+    process: subprocess.Popen, signum: int = signal.SIGINT, timeout_s: float = 30.0
+) -> None:
+    """Stops a process started with its own session, and its group: `signum`, then SIGKILL."""
+    if process.poll() is None:
+        _signal_group(process.pid, signum)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
