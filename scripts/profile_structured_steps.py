@@ -51,21 +51,18 @@ class PhaseTimer:
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            events = None
             if device and self.cuda:
                 import torch
 
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    end.record()
-                    self.events[phase].append((begin, end))
-                    self.host_s[phase] += time.perf_counter() - start
-                    self.calls[phase] += 1
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             try:
                 return original(*args, **kwargs)
             finally:
+                if events is not None:
+                    events[1].record()
+                    self.events[phase].append(events)
                 self.host_s[phase] += time.perf_counter() - start
                 self.calls[phase] += 1
 

@@ -371,13 +371,7 @@ def test_a_compile_over_the_time_cap_fails_its_request_and_the_others_run(module
     free = SamplingParams(max_tokens=8, temperature=0)
     engine.add_request("huge", prompts[0], huge)
     engine.add_request("free", prompts[1], free)
-    errors, finished = {}, set()
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.error is not None:
-                errors[output.request_id] = output.error
-            if output.finished:
-                finished.add(output.request_id)
+    errors, finished = _errors_and_finished(engine)
     assert "grammar_compile_timeout_s" in str(errors["huge"]) and set(errors) == {"huge"}
     assert finished == {"huge", "free"}
     # The killed worker is replaced: the next constrained request compiles.
@@ -436,6 +430,18 @@ def test_a_small_constraint_over_the_cap_is_left_on_its_thread_and_compiles_go_t
     assert compiler._num_abandoned == 0
 
 
+def _errors_and_finished(engine: LLMEngine) -> tuple[dict[str, Any], set[str]]:
+    """Steps until every request ended: each failed request's error, and the ids that finished."""
+    errors, finished = {}, set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.error is not None:
+                errors[output.request_id] = output.error
+            if output.finished:
+                finished.add(output.request_id)
+    return errors, finished
+
+
 def _outcomes(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[Any]]:
     engine.add_request("one", prompt, params)
     errors = []
@@ -470,13 +476,7 @@ def test_a_bitmask_fill_that_raises_fails_its_steps_requests_and_the_engine_goes
     for index in range(2):
         async_engine.add_request(f"g{index}", prompts[index], params)
     async_engine.add_request("free", prompts[2], SamplingParams(max_tokens=12, temperature=0))
-    errors, finished = {}, set()
-    while async_engine.has_unfinished_requests():
-        for output in async_engine.step():
-            if output.error is not None:
-                errors[output.request_id] = output.error
-            if output.finished:
-                finished.add(output.request_id)
+    errors, finished = _errors_and_finished(async_engine)
     assert calls["n"] >= 3
     assert finished == {"g0", "g1", "free"}
     assert set(errors) <= {"g0", "g1", "free"} and {"g0", "g1"} <= set(errors)

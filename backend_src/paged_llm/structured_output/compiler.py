@@ -200,14 +200,15 @@ class GrammarCompiler:
             if key is None or self._closed:
                 return
             try:  # built once (the tokenizer load: 5-10 s), before the clock starts: not the grammar's time
-                self._in_process_compiler()
+                compiler = self._in_process_compiler()
             except Exception as failure:  # the tokenizer info would not build: this job fails, not the core
-                self._publish(CompileResult(key, None, error_text(failure), 0.0))
+                if not self._closed:
+                    self._publish(CompileResult(key, None, error_text(failure), 0.0))
                 continue
             started = time.perf_counter()
             job = _LocalJob(key)
             thread = threading.Thread(
-                target=self._compile_here, args=(job,), name="paged_llm-grammar-job", daemon=True
+                target=self._compile_here, args=(job, compiler), name="paged_llm-grammar-job", daemon=True
             )
             thread.start()
             if job.done.wait(self.timeout_s):
@@ -233,12 +234,9 @@ class GrammarCompiler:
             if not self._closed:
                 self._publish(result)
 
-    def _compile_here(self, job: _LocalJob) -> None:
+    def _compile_here(self, job: _LocalJob, compiler: xgrammar.GrammarCompiler) -> None:
         started = time.perf_counter()
-        try:
-            grammar, error, field = attempt_compile(self._in_process_compiler(), *job.key)
-        except Exception as failure:  # the tokenizer info would not build: this job fails, not the core
-            grammar, error, field = None, error_text(failure), None
+        grammar, error, field = attempt_compile(compiler, *job.key)  # a compile error is the request's
         result = CompileResult(job.key, grammar, error, time.perf_counter() - started, error_field=field)
         with self._lock:
             job.result = result

@@ -145,9 +145,8 @@ class StepBitmask:
         batch = getattr(self._batch_matchers, "matcher", None)
         if batch is None:
             batch = self._batch_matchers.matcher = xgrammar.BatchGrammarMatcher(1)
-        with (
-            torch.inference_mode()
-        ):  # the buffers may be inference tensors; a fill thread is not in that mode
+        # The buffers may be inference tensors, and a fill thread is not in that mode.
+        with torch.inference_mode():
             batch.batch_fill_next_token_bitmask([m for _, m in rows], host, [r for r, _ in rows])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
