@@ -96,11 +96,16 @@ class SamplingParams:
     @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that changes or reports the logits: an argmax decides the token."""
+        return self.is_greedy_under_grammar and self.structured_outputs is None
+
+    @functools.cached_property
+    def is_greedy_under_grammar(self) -> bool:
+        """Greedy with nothing but a grammar (if any) that changes or reports the logits: an argmax
+        of the grammar-masked logits decides the token."""
         return (
             self.temperature < GREEDY_TEMPERATURE_EPS
             and not self.needs_output_history
             and self.logprobs is None
-            and self.structured_outputs is None
         )
 
     @staticmethod

@@ -55,6 +55,11 @@ class GrammarState(Protocol):
         """Advances past `token_id`; False if the grammar does not allow it (state unchanged)."""
         ...
 
+    @staticmethod
+    def accept_tokens(grammars: list[GrammarState], token_ids: list[int]) -> list[bool]:
+        """accept_token for many grammars of this type at once, one token each."""
+        ...
+
     def is_terminated(self) -> bool:
         """The grammar ended (on an EOS token): nothing more may follow."""
         ...

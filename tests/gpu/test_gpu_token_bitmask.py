@@ -1,13 +1,16 @@
 """The Triton token-bitmask kernel (structured output on CUDA) against the plain torch version: the
 same tokens blocked, in float32, bfloat16 and float16 logits, for word-aligned and ragged
-vocabularies and a padded bitmask. Skipped without a GPU."""
+vocabularies and a padded bitmask; the runner's greedy token under a grammar (masked_argmax) against
+the sampler's. Skipped without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from paged_llm.sampling.token_bitmask import apply_token_bitmask_, apply_token_bitmask_torch_
+from paged_llm.sampling.sampler import Sampler, SamplingMetadata, SamplingRow
+from paged_llm.sampling.token_bitmask import apply_token_bitmask_, apply_token_bitmask_torch_, masked_argmax
+from paged_llm.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -29,3 +32,24 @@ def test_triton_bitmask_matches_torch(dtype, num_rows, vocab_size, extra_words):
     ours = apply_token_bitmask_(logits.clone(), bitmask)
     assert torch.equal(ours.isinf(), expected.isinf())
     assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_argmax_matches_the_sampler_on_the_device(dtype):
+    num_rows, vocab_size = 64, 151_936
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    bitmask = torch.randint(
+        -(2**31),
+        2**31 - 1,
+        (num_rows, -(-vocab_size // 32)),
+        dtype=torch.int32,
+        device="cuda",
+        generator=generator,
+    )
+    bitmask[::2, 100:] = 0  # a few allowed tokens only, for half the rows
+    logits = torch.randn(num_rows, vocab_size, device="cuda", generator=generator).to(dtype)
+    before = logits.clone()
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0, [1], []) for _ in range(num_rows)]
+    metadata = SamplingMetadata.build(rows, vocab_size, logits.device, token_bitmask=bitmask)
+    assert torch.equal(masked_argmax(logits, bitmask), Sampler()(logits, metadata).sampled_token_ids)
+    assert torch.equal(logits, before)

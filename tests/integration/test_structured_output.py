@@ -25,6 +25,7 @@ from paged_llm.config import StructuredOutputConfig
 from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.errors import InvalidRequestError
+from paged_llm.sampling.token_bitmask import masked_argmax
 from paged_llm.sampling_params import SamplingParams
 from tests.integration.conftest import run_to_completion
 
@@ -309,6 +310,36 @@ def test_unconstrained_requests_give_their_own_tokens_next_to_constrained_ones(
     )
     mixed = run_to_completion(engine, prompts[:3] + prompts[5:8], free + [constrained] * 3)
     assert [[c.token_ids for c in r] for r in mixed[:3]] == [[c.token_ids for c in r] for r in alone]
+
+
+@pytest.mark.parametrize("engine_name", ["sync", "async"])
+def test_greedy_rows_under_a_grammar_take_the_samplers_tokens_without_its_metadata(
+    module_engines, prompts, engine_name, monkeypatch
+):
+    """A step whose rows are all greedy with nothing but a grammar takes the masked argmax
+    (runner's masked_argmax, no sampling metadata); with logprobs the same rows go through the
+    sampler. The tokens are the same."""
+    from paged_llm.runner import model_runner
+
+    engine = module_engines(engine_name, async_scheduling="on" if engine_name == "async" else "off")
+    calls = []
+    monkeypatch.setattr(model_runner, "masked_argmax", lambda *args: calls.append(1) or masked_argmax(*args))
+    constraint = {
+        "json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    }
+
+    def params(**extra: Any) -> SamplingParams:
+        return SamplingParams.from_mapping(
+            {"max_tokens": 40, "temperature": 0, "structured_outputs": constraint, **extra}
+        )
+
+    fast = run_to_completion(engine, prompts[:3], [params()] * 3)
+    assert calls, "the masked-argmax path was not taken"
+    calls.clear()
+    through_sampler = run_to_completion(engine, prompts[:3], [params(logprobs=0)] * 3)
+    assert not calls
+    assert [[c.token_ids for c in r] for r in fast] == [[c.token_ids for c in r] for r in through_sampler]
+    assert all(c.token_ids and c.finish_reason in ("stop", "length") for r in fast for c in r)
 
 
 def test_min_tokens_and_stop_strings_with_a_grammar(sync_engine, prompts):

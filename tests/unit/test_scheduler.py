@@ -14,7 +14,7 @@ import zlib
 from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -513,6 +513,63 @@ def test_add_request_rejects_a_prompt_longer_than_max_model_len() -> None:
     sched.add_sequence(make_sequence("b", 3))
     with pytest.raises(AssertionError, match="duplicate"):
         sched.add_sequence(make_sequence("b", 3))
+
+
+class ScriptedGrammar:
+    """A grammar (sequence.GrammarState) that allows every token but `banned` and ends on `end`;
+    counts the scheduler's calls to it, batched (one call for the step's rows) or one by one."""
+
+    batch_calls: ClassVar[list[int]] = []  # rows per accept_tokens call, across instances
+
+    def __init__(self, end: int, banned: int = -1) -> None:
+        self.end, self.banned = end, banned
+        self.taken: list[int] = []
+        self.terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id == self.banned or self.terminated:
+            return False
+        self.taken.append(token_id)
+        self.terminated = token_id == self.end
+        return True
+
+    @staticmethod
+    def accept_tokens(grammars: list[ScriptedGrammar], token_ids: list[int]) -> list[bool]:
+        ScriptedGrammar.batch_calls.append(len(grammars))
+        return [grammar.accept_token(token) for grammar, token in zip(grammars, token_ids, strict=True)]
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def can_end(self) -> bool:
+        return True
+
+
+def test_a_steps_constrained_rows_take_their_tokens_in_one_grammar_call() -> None:
+    ScriptedGrammar.batch_calls.clear()
+    sched = make_scheduler()
+    grammars = {
+        "ends": ScriptedGrammar(end=7),
+        "runs": ScriptedGrammar(end=-2),
+        "refuses": ScriptedGrammar(end=-2, banned=9),
+    }
+    seqs = {}
+    for name in ("free", "ends", "runs", "refuses"):
+        seqs[name] = make_sequence(name, 5, eos=[7], ignore_eos=True, max_tokens=6)
+        seqs[name].grammar = grammars.get(name)
+        sched.add_sequence(seqs[name])
+    run(sched, scripted_model({2: 7, 4: 9}))
+    assert_all_freed(sched)
+    assert seqs["free"].status is SequenceStatus.FINISHED_LENGTH
+    assert seqs["runs"].status is SequenceStatus.FINISHED_LENGTH
+    # a grammar that ended on EOS ends its sequence, whatever ignore_eos says
+    assert seqs["ends"].status is SequenceStatus.FINISHED_STOPPED and seqs["ends"].stop_reason == 7
+    assert grammars["ends"].taken == seqs["ends"].output_token_ids and len(grammars["ends"].taken) == 3
+    # a token the grammar refuses (the sampler masks those: a bug) ends the sequence with an error
+    assert seqs["refuses"].status is SequenceStatus.FINISHED_ERROR
+    assert grammars["refuses"].taken == seqs["refuses"].output_token_ids[:4]
+    # one call a step for the constrained rows still running
+    assert ScriptedGrammar.batch_calls == [3, 3, 3, 2, 2, 1]
 
 
 def test_min_tokens_suppresses_eos_and_stop_tokens() -> None:

@@ -3,6 +3,7 @@ rows each matcher fills alone; rows without a grammar, or whose grammar ended, a
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from dataclasses import dataclass
@@ -101,3 +102,24 @@ def test_fill_threads_lower_the_gil_switch_interval(compiled):
     finally:
         bitmask.close()
         sys.setswitchinterval(saved)
+
+
+def test_grammars_take_a_steps_tokens_in_one_call_as_one_by_one(compiled):
+    """SequenceGrammar.accept_tokens (the scheduler's batched accept) leaves each grammar where
+    accept_token leaves its twin, and refuses what it refuses, without moving that grammar."""
+    rows, twins = _rows(compiled, 12, seed=5), _rows(compiled, 12, seed=5)
+    pairs = [(row.grammar, twin.grammar) for row, twin in zip(rows, twins) if row.grammar is not None]
+    pairs = [(grammar, twin) for grammar, twin in pairs if not grammar.is_terminated()]
+    tokens = [EOS if index % 3 == 2 else 0 for index in range(len(pairs))]  # "!" never fits
+    masks = _alone([Row(grammar) for grammar, _ in pairs])
+    for index in range(len(pairs)):  # a token its grammar allows, for a third of the rows
+        allowed = apply_token_bitmask_torch_(torch.zeros(1, VOCAB_SIZE), masks[index : index + 1])[0]
+        allowed[EOS] = -math.inf
+        if index % 3 == 0:  # a completed grammar allows only EOS, which ends it
+            choices = allowed.isfinite().nonzero().view(-1).tolist()
+            tokens[index] = choices[0] if choices else EOS
+    batched = SequenceGrammar.accept_tokens([grammar for grammar, _ in pairs], tokens)
+    one_by_one = [twin.accept_token(token) for (_, twin), token in zip(pairs, tokens)]
+    assert batched == one_by_one and True in batched and False in batched
+    after = _alone([Row(grammar) for grammar, _ in pairs])
+    assert torch.equal(after, _alone([Row(twin) for _, twin in pairs]))

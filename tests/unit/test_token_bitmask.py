@@ -11,7 +11,9 @@ import xgrammar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_llm.sampling.token_bitmask import apply_token_bitmask_, apply_token_bitmask_torch_
+from paged_llm.sampling.sampler import Sampler, SamplingMetadata, SamplingRow
+from paged_llm.sampling.token_bitmask import apply_token_bitmask_, apply_token_bitmask_torch_, masked_argmax
+from paged_llm.sampling_params import SamplingParams
 
 
 @settings(max_examples=60, deadline=None)
@@ -49,3 +51,28 @@ def test_bit_order_within_a_word() -> None:
     for row, token in enumerate(allowed):
         assert logits[row].isfinite().nonzero().view(-1).tolist() == [token]
         assert logits[row, token - 1 if token else token + 1] == -math.inf
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_rows=st.integers(1, 5),
+    vocab_size=st.integers(2, 200),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_masked_argmax_is_the_samplers_greedy_token(num_rows, vocab_size, dtype, seed) -> None:
+    """The runner's greedy path under a grammar (masked_argmax, no sampling metadata) takes the
+    token the sampler takes for greedy rows with that bitmask, and leaves the logits as they were
+    (ties included: bf16 logits of a small range tie often)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_words = -(-vocab_size // 32)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (num_rows, num_words), dtype=torch.int32, generator=generator
+    )
+    logits = torch.randint(-4, 4, (num_rows, vocab_size), generator=generator).to(dtype)
+    before = logits.clone()
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0, [1], []) for _ in range(num_rows)]
+    metadata = SamplingMetadata.build(rows, vocab_size, logits.device, token_bitmask=bitmask)
+    expected = Sampler()(logits, metadata).sampled_token_ids
+    assert torch.equal(masked_argmax(logits, bitmask), expected)
+    assert torch.equal(logits, before)

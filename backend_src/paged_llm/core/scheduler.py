@@ -36,7 +36,12 @@ from dataclasses import dataclass, field
 
 from paged_llm.config import SchedulerConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.stop_rules import apply_verified, check_stop, reaches_length_limit
+from paged_llm.core.stop_rules import (
+    accept_grammar_tokens,
+    apply_verified,
+    check_stop,
+    reaches_length_limit,
+)
 from paged_llm.sequence import Sequence, SequenceStatus
 
 
@@ -392,6 +397,7 @@ class Scheduler:
         """
         if not output.launched:
             self.on_launched(output)
+        grammar_accepted = _accept_sampled_grammar_tokens(output, sampled_token_ids)
         updates: list[SequenceUpdate] = []
         for scheduled in output.scheduled:
             seq = scheduled.seq
@@ -415,7 +421,9 @@ class Scheduler:
             else:
                 token_id = sampled_token_ids[seq.seq_id]
                 num_output_tokens = seq.resolve_pending_token(token_id) + 1
-                status = check_stop(seq, token_id, num_output_tokens, self.max_model_len)
+                status = check_stop(
+                    seq, token_id, num_output_tokens, self.max_model_len, grammar_accepted.get(seq.seq_id)
+                )
             self.kv_cache.cache_computed_blocks(seq)
             if status is not None:
                 # Running, or preempted while this step ran (asynchronous scheduling): it ends either way.
@@ -458,3 +466,19 @@ class Scheduler:
         for seq in self.waiting:
             assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
             assert seq.num_computed_tokens == 0
+
+
+def _accept_sampled_grammar_tokens(
+    output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+) -> dict[str, bool]:
+    """The step's constrained sequences that sampled one token (no proposals) take it into their
+    grammars in one call (core/stop_rules.py accept_grammar_tokens)."""
+    seqs = [
+        scheduled.seq
+        for scheduled in output.scheduled
+        if scheduled.seq.grammar is not None
+        and scheduled.needs_sample
+        and not scheduled.draft_token_ids
+        and not scheduled.seq.is_finished
+    ]
+    return accept_grammar_tokens(seqs, [sampled_token_ids[seq.seq_id] for seq in seqs])

@@ -35,16 +35,23 @@ def apply_verified(
 
 
 def check_stop(
-    seq: Sequence, token_id: int, num_output_tokens: int, max_model_len: int
+    seq: Sequence,
+    token_id: int,
+    num_output_tokens: int,
+    max_model_len: int,
+    grammar_accepted: bool | None = None,
 ) -> SequenceStatus | None:
     """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence.
     A constrained sequence's grammar takes the token first: a grammar that ended ends the sequence
     (EOS closes it, whatever min_tokens or ignore_eos say: nothing may follow), and a token it does
-    not allow (a bug: the sampler masks those) ends it with an error."""
+    not allow (a bug: the sampler masks those) ends it with an error. `grammar_accepted`: the
+    grammar took the token already (accept_grammar_tokens), with this result."""
     params = seq.sampling_params
     grammar = seq.grammar
     if grammar is not None:
-        if not grammar.accept_token(token_id):
+        if grammar_accepted is None:
+            grammar_accepted = grammar.accept_token(token_id)
+        if not grammar_accepted:
             return SequenceStatus.FINISHED_ERROR
         if grammar.is_terminated():
             seq.stop_reason = token_id if token_id in seq.eos_token_ids else None
@@ -60,6 +67,17 @@ def check_stop(
     if reaches_length_limit(seq, num_output_tokens, max_model_len):
         return SequenceStatus.FINISHED_LENGTH
     return None
+
+
+def accept_grammar_tokens(seqs: list[Sequence], token_ids: list[int]) -> dict[str, bool]:
+    """Advances the grammars of constrained `seqs` by one token each, in one call for the lot
+    (GrammarState.accept_tokens); seq_id -> whether the grammar allowed its token, for check_stop."""
+    grammars = [seq.grammar for seq in seqs if seq.grammar is not None]
+    if not grammars:
+        return {}
+    assert len(grammars) == len(seqs), "accept_grammar_tokens takes constrained sequences only"
+    accepted = type(grammars[0]).accept_tokens(grammars, token_ids)
+    return {seq.seq_id: ok for seq, ok in zip(seqs, accepted, strict=True)}
 
 
 def reaches_length_limit(seq: Sequence, num_output_tokens: int, max_model_len: int) -> bool:

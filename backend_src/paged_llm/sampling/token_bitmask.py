@@ -83,3 +83,10 @@ def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor) -> t
     as_bytes = bitmask.contiguous().view(torch.uint8)  # [B, W * 4]
     allowed = _byte_bits(logits.device)[as_bytes.long()].view(num_rows, -1)[:, :vocab_size]
     return logits.masked_fill_(~allowed, -math.inf)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's argmax among the tokens its bitmask allows (the greedy token under a
+    grammar; the same as the Sampler's masked float32 argmax). `logits` stay untouched."""
+    masked = logits.clone(memory_format=torch.contiguous_format)
+    return apply_token_bitmask_(masked, bitmask).argmax(dim=-1)
