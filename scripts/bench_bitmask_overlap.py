@@ -1,13 +1,18 @@
 """Does the grammar bitmask fill run under the engine thread's work? CPU only, seconds.
 
-The core starts a launched-ahead step's bitmask on StepBitmask's fill threads, then publishes the
+The core starts a launched-ahead step's bitmask on StepBitmask's fill thread, then publishes the
 step before and schedules the next one (pure Python), then waits for the fill (`finish`). This
 reproduces that: 64 matchers of bench_structured's 10-property schema at assorted depths (Qwen's
 vocabulary, from the built-in tiny model), a fill started, N ms of Python on this thread, then
 finish(); it prints how long finish() still waited, at Python's default GIL switch interval and at
-the one the fill threads set (structured_output/grammar.py FILL_SWITCH_INTERVAL_S).
+the one the fill thread sets (structured_output/grammar.py FILL_SWITCH_INTERVAL_S).
 
-    python scripts/bench_bitmask_overlap.py [--python-ms 2] [--rows 64]
+    python scripts/bench_bitmask_overlap.py [--python-ms 2] [--rows 64] [--threads 1,2,4]
+
+`--threads` also times the fill split over that many Python fill threads (one xgrammar call each),
+and StepBitmask's one call over that many of xgrammar's own threads (MAX_XGRAMMAR_THREADS), with
+this thread blocked at once (the fill's wall time) and after --python-ms of Python (what finish()
+still waits).
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import xgrammar
@@ -67,6 +76,72 @@ def _python_work(milliseconds: float) -> None:
             total += value
 
 
+def _p50_ms(samples_s: list[float]) -> float:
+    return sorted(samples_s)[len(samples_s) // 2] * 1e3
+
+
+def _compare_threads(rows: list[Row], num_threads: int, python_ms: float, repeats: int) -> None:
+    """The fill of `rows` split over `num_threads` Python fill threads (one xgrammar call each, the
+    design before 2026-12-06), then as StepBitmask does it: one call over xgrammar's own threads."""
+    sys.setswitchinterval(grammar_module.FILL_SWITCH_INTERVAL_S)  # as StepBitmask sets it, for both
+    host = torch.full(xgrammar.get_bitmask_shape(len(rows), VOCAB_SIZE), -1, dtype=torch.int32)
+    pairs = [(index, row.grammar.matcher) for index, row in enumerate(rows)]
+    per_thread = -(-len(pairs) // num_threads)
+    parts = [pairs[first : first + per_thread] for first in range(0, len(pairs), per_thread)]
+    local = threading.local()
+
+    def fill_part(part: list[tuple[int, Any]]) -> None:
+        batch = getattr(local, "batch", None) or xgrammar.BatchGrammarMatcher(1)
+        local.batch = batch
+        batch.batch_fill_next_token_bitmask([m for _, m in part], host, [r for r, _ in part])
+
+    with ThreadPoolExecutor(num_threads) as filler:
+
+        def start() -> list[Future[None]]:
+            return [filler.submit(fill_part, part) for part in parts]
+
+        def finish(futures: list[Future[None]]) -> None:
+            for future in futures:
+                future.result()
+
+        _report(f"{num_threads} Python fill threads", start, finish, python_ms, repeats)
+
+    saved = grammar_module.MAX_XGRAMMAR_THREADS, grammar_module.MIN_ROWS_PER_THREAD
+    grammar_module.MAX_XGRAMMAR_THREADS, grammar_module.MIN_ROWS_PER_THREAD = num_threads, 1
+    bitmask = StepBitmask(len(rows), VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    try:
+        _report(
+            f"StepBitmask, xgrammar max_threads={num_threads}",
+            lambda: bitmask.start(rows),
+            bitmask.finish,
+            python_ms,
+            repeats,
+        )
+    finally:
+        bitmask.close()
+        grammar_module.MAX_XGRAMMAR_THREADS, grammar_module.MIN_ROWS_PER_THREAD = saved
+
+
+def _report(
+    label: str, start: Callable[[], Any], finish: Callable[[Any], Any], python_ms: float, repeats: int
+) -> None:
+    finish(start())  # threads up
+    wall, waits = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        finish(start())
+        wall.append(time.perf_counter() - started)
+        pending = start()
+        _python_work(python_ms)
+        started = time.perf_counter()
+        finish(pending)
+        waits.append(time.perf_counter() - started)
+    print(
+        f"{label}: fill wall p50 {_p50_ms(wall):.3f} ms; after {python_ms:g} ms of Python "
+        f"finish() waited p50 {_p50_ms(waits):.3f} ms"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -74,8 +149,11 @@ def main() -> int:
     parser.add_argument("--python-ms", type=float, default=2.0, help="Python work between start and finish")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--threads", default="", help="comma-separated fill thread counts to compare")
     args = parser.parse_args()
     rows = _rows(args.rows, seed=0)
+    for num_threads in [int(n) for n in args.threads.split(",") if n]:
+        _compare_threads(rows, num_threads, args.python_ms, args.repeats)
     bitmask = StepBitmask(args.rows, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
     started = time.perf_counter()
     for _ in range(20):

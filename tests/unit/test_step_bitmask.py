@@ -1,5 +1,6 @@
-"""StepBitmask: the rows it fills on its fill threads (split over two, as on a large host) are the
-rows each matcher fills alone; rows without a grammar, or whose grammar ended, allow everything."""
+"""StepBitmask: the rows it fills on its fill thread (over several of xgrammar's threads, as on a
+large host) are the rows each matcher fills alone; rows without a grammar, or whose grammar ended,
+allow everything."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def _alone(rows: list[Row]) -> torch.Tensor:
 
 @pytest.mark.parametrize("num_rows", [3, 40])
 def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
-    monkeypatch.setattr(grammar_module, "MAX_FILL_THREADS", 2)
+    monkeypatch.setattr(grammar_module, "MAX_XGRAMMAR_THREADS", 2)
+    monkeypatch.setattr(grammar_module, "MIN_ROWS_PER_THREAD", 4)
     rows = _rows(compiled, num_rows, seed=num_rows)
     expected = _alone(rows)
     bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
@@ -86,7 +88,7 @@ def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
 
 
 def test_fill_threads_lower_the_gil_switch_interval(compiled):
-    """A fill thread must get the GIL while the engine's thread runs Python (to enter xgrammar's
+    """The fill thread must get the GIL while the engine's thread runs Python (to enter xgrammar's
     call): the first start() lowers the process's switch interval, never raises it."""
     saved = sys.getswitchinterval()
     bitmask = StepBitmask(4, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)

@@ -44,16 +44,20 @@ class SequenceGrammar:
         return self.matcher.is_completed()
 
 
-# Rows split over at most this many fill threads (one xgrammar call each), at least
-# MIN_ROWS_PER_THREAD rows a thread: a thread per 4 cores up to 4 (16-core hosts: 4 threads of 16
-# rows at c64, where 2 of 32 rows outlasted the core's work on a slower H100 host); one thread on
-# small hosts, where a second would take the core the engine's own thread runs on.
-MAX_FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# The rows go to xgrammar in one call from one fill thread, over at most this many of xgrammar's
+# own threads, at least MIN_ROWS_PER_THREAD rows a thread; one on small hosts, where a second would
+# take the core the engine's own thread runs on. Splitting the rows over several Python fill threads
+# instead (one call each) made each of them wait for the GIL to enter its call while the engine's
+# thread ran Python: on a 16-core H100 host, 64 rows of bench_structured's schema over 4 fill
+# threads left finish() waiting 0.104 ms p50 after 1.5 ms of Python, against 0.003 ms for one call
+# over 4 xgrammar threads, whose fill took 0.556 ms against 0.898 ms on 1 thread
+# (scripts/bench_bitmask_overlap.py --threads).
+MAX_XGRAMMAR_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 MIN_ROWS_PER_THREAD = 16
 # A fill thread needs the GIL for a moment to enter xgrammar's call (and to leave it). With Python's
 # default switch interval (5 ms) it waits until the core's thread lets go (blocks, or 5 ms pass), so
 # the fill ran after the core's publish and schedule instead of under them
-# (scripts/bench_bitmask_overlap.py). The process's interval is lowered to this once fill threads start.
+# (scripts/bench_bitmask_overlap.py). The process's interval is lowered to this once the fill thread starts.
 FILL_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -65,14 +69,12 @@ class StepBitmask:
     flight while step N+1's is filled (step N+2 is filled only after step N+1's tokens reached the
     host, which follows N's copy in stream order).
 
-    The rows are filled by xgrammar's batch fill on one thread a call: a single call for many rows,
-    which lets go of the GIL for all of them (a Python loop over the rows takes the GIL back after
-    each one, and on a thread beside the engine's busy thread each take can wait). xgrammar's own
-    threads (max_threads > 1) cost a constant ~6 ms a step on an H100 host, so rows are split over
-    our fill threads instead. `start` fills on those threads, so that a step launched ahead has its
-    mask filled while the engine's thread publishes the step before and schedules the next one;
-    `finish` waits for it. 64 rows of the benchmark's JSON schema took ~2-2.7 ms a step on an H100
-    host, against 3.1 ms of forward for Qwen3-0.6B."""
+    The rows are filled by one call of xgrammar's batch fill, which lets go of the GIL for all of
+    them (a Python loop over the rows takes the GIL back after each one, and on a thread beside the
+    engine's busy thread each take can wait) and spreads them over xgrammar's own threads
+    (MAX_XGRAMMAR_THREADS). `start` makes that call on a fill thread, so that a step launched ahead
+    has its mask filled while the engine's thread publishes the step before and schedules the next
+    one; `finish` waits for it."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
         self.device = device
@@ -84,7 +86,8 @@ class StepBitmask:
         self._host_arrays = [buffer.numpy() for buffer in self._host]
         self._turn = 0
         self._filler: ThreadPoolExecutor | None = None
-        self._batch_matchers = threading.local()  # one xgrammar BatchGrammarMatcher per thread
+        # xgrammar BatchGrammarMatchers by max_threads, one set per calling thread
+        self._batch_matchers = threading.local()
 
     def fill(self, seqs: Rows[Sequence]) -> torch.Tensor | None:
         """The [len(seqs), words] int32 bitmask on the device, or None when no row is constrained."""
@@ -96,35 +99,29 @@ class StepBitmask:
         return self._to_device(host)
 
     def start(self, seqs: Rows[Sequence]) -> PendingBitmask:
-        """Starts filling `seqs`' rows on the fill threads. The caller must not advance or read
+        """Starts filling `seqs`' rows on the fill thread. The caller must not advance or read
         these sequences' grammars until `finish` returned."""
         plan = self._plan(seqs)
         if plan is None:
-            return PendingBitmask(None, [])
+            return PendingBitmask(None, None)
         host, rows = plan
         if not rows:  # every grammar ended: their rows allow all, nothing to fill
-            return PendingBitmask(host, [])
-        num_threads = max(1, min(MAX_FILL_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
+            return PendingBitmask(host, None)
         if self._filler is None:
-            self._filler = ThreadPoolExecutor(MAX_FILL_THREADS, thread_name_prefix="grammar-bitmask")
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
             if sys.getswitchinterval() > FILL_SWITCH_INTERVAL_S:
                 logger.info(
-                    "bitmask fill threads: the GIL switch interval goes from %.1f to %.1f ms",
+                    "bitmask fill thread: the GIL switch interval goes from %.1f to %.1f ms",
                     sys.getswitchinterval() * 1e3,
                     FILL_SWITCH_INTERVAL_S * 1e3,
                 )
                 sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
-        per_thread = -(-len(rows) // num_threads)
-        futures = [
-            self._filler.submit(self._fill_rows, host, rows[first : first + per_thread])
-            for first in range(0, len(rows), per_thread)
-        ]
-        return PendingBitmask(host, futures)
+        return PendingBitmask(host, self._filler.submit(self._fill_rows, host, rows))
 
     def finish(self, pending: PendingBitmask) -> torch.Tensor | None:
         """`start`'s bitmask on the device (None: no row constrained); raises what a fill raised."""
-        for future in pending.futures:
-            future.result()
+        if pending.future is not None:
+            pending.future.result()
         return None if pending.host is None else self._to_device(pending.host)
 
     def close(self) -> None:
@@ -155,9 +152,13 @@ class StepBitmask:
     def _fill_rows(self, host: torch.Tensor, rows: list[tuple[int, object]]) -> None:
         if not rows:
             return
-        batch = getattr(self._batch_matchers, "matcher", None)
+        num_threads = max(1, min(MAX_XGRAMMAR_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
+        matchers = getattr(self._batch_matchers, "by_threads", None)
+        if matchers is None:
+            matchers = self._batch_matchers.by_threads = {}
+        batch = matchers.get(num_threads)
         if batch is None:
-            batch = self._batch_matchers.matcher = xgrammar.BatchGrammarMatcher(1)
+            batch = matchers[num_threads] = xgrammar.BatchGrammarMatcher(num_threads)
         # The buffers may be inference tensors, and a fill thread is not in that mode.
         with torch.inference_mode():
             batch.batch_fill_next_token_bitmask([m for _, m in rows], host, [r for r, _ in rows])
@@ -169,10 +170,11 @@ class StepBitmask:
 
 
 class PendingBitmask:
-    """A bitmask being filled on StepBitmask's fill threads (host None: no row constrained)."""
+    """A bitmask being filled on StepBitmask's fill thread (host None: no row constrained; future
+    None: nothing to fill)."""
 
-    __slots__ = ("futures", "host")
+    __slots__ = ("future", "host")
 
-    def __init__(self, host: torch.Tensor | None, futures: list[Future[None]]) -> None:
+    def __init__(self, host: torch.Tensor | None, future: Future[None] | None) -> None:
         self.host = host
-        self.futures = futures
+        self.future = future
