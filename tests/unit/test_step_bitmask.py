@@ -67,7 +67,7 @@ def _alone(rows: list[Row]) -> torch.Tensor:
     return expected
 
 
-@pytest.mark.parametrize("num_rows", [3, 40])
+@pytest.mark.parametrize("num_rows", [2, 3, 40])
 def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
     monkeypatch.setattr(grammar_module, "MAX_XGRAMMAR_THREADS", 2)
     monkeypatch.setattr(grammar_module, "MIN_ROWS_PER_THREAD", 4)
@@ -83,22 +83,28 @@ def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
         assert bitmask.finish(bitmask.start([Row(None)] * 4)) is None
         ended = [rows[1], Row(None)]  # every grammar ended: rows that allow all, nothing to fill
         assert torch.equal(bitmask.finish(bitmask.start(ended)), torch.full_like(expected[:2], -1))
+        few = [row for row in rows if row.grammar is not None and not row.grammar.is_terminated()][:2]
+        pending = bitmask.start(few)  # a row or two: filled on this thread, nothing handed over
+        assert pending.future is None and torch.equal(bitmask.finish(pending), _alone(few))
     finally:
         bitmask.close()
 
 
-def test_fill_threads_lower_the_gil_switch_interval(compiled):
+def test_the_fill_thread_lowers_the_gil_switch_interval(compiled):
     """The fill thread must get the GIL while the engine's thread runs Python (to enter xgrammar's
-    call): the first start() lowers the process's switch interval, never raises it."""
+    call): the first start() that uses it lowers the process's switch interval, never raises it."""
     saved = sys.getswitchinterval()
-    bitmask = StepBitmask(4, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    num_rows = grammar_module.MAX_INLINE_FILL_ROWS + 1
+    bitmask = StepBitmask(num_rows, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
     try:
         sys.setswitchinterval(0.005)
-        bitmask.finish(bitmask.start([Row(SequenceGrammar(compiled))]))
+        bitmask.finish(bitmask.start([Row(SequenceGrammar(compiled))]))  # filled inline
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        bitmask.finish(bitmask.start([Row(SequenceGrammar(compiled)) for _ in range(num_rows)]))
         assert sys.getswitchinterval() == pytest.approx(grammar_module.FILL_SWITCH_INTERVAL_S)
-        other = StepBitmask(4, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+        other = StepBitmask(num_rows, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
         sys.setswitchinterval(0.0001)
-        other.finish(other.start([Row(SequenceGrammar(compiled))]))
+        other.finish(other.start([Row(SequenceGrammar(compiled)) for _ in range(num_rows)]))
         assert sys.getswitchinterval() == pytest.approx(0.0001)
         other.close()
     finally:

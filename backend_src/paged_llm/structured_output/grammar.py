@@ -45,15 +45,21 @@ class SequenceGrammar:
 
 
 # The rows go to xgrammar in one call from one fill thread, over at most this many of xgrammar's
-# own threads, at least MIN_ROWS_PER_THREAD rows a thread; one on small hosts, where a second would
-# take the core the engine's own thread runs on. Splitting the rows over several Python fill threads
-# instead (one call each) made each of them wait for the GIL to enter its call while the engine's
-# thread ran Python: on a 16-core H100 host, 64 rows of bench_structured's schema over 4 fill
-# threads left finish() waiting 0.104 ms p50 after 1.5 ms of Python, against 0.003 ms for one call
-# over 4 xgrammar threads, whose fill took 0.556 ms against 0.898 ms on 1 thread
-# (scripts/bench_bitmask_overlap.py --threads).
-MAX_XGRAMMAR_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+# own threads (a thread per 4 cores, up to 4), at least MIN_ROWS_PER_THREAD rows a thread; one on
+# small hosts, where a second would take the core the engine's own thread runs on.
+# - Splitting the rows over several Python fill threads instead (one call each) made each of them
+#   wait for the GIL to enter its call while the engine's thread ran Python: on a 16-core H100 host,
+#   64 rows of bench_structured's schema over 4 fill threads left finish() waiting 0.104 ms p50 after
+#   1.5 ms of Python, against 0.003 ms for one call over 4 xgrammar threads, whose fill took
+#   0.556 ms against 0.898 ms on 1 thread (scripts/bench_bitmask_overlap.py --threads).
+# - Not one xgrammar thread per core: with 16 (aae627d) a served c64 step cost a constant ~6 ms more
+#   on an H100 host, where the server, its stubs and the clients share the cores.
+MAX_XGRAMMAR_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 MIN_ROWS_PER_THREAD = 16
+# start() fills this few rows on the calling thread: handing them to the fill thread cost more than
+# their fill (batch 1 on an H100 host: the core waited 0.165 ms a step for a 0.091 ms fill, with
+# little of its own work to do meanwhile).
+MAX_INLINE_FILL_ROWS = 2
 # A fill thread needs the GIL for a moment to enter xgrammar's call (and to leave it). With Python's
 # default switch interval (5 ms) it waits until the core's thread lets go (blocks, or 5 ms pass), so
 # the fill ran after the core's publish and schedule instead of under them
@@ -105,7 +111,8 @@ class StepBitmask:
         if plan is None:
             return PendingBitmask(None, None)
         host, rows = plan
-        if not rows:  # every grammar ended: their rows allow all, nothing to fill
+        if len(rows) <= MAX_INLINE_FILL_ROWS:  # nothing (every grammar ended), or a row or two
+            self._fill_rows(host, rows)
             return PendingBitmask(host, None)
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
