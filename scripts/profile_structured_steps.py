@@ -112,7 +112,7 @@ def install(timer: PhaseTimer, engine: Any) -> None:
     timer.wrap(LaunchedStep, "result", "wait")
     timer.wrap(type(engine.client.core.scheduler), "update_from_output", "update")
     timer.wrap(ModelRunner, "sample_deferred", "sample_deferred")
-    timer.wrap(StepBitmask, "_fill_rows", "fill")  # on fill threads when started ahead: thread-seconds
+    timer.wrap(StepBitmask, "_fill_rows", "fill")  # on the fill thread when started ahead
     timer.wrap(StepBitmask, "finish", "fill_wait")
     timer.wrap(SamplingMetadata, "build", "metadata")
     timer.wrap(type(engine), "_absorb", "absorb")
