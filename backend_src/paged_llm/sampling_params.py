@@ -94,11 +94,6 @@ class SamplingParams:
         return self.has_penalties or bool(self.bad_words_token_ids)
 
     @functools.cached_property
-    def is_plain_greedy(self) -> bool:
-        """Greedy with nothing that changes or reports the logits: an argmax decides the token."""
-        return self.is_greedy_under_grammar and self.structured_outputs is None
-
-    @functools.cached_property
     def is_greedy_under_grammar(self) -> bool:
         """Greedy with nothing but a grammar (if any) that changes or reports the logits: an argmax
         of the grammar-masked logits decides the token."""

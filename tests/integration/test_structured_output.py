@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.errors import InvalidRequestError
 from paged_llm.sampling.token_bitmask import masked_argmax
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_output import grammar as grammar_module
 from tests.integration.conftest import run_to_completion
 
 pytestmark = pytest.mark.timeout(900)
@@ -499,6 +501,7 @@ def test_a_bitmask_fill_that_raises_fails_its_steps_requests_and_the_engine_goes
     def failing_once(self, host, rows):
         calls["n"] += 1
         if calls["n"] == 3:
+            calls["thread"] = threading.current_thread().name
             raise RuntimeError("injected fill failure")
         return original(self, host, rows)
 
@@ -512,6 +515,8 @@ def test_a_bitmask_fill_that_raises_fails_its_steps_requests_and_the_engine_goes
     async_engine.add_request("free", prompts[num_constrained], SamplingParams(max_tokens=12, temperature=0))
     errors, finished = _errors_and_finished(async_engine)
     assert calls["n"] >= 3
+    on_fill_thread = calls["thread"].startswith("grammar-bitmask")
+    assert on_fill_thread == (num_constrained > grammar_module.MAX_INLINE_FILL_ROWS), calls["thread"]
     assert finished == constrained | {"free"}
     assert constrained <= set(errors) <= constrained | {"free"}
     assert all("injected fill failure" in str(error) for error in errors.values())

@@ -572,6 +572,31 @@ def test_a_steps_constrained_rows_take_their_tokens_in_one_grammar_call() -> Non
     assert ScriptedGrammar.batch_calls == [3, 3, 3, 2, 2, 1]
 
 
+def test_only_sampling_rows_of_live_constrained_sequences_take_a_grammar_token() -> None:
+    """A prefill chunk that samples nothing, and a sequence aborted between schedule() and the
+    step's result, leave their grammars alone; the others take theirs in one call."""
+    ScriptedGrammar.batch_calls.clear()
+    sched = make_scheduler(budget=12)
+    grammars = {name: ScriptedGrammar(end=-2) for name in ("short", "aborted", "chunked")}
+    seqs = {}
+    for name, prompt_len in (("short", 3), ("aborted", 3), ("chunked", 10)):
+        seqs[name] = make_sequence(name, prompt_len, max_tokens=4)
+        seqs[name].grammar = grammars[name]
+        sched.add_sequence(seqs[name])
+    output = schedule(sched)
+    assert summary(output) == [("short", 0, 3, True), ("aborted", 0, 3, True), ("chunked", 0, 6, False)]
+    sched.on_launched(output)
+    sched.finish_sequences(["aborted"], SequenceStatus.FINISHED_ABORTED)
+    apply(sched, output)
+    assert ScriptedGrammar.batch_calls == [1]
+    assert len(seqs["short"].output_token_ids) == 1
+    assert grammars["short"].taken == seqs["short"].output_token_ids
+    assert grammars["aborted"].taken == [] and grammars["chunked"].taken == []
+    run(sched)
+    assert grammars["chunked"].taken == seqs["chunked"].output_token_ids
+    assert_all_freed(sched)
+
+
 def test_min_tokens_suppresses_eos_and_stop_tokens() -> None:
     always_eos = make_sequence("a", 5, eos=[7], min_tokens=3, max_tokens=10)
     run_single(always_eos, lambda seq: 7)

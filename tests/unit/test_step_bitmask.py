@@ -67,7 +67,7 @@ def _alone(rows: list[Row]) -> torch.Tensor:
     return expected
 
 
-@pytest.mark.parametrize("num_rows", [2, 3, 40])
+@pytest.mark.parametrize("num_rows", [2, 6, 40])
 def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
     monkeypatch.setattr(grammar_module, "MAX_XGRAMMAR_THREADS", 2)
     monkeypatch.setattr(grammar_module, "MIN_ROWS_PER_THREAD", 4)
@@ -83,9 +83,13 @@ def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
         assert bitmask.finish(bitmask.start([Row(None)] * 4)) is None
         ended = [rows[1], Row(None)]  # every grammar ended: rows that allow all, nothing to fill
         assert torch.equal(bitmask.finish(bitmask.start(ended)), torch.full_like(expected[:2], -1))
-        few = [row for row in rows if row.grammar is not None and not row.grammar.is_terminated()][:2]
+        live = [row for row in rows if row.grammar is not None and not row.grammar.is_terminated()]
+        few = live[: grammar_module.MAX_INLINE_FILL_ROWS]
         pending = bitmask.start(few)  # a row or two: filled on this thread, nothing handed over
         assert pending.future is None and torch.equal(bitmask.finish(pending), _alone(few))
+        if len(live) > grammar_module.MAX_INLINE_FILL_ROWS:  # more: on the fill thread
+            pending = bitmask.start(live)
+            assert pending.future is not None and torch.equal(bitmask.finish(pending), _alone(live))
     finally:
         bitmask.close()
 

@@ -1,8 +1,9 @@
 """The rules that end a sequence (EOS, stop token, max_tokens, max_model_len), and appending a
 verification's tokens up to the first that ends it.
 
-Pure rules on one sequence: `Scheduler.update_from_output` applies a finished step with them and
-keeps the status changes (a sequence that ends is finished through `Scheduler.finish_sequences`).
+Pure rules on one sequence (but `accept_grammar_tokens`, which advances a step's grammars in one
+call): `Scheduler.update_from_output` applies a finished step with them and keeps the status changes
+(a sequence that ends is finished through `Scheduler.finish_sequences`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def accept_grammar_tokens(seqs: list[Sequence], token_ids: list[int]) -> dict[st
     if not grammars:
         return {}
     assert len(grammars) == len(seqs), "accept_grammar_tokens takes constrained sequences only"
+    assert all(type(grammar) is type(grammars[0]) for grammar in grammars), "one grammar type a step"
     accepted = type(grammars[0]).accept_tokens(grammars, token_ids)
     return {seq.seq_id: ok for seq, ok in zip(seqs, accepted, strict=True)}
 

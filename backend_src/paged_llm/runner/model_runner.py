@@ -294,8 +294,8 @@ class ModelRunner:
 
     def start_deferred_sampling(self, step: LaunchedStep) -> None:
         """A step launched with `needs_sampling` whose grammars took the previous step's tokens:
-        starts filling its bitmask in the background (StepBitmask.start). Until `sample_deferred`
-        ran, nothing may advance or read these sequences' grammars."""
+        starts filling its bitmask on the fill thread (StepBitmask.start; a row or two it fills
+        now). Until `sample_deferred` ran, nothing may advance or read these sequences' grammars."""
         if step.needs_sampling and step.pending_bitmask is None:
             step.pending_bitmask = self._step_bitmask().start(step.seqs)
 

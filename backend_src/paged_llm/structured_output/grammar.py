@@ -44,6 +44,14 @@ class SequenceGrammar:
         return self.matcher.is_completed()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 # The rows go to xgrammar in one call from one fill thread, over at most this many of xgrammar's
 # own threads (a thread per 4 cores, up to 4), at least MIN_ROWS_PER_THREAD rows a thread; one on
 # small hosts, where a second would take the core the engine's own thread runs on.
@@ -54,7 +62,7 @@ class SequenceGrammar:
 #   0.556 ms against 0.898 ms on 1 thread (scripts/bench_bitmask_overlap.py --threads).
 # - Not one xgrammar thread per core: with 16 (aae627d) a served c64 step cost a constant ~6 ms more
 #   on an H100 host, where the server, its stubs and the clients share the cores.
-MAX_XGRAMMAR_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+MAX_XGRAMMAR_THREADS = max(1, min(4, usable_cores() // 4))
 MIN_ROWS_PER_THREAD = 16
 # start() fills this few rows on the calling thread: handing them to the fill thread cost more than
 # their fill (batch 1 on an H100 host: the core waited 0.165 ms a step for a 0.091 ms fill, with
@@ -80,7 +88,7 @@ class StepBitmask:
     engine's busy thread each take can wait) and spreads them over xgrammar's own threads
     (MAX_XGRAMMAR_THREADS). `start` makes that call on a fill thread, so that a step launched ahead
     has its mask filled while the engine's thread publishes the step before and schedules the next
-    one; `finish` waits for it."""
+    one (a row or two it fills at once: MAX_INLINE_FILL_ROWS); `finish` waits for it."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
         self.device = device
@@ -105,8 +113,9 @@ class StepBitmask:
         return self._to_device(host)
 
     def start(self, seqs: Rows[Sequence]) -> PendingBitmask:
-        """Starts filling `seqs`' rows on the fill thread. The caller must not advance or read
-        these sequences' grammars until `finish` returned."""
+        """Starts filling `seqs`' rows on the fill thread (a row or two: fills them now, and raises
+        what that fill raised). The caller must not advance or read these sequences' grammars until
+        `finish` returned."""
         plan = self._plan(seqs)
         if plan is None:
             return PendingBitmask(None, None)

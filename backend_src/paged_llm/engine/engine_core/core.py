@@ -278,8 +278,12 @@ class EngineCore:
 
     def _start_deferred_sampling(self) -> None:
         """The running step was launched ahead with constrained rows: its grammars took the previous
-        step's tokens just now, so its bitmask can be filled, in the background while this thread
-        publishes and schedules. The next launch, or finish_step, samples it (sample_deferred)."""
+        step's tokens just now, so its bitmask can be filled, on the fill thread while this thread
+        publishes and schedules (StepBitmask.start). The next launch, or finish_step, samples it
+        (sample_deferred). A fill that raises fails this step's requests when it filled at once (a
+        row or two), else the next step's: the launch that samples this step has scheduled the next
+        one already (new requests included; failing only this step's would need a way back out of
+        schedule())."""
         in_flight = self._in_flight
         if in_flight is None or not in_flight.launched.needs_sampling:
             return
