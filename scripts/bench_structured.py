@@ -24,7 +24,9 @@ H200 host's CPU: its states fall outside xgrammar's precomputed masks.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -219,7 +221,13 @@ def main() -> int:
 
     parameters = read_llm_parameters(args.launch)
     model_dir = resolve_model_dir(parameters.get("model", "tiny-qwen3"), args.launch / "llm")
-    results: dict[str, Any] = {"model": str(model_dir), "parameters": parameters, "targets": TARGETS}
+    results: dict[str, Any] = {
+        "model": str(model_dir),
+        "parameters": parameters,
+        "targets": TARGETS,
+        "host_cpu": host_cpu(),  # the targets that need the host's work to hide depend on it
+    }
+    print(f"host CPU: {results['host_cpu']}", flush=True)
     schema = ten_property_schema()
     results["compile"] = measure_compiles(model_dir, args.num_compiles)
     print(
@@ -322,6 +330,17 @@ def main() -> int:
     if args.plot:
         plot(results, args.plot)
     return 0
+
+
+def host_cpu() -> str:
+    """The host CPU's model name and the cores this process may use."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {len(os.sched_getaffinity(0))} cores"
 
 
 def verdict(results: dict[str, Any]) -> dict[str, tuple[float, float, bool]]:
