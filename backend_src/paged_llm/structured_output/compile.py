@@ -21,6 +21,15 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 # compiled 30x slower: a 10-property schema took 1.5 s.
 _BOUNDED_STRING_CLASS = r"[^\"\\\r\n]"
 _JSON_STRING_CLASS = r"[^\0-\x1f\"\\\r\n]"
+# xgrammar 0.2.9 prints a code point 0x80-0xFF as \xHH but parses a \x escape with every hex digit
+# that follows: "acbéa" in a JSON schema's enum came back from its EBNF text as "acb\u0e9a" ("acbບ"),
+# a string the schema refuses, and a model wrote it. 4-digit \u escapes parse exactly.
+_HEX_BYTE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
+
+
+def _exact_escapes(ebnf: str) -> str:
+    """`ebnf` with each \\xHH escape (not an escaped backslash followed by "x") written \\u00HH."""
+    return _HEX_BYTE_ESCAPE.sub(r"\1\\u00\2", ebnf)
 
 
 def compile_constraint(
@@ -43,7 +52,8 @@ def compile_constraint(
         grammar = xgrammar.Grammar.from_structural_tag(spec)
     else:
         raise ValueError(f"unknown constraint kind {kind!r}")
-    return compiler.compile_grammar(str(grammar).replace(_BOUNDED_STRING_CLASS, _JSON_STRING_CLASS))
+    ebnf = _exact_escapes(str(grammar)).replace(_BOUNDED_STRING_CLASS, _JSON_STRING_CLASS)
+    return compiler.compile_grammar(ebnf)
 
 
 def attempt_compile(
