@@ -39,6 +39,7 @@ from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.testing.bench_workload import cpu_model_name
 
 
 @dataclass
@@ -311,12 +312,7 @@ def main() -> None:
 
 
 def cpu_name() -> str:
-    model = "cpu"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    return f"{model}, {torch.get_num_threads()} torch threads"
+    return f"{cpu_model_name() or 'cpu'}, {torch.get_num_threads()} torch threads"
 
 
 def config_dtype(name: str) -> torch.dtype:

@@ -24,7 +24,6 @@ H200 host's CPU: its states fall outside xgrammar's precomputed masks.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -43,6 +42,7 @@ from tqdm import tqdm
 
 from paged_llm.testing.bench_workload import (
     Job,
+    cpu_model_name,
     format_summary,
     infer_inputs,
     random_workload,
@@ -334,13 +334,7 @@ def main() -> int:
 
 def host_cpu() -> str:
     """The host CPU's model name and the cores this process may use."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {len(os.sched_getaffinity(0))} cores"
+    return f"{cpu_model_name() or 'unknown CPU'}, {len(os.sched_getaffinity(0))} cores"
 
 
 def verdict(results: dict[str, Any]) -> dict[str, tuple[float, float, bool]]:

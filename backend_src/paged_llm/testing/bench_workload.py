@@ -14,9 +14,22 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def cpu_model_name() -> str | None:
+    """The host CPU's model name from /proc/cpuinfo (None where there is none: not Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 def infer_inputs(grpcclient: Any, arrays: list[tuple[str, np.ndarray, str]]) -> list[Any]:
