@@ -125,6 +125,18 @@ def _compare_threads(rows: list[Row], num_threads: int, python_ms: float, repeat
 def _report(
     label: str, start: Callable[[], Any], finish: Callable[[Any], Any], python_ms: float, repeats: int
 ) -> None:
+    wall, waits = _time_fills(start, finish, python_ms, repeats)
+    print(
+        f"{label}: fill wall p50 {_p50_ms(wall):.3f} ms; after {python_ms:g} ms of Python "
+        f"finish() waited p50 {_p50_ms(waits):.3f} ms"
+    )
+
+
+def _time_fills(
+    start: Callable[[], Any], finish: Callable[[Any], Any], python_ms: float, repeats: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of each fill with this thread blocked at once (wall), and of each wait in finish()
+    after `python_ms` of Python on this thread (waits)."""
     finish(start())  # threads up
     wall, waits = [], []
     for _ in range(repeats):
@@ -136,10 +148,7 @@ def _report(
         started = time.perf_counter()
         finish(pending)
         waits.append(time.perf_counter() - started)
-    print(
-        f"{label}: fill wall p50 {_p50_ms(wall):.3f} ms; after {python_ms:g} ms of Python "
-        f"finish() waited p50 {_p50_ms(waits):.3f} ms"
-    )
+    return wall, waits
 
 
 def main() -> int:
@@ -163,14 +172,8 @@ def main() -> int:
         for interval_s in (0.005, grammar_module.FILL_SWITCH_INTERVAL_S):
             bitmask.finish(bitmask.start(rows))  # the threads exist: start() lowers the interval once
             sys.setswitchinterval(interval_s)
-            waits_ms = []
-            for _ in range(args.repeats):
-                pending = bitmask.start(rows)
-                _python_work(args.python_ms)
-                started = time.perf_counter()
-                bitmask.finish(pending)
-                waits_ms.append((time.perf_counter() - started) * 1e3)
-            waits_ms.sort()
+            _, waits = _time_fills(lambda: bitmask.start(rows), bitmask.finish, args.python_ms, args.repeats)
+            waits_ms = sorted(wait * 1e3 for wait in waits)
             p50, p90 = waits_ms[len(waits_ms) // 2], waits_ms[len(waits_ms) * 9 // 10]
             print(
                 f"switch interval {interval_s * 1e3:.1f} ms: finish() waited p50 {p50:.3f} ms, "
