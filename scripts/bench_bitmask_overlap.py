@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_structured import ten_property_schema
 
 from paged_llm.models.tiny_model import ensure_tiny_model
-from paged_llm.sampling.token_bitmask import apply_token_bitmask_torch_
 from paged_llm.structured_output import grammar as grammar_module
 from paged_llm.structured_output.grammar import SequenceGrammar, StepBitmask
 from paged_llm.structured_output.tokenizer_info import build_tokenizer_info
+from paged_llm.testing.grammar_walk import walk_randomly
 
 VOCAB_SIZE = 151936  # Qwen3's logits width
 EOS = 151645
@@ -55,15 +55,10 @@ def _rows(num_rows: int, seed: int) -> list[Row]:
     info = build_tokenizer_info(ensure_tiny_model(), VOCAB_SIZE, [EOS])
     compiled = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(ten_property_schema()))
     rng = random.Random(seed)
-    scratch = torch.empty(xgrammar.get_bitmask_shape(1, VOCAB_SIZE), dtype=torch.int32)
     rows = []
     for _ in range(num_rows):
         grammar = SequenceGrammar(compiled)
-        for _ in range(rng.randint(1, 150)):
-            grammar.matcher.fill_next_token_bitmask(scratch, 0)
-            allowed = apply_token_bitmask_torch_(torch.zeros(1, VOCAB_SIZE), scratch)[0].isfinite()
-            allowed[EOS] = False
-            grammar.accept_token(rng.choice(allowed.nonzero().view(-1).tolist()))
+        walk_randomly(grammar, rng.randint(1, 150), rng, VOCAB_SIZE, EOS)
         rows.append(Row(grammar))
     return rows
 

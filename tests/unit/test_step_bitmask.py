@@ -4,7 +4,6 @@ allow everything."""
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from dataclasses import dataclass
@@ -13,10 +12,10 @@ import pytest
 import torch
 import xgrammar
 
-from paged_llm.sampling.token_bitmask import apply_token_bitmask_torch_
 from paged_llm.structured_output import grammar as grammar_module
 from paged_llm.structured_output.grammar import SequenceGrammar, StepBitmask
 from paged_llm.structured_output.tokenizer_info import build_tokenizer_info
+from paged_llm.testing.grammar_walk import allowed_token_ids, walk_randomly
 
 VOCAB_SIZE = 151936
 EOS = 151645
@@ -36,20 +35,13 @@ def compiled(tiny_model_dir):
 def _rows(compiled, num_rows: int, seed: int) -> list[Row]:
     """Matchers at assorted depths, some rows unconstrained, one grammar ended."""
     rng = random.Random(seed)
-    scratch = torch.empty(xgrammar.get_bitmask_shape(1, VOCAB_SIZE), dtype=torch.int32)
     rows = []
     for index in range(num_rows):
         if index % 5 == 4:
             rows.append(Row(None))
             continue
         grammar = SequenceGrammar(compiled)
-        for _ in range(rng.randint(0, 12)):
-            grammar.matcher.fill_next_token_bitmask(scratch, 0)
-            allowed = apply_token_bitmask_torch_(torch.zeros(1, VOCAB_SIZE), scratch)[0].isfinite()
-            allowed[EOS] = False
-            if not allowed.any():
-                break
-            assert grammar.accept_token(rng.choice(allowed.nonzero().view(-1).tolist()))
+        walk_randomly(grammar, rng.randint(0, 12), rng, VOCAB_SIZE, EOS)
         rows.append(Row(grammar))
     ended = SequenceGrammar(compiled)
     for token in ("ab", "ab", "e"):
@@ -124,12 +116,9 @@ def test_grammars_take_a_steps_tokens_in_one_call_as_one_by_one(compiled):
     pairs = [(grammar, twin) for grammar, twin in pairs if not grammar.is_terminated()]
     tokens = [EOS if index % 3 == 2 else 0 for index in range(len(pairs))]  # "!" never fits
     masks = _alone([Row(grammar) for grammar, _ in pairs])
-    for index in range(len(pairs)):  # a token its grammar allows, for a third of the rows
-        allowed = apply_token_bitmask_torch_(torch.zeros(1, VOCAB_SIZE), masks[index : index + 1])[0]
-        allowed[EOS] = -math.inf
-        if index % 3 == 0:  # a completed grammar allows only EOS, which ends it
-            choices = allowed.isfinite().nonzero().view(-1).tolist()
-            tokens[index] = choices[0] if choices else EOS
+    for index in range(0, len(pairs), 3):  # a token its grammar allows, for a third of the rows
+        choices = [t for t in allowed_token_ids(masks[index : index + 1], VOCAB_SIZE) if t != EOS]
+        tokens[index] = choices[0] if choices else EOS  # a completed grammar allows only EOS
     batched = SequenceGrammar.accept_tokens([grammar for grammar, _ in pairs], tokens)
     one_by_one = [twin.accept_token(token) for (_, twin), token in zip(pairs, tokens)]
     assert batched == one_by_one and True in batched and False in batched
