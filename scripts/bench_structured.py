@@ -9,6 +9,12 @@
    tokens, 256 output tokens; three modes run in turn, twice (A B C A B C): every request
    unconstrained, every request held to the schema, half of them (alternate requests). Targets:
    constrained TPOT p50 <= 1.10x unconstrained; the half run's unconstrained requests within 3%.
+   The measured requests run in a steady closed loop (steady_closed_loop): `concurrency` lead-in
+   requests of staggered lengths (1/64 .. 64/64 of 256 tokens) go first, so that the measured ones
+   start one after another, and as many trailing requests keep the batch full until the last one
+   ends; neither counts. Without them a c64 run of 128 requests ran as two synchronised waves whose
+   first half waited for the second half's prefill: two TPOT modes ~15% apart, and the p50 fell on
+   either, by chance (Llama-3-8B shape, H100: constrained/free TPOT p50 1.102 at equal means).
    Batch 1 (concurrency 1), unconstrained and constrained in turn: <= 1.05x per token.
 3. The compile cap: concurrency 64 unconstrained, once alone and once while a ~1 MB schema compiles
    until grammar_compile_timeout_s ends it: the other requests' ITL p99 moves by <= 5%.
@@ -143,6 +149,22 @@ def measure_compiles(model_dir: Path, num_schemas: int) -> dict[str, Any]:
         compiler.close()
 
 
+def steady_closed_loop(jobs: list[Job], concurrency: int) -> tuple[list[Job], set[int]]:
+    """`jobs` (the first `concurrency` and the last `concurrency` not measured) with the lead-in's
+    output lengths staggered over 1/concurrency .. 1 of the longest; returns the jobs and the
+    indices of the measured ones (see the module's docstring)."""
+    assert len(jobs) > 2 * concurrency, "a steady closed loop needs more jobs than its lead-in and tail"
+    longest = max(job.num_output_tokens for job in jobs)
+    staggered = [
+        replace(job, num_output_tokens=max(1, round(longest * (position + 1) / concurrency)))
+        if position < concurrency
+        else job
+        for position, job in enumerate(jobs)
+    ]
+    measured = {job.index for job in jobs[concurrency : len(jobs) - concurrency]}
+    return staggered, measured
+
+
 def _with(jobs: list[Job], mode: str, schema: dict[str, Any]) -> list[Job]:
     if mode == "free":
         return jobs
@@ -203,7 +225,9 @@ def main() -> int:
     )
     parser.add_argument("--model", default="llm")
     parser.add_argument("--rounds", type=int, default=2, help="served c64 rounds of (free, json, half)")
-    parser.add_argument("--num-prompts", type=int, default=128, help="requests per c64 run")
+    parser.add_argument(
+        "--num-prompts", type=int, default=128, help="measured requests per c64 run (and 2 x 64 unmeasured)"
+    )
     parser.add_argument("--batch1-prompts", type=int, default=6)
     parser.add_argument(
         "--cap-prompts", type=int, default=384, help="requests per run of the compile-cap pair"
@@ -244,10 +268,16 @@ def main() -> int:
     url = server.grpc_url
     served: dict[str, list[dict[str, Any]]] = {}
 
-    def serve(label: str, run_jobs: list[Job], concurrency: int) -> list[Any]:
+    def serve(
+        label: str, run_jobs: list[Job], concurrency: int, measured: set[int] | None = None
+    ) -> list[Any]:
+        """The records of the measured jobs (all when `measured` is None)."""
         records, _ = run_served(url, args.model, run_jobs, concurrency, args.client_processes)
+        every = summarize(records)
+        assert every["num_errors"] == 0, (label, every["errors"])
+        if measured is not None:
+            records = [r for r in records if r.index in measured]
         summary = summarize(records)
-        assert summary["num_errors"] == 0, (label, summary["errors"])
         print(format_summary(f"served {label}", summary), flush=True)
         by_index = {job.index: job for job in run_jobs}
         short = [r for r in records if r.num_output_tokens < by_index[r.index].num_output_tokens]
@@ -263,8 +293,9 @@ def main() -> int:
             (mode, round_index) for round_index in range(args.rounds) for mode in ("free", "json", "half")
         ]
         for mode, round_index in tqdm(plan, desc="c64", unit="run"):
-            run_jobs = _with(jobs(args.num_prompts, "512", "256"), mode, schema)
-            records = serve(f"c64 {mode} #{round_index}", run_jobs, 64)
+            run_jobs, measured = steady_closed_loop(jobs(args.num_prompts + 2 * 64, "512", "256"), 64)
+            run_jobs = _with(run_jobs, mode, schema)
+            records = serve(f"c64 {mode} #{round_index}", run_jobs, 64, measured)
             entry = {
                 "round": round_index,
                 "summary": summarize(records),
@@ -310,8 +341,15 @@ def main() -> int:
             workloads = {"c64": (args.num_prompts, "512", 64), "b1": (args.batch1_prompts, "128", 1)}
             for mode in ("free", "json"):
                 for name, (num, input_len, concurrency) in workloads.items():
-                    run_jobs = _with(jobs(num, input_len, "256"), mode, schema)
+                    run_jobs, measured = jobs(num, input_len, "256"), None
+                    if concurrency > 1:
+                        run_jobs, measured = steady_closed_loop(
+                            jobs(num + 2 * concurrency, input_len, "256"), concurrency
+                        )
+                    run_jobs = _with(run_jobs, mode, schema)
                     records = run_offline(engine, run_jobs, concurrency)
+                    if measured is not None:
+                        records = [r for r in records if r.index in measured]
                     summary = summarize(records)
                     offline[f"{name}_{mode}"] = {
                         "summary": summary,
