@@ -25,8 +25,13 @@ class ModelConfig:
     # safetensors: the checkpoint's weights | dummy: random weights drawn on the device, for
     # benchmarking a shape whose checkpoint is too large to write (only config.json is read).
     load_format: str = "safetensors"
+    # "": what the checkpoint's config.json says (FP8 layouts: models/fp8.py) | fp8: also quantize an
+    # unquantized checkpoint's projections at load (per channel)
+    quantization: str = ""
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("", "fp8"):
+            raise ConfigError(f"quantization must be fp8 or empty, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("safetensors", "dummy"):

@@ -33,10 +33,11 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections. With
     core_mode="process" the caller shuts it down (the `engines` fixture does); `sessions` is the
     SessionConfig, `speculative` the SpeculativeConfig, `tensor_parallel_size` the ranks,
-    `enable_onednn_linear` the DeviceConfig's."""
+    `enable_onednn_linear` the DeviceConfig's, `load_format` and `quantization` the ModelConfig's."""
     sessions = overrides.pop("sessions", SessionConfig())
     tensor_parallel_size = overrides.pop("tensor_parallel_size", 1)
     load_format = overrides.pop("load_format", "safetensors")
+    quantization = overrides.pop("quantization", "")
     speculative = overrides.pop("speculative", SpeculativeConfig())
     structured_output = overrides.pop("structured_output", StructuredOutputConfig())
     enable_onednn_linear = overrides.pop("enable_onednn_linear", True)
@@ -50,6 +51,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
             dtype="float32",
             max_model_len=overrides.get("max_model_len"),
             load_format=load_format,
+            quantization=quantization,
         ),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**scheduler),

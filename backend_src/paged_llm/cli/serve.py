@@ -88,6 +88,7 @@ def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
         "num_speculative_tokens",
         "tensor_parallel_size",
         "load_format",
+        "quantization",
     )
     for flag in flags:
         value = getattr(args, flag)
@@ -447,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-speculative-tokens", type=int, help="speculative decoding with n-gram proposals (0: off)")
     add("--tensor-parallel-size", type=int, help="GPUs one engine splits the model over (from --device)")
     add("--load-format", choices=["safetensors", "dummy"], help="dummy: random weights (benchmarks)")
+    add(
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: quantize an unquantized checkpoint's projections at load (FP8 checkpoints need no flag)",
+    )
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(
         "--model-repository-dir",

@@ -2,11 +2,16 @@
 
 Under tensor parallelism each rank reads only its own slice of every split tensor (safetensors'
 `get_slice` reads those bytes alone), straight into its device: no rank holds a full copy of the
-model in host memory."""
+model in host memory.
+
+FP8 checkpoints (models/fp8.py: the layouts config.json's quantization_config declares) and
+`quantization` fp8 on an unquantized one are dequantized at load into the model dtype: each FP8
+projection with its scale tensor (a rank's slice with the full scale, indexed by position)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +22,11 @@ from tqdm import tqdm
 from paged_llm.config import ConfigError
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
+from paged_llm.models import fp8
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF name inside a layer -> (our parameter, slice index within a fused parameter or None)
@@ -70,22 +78,96 @@ def _split_of(hf_name: str) -> tuple[int, str] | None:
 
 
 def _iter_tensors(
-    files: list[Path], show_progress: bool, spec: ModelSpec, shard: ShardPlan
+    files: list[Path], show_progress: bool, spec: ModelSpec, shard: ShardPlan, layout: fp8.Fp8Layout | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor, or this rank's slice of it."""
+    """Every checkpoint tensor, or this rank's slice of it; FP8 projections dequantized (float32),
+    their scale tensors and the other quantization tensors (activation and KV cache scales) taken."""
     from safetensors import safe_open
 
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
-    names = [(handle, name) for handle in handles for name in handle.keys()]
-    for handle, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
+    by_name = {name: handle for handle in handles for name in handle.keys()}
+    scales = _quantization_tensors(by_name, layout)
+    names = [name for name in by_name if name not in scales]
+    for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
+        handle = by_name[name]
         split = _split_of(name) if shard.world_size > 1 else None
         if split is None:
-            yield name, handle.get_tensor(name)
-            continue
-        dim, part = split
-        start, end = shard.rows_of(part, spec)
-        view = handle.get_slice(name)
-        yield name, view[start:end] if dim == 0 else view[:, start:end]
+            tensor, rows, columns = handle.get_tensor(name), None, None
+        else:
+            dim, part = split
+            start, end = shard.rows_of(part, spec)
+            view = handle.get_slice(name)
+            rows, columns = ((start, end), None) if dim == 0 else (None, (start, end))
+            tensor = view[start:end] if dim == 0 else view[:, start:end]
+        if tensor.dtype == fp8.FP8_DTYPE:
+            tensor = _dequantized(name, tensor, handle, by_name, layout, rows, columns)
+        elif layout is not None and layout.source == "online" and _is_projection(name):
+            full = handle.get_tensor(name) if split is not None else tensor
+            weight, scale = fp8.quantize(full, layout)
+            dequantized = fp8.dequantize(weight, scale, layout)
+            tensor = dequantized if split is None else _take(dequantized, rows, columns)
+        yield name, tensor
+
+
+def _is_projection(hf_name: str) -> bool:
+    match = _LAYER_RE.match(hf_name)
+    return match is not None and fp8.is_projection_weight(match.group(2))
+
+
+def _take(
+    tensor: torch.Tensor, rows: tuple[int, int] | None, columns: tuple[int, int] | None
+) -> torch.Tensor:
+    if rows is not None:
+        return tensor[rows[0] : rows[1]]
+    return tensor[:, columns[0] : columns[1]] if columns is not None else tensor
+
+
+def _quantization_tensors(by_name: dict[str, object], layout: fp8.Fp8Layout | None) -> set[str]:
+    """The checkpoint's scale tensors, read with their weights (or not at all: activation and KV
+    cache scales, while activations and the KV cache stay in the model dtype). A weight scale whose
+    weight is missing is refused here; one beside an unquantized weight, when that is read."""
+    if layout is None:
+        return set()
+    names = set()
+    for name in by_name:
+        module, _, leaf = name.rpartition(".")
+        if leaf == layout.scale_suffix:
+            if f"{module}.weight" not in by_name:
+                raise ConfigError(f"checkpoint tensor {name} scales {module}.weight, which is missing")
+            names.add(name)
+        elif leaf in fp8.ACTIVATION_SCALE_SUFFIXES or any(name.endswith(s) for s in fp8.KV_SCALE_SUFFIXES):
+            names.add(name)
+    return names
+
+
+def _dequantized(
+    name: str,
+    tensor: torch.Tensor,
+    handle: object,
+    by_name: dict[str, object],
+    layout: fp8.Fp8Layout | None,
+    rows: tuple[int, int] | None,
+    columns: tuple[int, int] | None,
+) -> torch.Tensor:
+    """An FP8 weight (or this rank's slice of it) times its scales, refusing what does not fit."""
+    if layout is None:
+        raise ConfigError(
+            f"checkpoint tensor {name} is {fp8.FP8_DTYPE}, but config.json has no quantization_config "
+            "saying how it is scaled"
+        )
+    if not _is_projection(name):
+        raise ConfigError(
+            f"checkpoint tensor {name} is {fp8.FP8_DTYPE}: only the decoder layers' projections "
+            f"({', '.join(fp8.PROJECTIONS)}) may be FP8"
+        )
+    module = name[: -len(".weight")]
+    scale_name = f"{module}.{layout.scale_suffix}"
+    if scale_name not in by_name:
+        raise ConfigError(f"checkpoint tensor {name} is FP8, but its scale {scale_name} is missing")
+    full_shape = tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
+    scale = by_name[scale_name].get_tensor(scale_name)  # type: ignore[attr-defined]
+    fp8.check_scale(layout, scale_name, full_shape, scale)
+    return fp8.dequantize(tensor, scale, layout, rows, columns)
 
 
 def _fused_slice(shard: ShardPlan, spec: ModelSpec, fused_name: str, part: int) -> tuple[int, int]:
@@ -109,13 +191,20 @@ def load_model(
     ops: FusedOps | None = None,
     parallel: TensorParallelGroup | None = None,
     load_format: str = "safetensors",
+    quantization: str = "",
 ) -> CausalLM:
     """Builds the model (this rank's share of it) on `device` without initialising weights, then
-    copies every tensor in (load_format "dummy": draws random ones on the device instead)."""
+    copies every tensor in (load_format "dummy": draws random ones on the device instead).
+    `quantization`: "" (the checkpoint's own) or "fp8" (models/fp8.py)."""
+    layout = fp8.detect_fp8_layout(_read_config(Path(model_dir)), quantization)
     with torch.device("meta"):
         model = CausalLM(spec, backend, max_positions, ops, parallel)
     model = model.to(dtype).to_empty(device=device)  # dtype first: no fp32 copy on the device
     shard = model.shard
+    if layout is not None and shard.rank == 0:
+        what = "FP8 checkpoint" if layout.source != "online" else "quantization fp8 (per channel, at load)"
+        action = "random weights" if load_format == "dummy" else "dequantized at load"
+        logger.info("%s: %s; %s to %s on %s", what, layout.describe(), action, dtype, device)
     if load_format == "dummy":
         _fill_random(model, seed=shard.rank)
         model.rotary.build(device, dtype)
@@ -127,7 +216,8 @@ def load_model(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
-        for hf_name, tensor in _iter_tensors(checkpoint_files(Path(model_dir)), show_progress, spec, shard):
+        files = checkpoint_files(Path(model_dir))
+        for hf_name, tensor in _iter_tensors(files, show_progress, spec, shard, layout):
             target_name, rows = _map_name(spec, shard, hf_name)
             if target_name is None:
                 continue
@@ -148,6 +238,10 @@ def load_model(
     _check_complete(spec, shard, params, loaded)
     model.rotary.build(device, dtype)
     return model.eval()
+
+
+def _read_config(model_dir: Path) -> dict[str, object]:
+    return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from paged_llm.models import fp8
 from paged_llm.models.tiny_model import ensure_tiny_model
 
 SHAPES: dict[str, dict[str, object]] = {
@@ -147,6 +148,52 @@ def _weight_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# quantization_config as the published FP8 checkpoints write it (models/fp8.py has the layouts):
+# Qwen3-*-FP8's four keys; compressed-tensors' FP8_DYNAMIC and FP8 (static per-tensor) presets.
+_CT_WEIGHTS = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "dynamic": False,
+    "group_size": None,
+    "block_structure": None,
+    "actorder": None,
+    "observer": "minmax",
+    "observer_kwargs": {},
+}
+
+
+def _compressed_tensors_config(strategy: str) -> dict[str, object]:
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None,
+              "actorder": None, "observer_kwargs": {}}  # fmt: skip
+    if strategy == "channel":
+        inputs |= {"strategy": "token", "dynamic": True, "observer": None}
+    else:
+        inputs |= {"strategy": "tensor", "dynamic": False, "observer": "minmax"}
+    group = {"targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+             "weights": _CT_WEIGHTS | {"strategy": strategy}, "input_activations": inputs}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "kv_cache_scheme": None,
+        "ignore": ["lm_head"],
+        "sparsity_config": {},
+        "config_groups": {"group_0": group},
+    }
+
+
+def fp8_quantization_config(layout: str, block: tuple[int, int] = (128, 128)) -> dict[str, object]:
+    """config.json's quantization_config for a random checkpoint in `layout` (fp8.LAYOUTS)."""
+    if layout == "fp8-block":
+        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                "weight_block_size": list(block)}  # fmt: skip
+    if layout in ("fp8-channel", "fp8-tensor"):
+        return _compressed_tensors_config(layout.removeprefix("fp8-"))
+    raise ValueError(f"unknown FP8 layout {layout!r} (known: {', '.join(fp8.LAYOUTS)})")
+
+
 def write_random_model(
     out_dir: Path,
     shape: str,
@@ -156,15 +203,21 @@ def write_random_model(
     std: float = 0.02,
     config_overrides: dict[str, object] | None = None,
     with_weights: bool = True,
+    quantization: str | None = None,
+    fp8_block: tuple[int, int] = (128, 128),
 ) -> Path:
     """Writes config.json, generation_config.json, tokenizer files and random safetensors weights.
     `config_overrides`: values that replace the shape's (e.g. an odd vocab_size in tests).
-    `with_weights` False: no weights, for an engine with load_format "dummy"."""
+    `with_weights` False: no weights, for an engine with load_format "dummy". `quantization`: an
+    FP8 layout (fp8.LAYOUTS): the projections are written quantized in it, with its scale tensors
+    (`fp8_block`: fp8-block's weight_block_size), as the published checkpoints have them."""
     out_dir = Path(out_dir)
     if (out_dir / ".complete").is_file():
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     config = dict(SHAPES[shape]) | (config_overrides or {}) | {"torch_dtype": dtype}
+    if quantization is not None:
+        config["quantization_config"] = fp8_quantization_config(quantization, fp8_block)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     eos = config["eos_token_id"]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
@@ -184,7 +237,27 @@ def write_random_model(
             values = 1.0 + 0.1 * torch.randn(tensor_shape, generator=generator, device=device)
         else:
             values = std * torch.randn(tensor_shape, generator=generator, device=device)
-        tensors[name] = values.to(torch_dtype).cpu()
+        tensors[name] = values.to(torch_dtype)
+    if quantization is not None:
+        _quantize_projections(tensors, fp8.detect_fp8_layout(config), torch_dtype)
+    tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / ".complete").write_text("ok\n")
     return out_dir
+
+
+def _quantize_projections(
+    tensors: dict[str, torch.Tensor], layout: fp8.Fp8Layout | None, dtype: torch.dtype
+) -> None:
+    """The projections' weights in place of their values: fp8 with the layout's scale tensors in
+    the checkpoint's dtype (as compressed-tensors and Qwen3-*-FP8 write them); fp8-tensor also has
+    its static activation scale."""
+    assert layout is not None
+    for name in [n for n in tensors if n.startswith("model.layers.")]:
+        layer_name = name.split(".", 3)[3]
+        if not fp8.is_projection_weight(layer_name):
+            continue
+        module = name[: -len(".weight")]
+        tensors[name], tensors[f"{module}.{layout.scale_suffix}"] = fp8.quantize(tensors[name], layout, dtype)
+        if layout.kind == "fp8-tensor":
+            tensors[f"{module}.input_scale"] = torch.ones(1, dtype=dtype, device=tensors[name].device)

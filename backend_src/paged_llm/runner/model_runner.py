@@ -80,6 +80,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         parallel: TensorParallelGroup | None = None,
         load_format: str = "safetensors",
+        quantization: str = "",
         all_reduce: str = "auto",
         torch_compile: str = "",
     ) -> None:
@@ -102,10 +103,12 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
             greedy_only=greedy_only,
             load_format=load_format,
+            quantization=quantization,
             all_reduce=all_reduce,
             torch_compile=torch_compile,
         )
         self.load_format = load_format
+        self.quantization = quantization
         self.all_reduce = all_reduce
         self.parallel = parallel or TensorParallelGroup(0, tensor_parallel_size)
         self.shard = ShardPlan.of(spec, self.parallel.rank, self.parallel.world_size)
@@ -168,6 +171,7 @@ class ModelRunner:
             ),
             parallel=self.parallel,
             load_format=self.load_format,
+            quantization=self.quantization,
         )
         if self.all_reduce == "auto":  # every rank, in the same order: it is a collective
             self.parallel.enable_one_shot(self.device.torch_device, self.dtype)

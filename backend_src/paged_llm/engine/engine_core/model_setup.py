@@ -55,6 +55,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         num_speculative_tokens=config.speculative.num_speculative_tokens,
         tensor_parallel_size=config.device.tensor_parallel_size,
         load_format=config.model.load_format,
+        quantization=config.model.quantization,
         all_reduce=config.device.all_reduce,
         torch_compile=config.device.torch_compile,
     )
