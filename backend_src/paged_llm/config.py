@@ -48,8 +48,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # on accelerators: fraction of device memory for weights+KV
     cpu_memory_bytes: int = 1 * GiB  # on CPU, when neither num_blocks nor memory_bytes is given
     enable_prefix_caching: bool = True
+    # auto: the model dtype | fp8 (fp8_e4m3): e4m3 entries, each key / value divided by its layer's
+    # scale (the checkpoint's k_scale / v_scale, else 1.0): half the bytes, twice the tokens
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.block_size_tokens < 1 or self.block_size_tokens > 1024:
             raise ConfigError(f"block_size_tokens must be in [1, 1024], got {self.block_size_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -58,6 +63,10 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory_bytes must be >= 1, got {self.memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

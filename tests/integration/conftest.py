@@ -41,7 +41,13 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     speculative = overrides.pop("speculative", SpeculativeConfig())
     structured_output = overrides.pop("structured_output", StructuredOutputConfig())
     enable_onednn_linear = overrides.pop("enable_onednn_linear", True)
-    cache_fields = {"block_size_tokens", "num_blocks", "enable_prefix_caching", "memory_bytes"}
+    cache_fields = {
+        "block_size_tokens",
+        "num_blocks",
+        "enable_prefix_caching",
+        "memory_bytes",
+        "kv_cache_dtype",
+    }
     cache = {k: v for k, v in overrides.items() if k in cache_fields}
     scheduler = {k: v for k, v in overrides.items() if k not in cache_fields and k != "max_model_len"}
     cache.setdefault("num_blocks", 2048)

@@ -226,3 +226,44 @@ def test_wrong_layouts_are_refused_naming_the_tensor_or_field(
     model_dir = _rewrite(fp8_models["fp8-block"], tmp_path / "bad", edit_tensors, edit_config)
     with pytest.raises(ConfigError, match=message):
         make_engine(model_dir)
+
+
+def _add_kv_scales(tensors):
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.5], dtype=torch.bfloat16)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor([2.0], dtype=torch.bfloat16)
+    tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor(
+        0.25, dtype=torch.bfloat16
+    )  # older: one for both
+
+
+@pytest.mark.parametrize("fp8_kv_cache", [True, False])
+def test_kv_cache_scales_are_read_for_an_fp8_cache_only(fp8_models, tmp_path, fp8_kv_cache):
+    from paged_llm.layers.attention.portable import PortableAttention
+    from paged_llm.models.hf_config import load_model_spec
+    from paged_llm.models.loader import load_model
+
+    model_dir = _rewrite(fp8_models["fp8-channel"], tmp_path / "kv-scales", _add_kv_scales)
+    spec = load_model_spec(model_dir)
+    model = load_model(
+        model_dir,
+        spec,
+        PortableAttention(),
+        64,
+        torch.device("cpu"),
+        torch.float32,
+        False,
+        fp8_kv_cache=fp8_kv_cache,
+    )
+    scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in model.layers]
+    assert scales == ([(0.5, 2.0), (0.25, 0.25)] if fp8_kv_cache else [(1.0, 1.0), (1.0, 1.0)])
+
+
+def test_a_kv_cache_scale_must_be_one_positive_value(fp8_models, tmp_path):
+    def bad(tensors):
+        tensors["model.layers.0.self_attn.k_scale"] = torch.ones(2)
+
+    model_dir = _rewrite(fp8_models["fp8-channel"], tmp_path / "bad-kv-scale", bad)
+    with pytest.raises(
+        ConfigError, match=r"model.layers.0.self_attn.k_scale has shape \(2,\); a KV cache scale"
+    ):
+        make_engine(model_dir, kv_cache_dtype="fp8")

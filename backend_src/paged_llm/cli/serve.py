@@ -89,6 +89,7 @@ def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
         "tensor_parallel_size",
         "load_format",
         "quantization",
+        "kv_cache_dtype",
     )
     for flag in flags:
         value = getattr(args, flag)
@@ -452,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=["fp8"],
         help="fp8: quantize an unquantized checkpoint's projections at load (FP8 checkpoints need no flag)",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="fp8: an e4m3 KV cache (twice the tokens)",
     )
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(

@@ -34,6 +34,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 
@@ -112,6 +114,9 @@ class Attention(nn.Module):
         # The RoPE kernel writes the step's keys and values to the cache, the backend only reads it
         # (where the ops have that kernel: read per call, FusedOps.pytorch_ops() swaps them).
         self.backend_reads_kv_written_in_rope = getattr(backend, "kv_write_in_rope", False)
+        # An FP8 KV cache holds keys / values divided by these (the checkpoint's, else 1.0: the loader)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -143,7 +148,17 @@ class Attention(nn.Module):
             out = self.backend.attend(q, k_cache, v_cache, metadata, self.scale)
         else:
             q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, self.eps, rotary.cos_sin, positions)
-            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+            out = self.backend.forward(
+                q,
+                k,
+                v,
+                kv_cache[0],
+                kv_cache[1],
+                metadata,
+                self.scale,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+            )
         out = self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
         return self.parallel.all_reduce(out), residual
 

@@ -41,15 +41,15 @@ PROJECTIONS = (
 # scales (unused while activations stay in the model dtype) and the KV cache's scales, in the names
 # llm-compressor, ModelOpt and vLLM have used (newest first).
 ACTIVATION_SCALE_SUFFIXES = ("input_scale", "activation_scale")
-KV_SCALE_SUFFIXES = (
-    "self_attn.k_scale",
-    "self_attn.v_scale",
-    "self_attn.k_proj.output_scale",
-    "self_attn.v_proj.output_scale",
-    "self_attn.k_proj.k_scale",
-    "self_attn.v_proj.v_scale",
-    "self_attn.kv_scale",
-)
+KV_SCALE_SUFFIXES = {
+    "self_attn.k_scale": "k",
+    "self_attn.v_scale": "v",
+    "self_attn.k_proj.output_scale": "k",
+    "self_attn.v_proj.output_scale": "v",
+    "self_attn.k_proj.k_scale": "k",
+    "self_attn.v_proj.v_scale": "v",
+    "self_attn.kv_scale": "kv",  # one scale for both (deprecated)
+}
 LAYOUTS = ("fp8-block", "fp8-channel", "fp8-tensor")
 
 
@@ -162,6 +162,12 @@ def _compressed_tensors_layout(quant: dict[str, Any]) -> Fp8Layout:
         )
     kind = "fp8-channel" if strategies == {"channel"} else "fp8-tensor"
     return Fp8Layout(kind, "compressed-tensors", "weight_scale")
+
+
+def kv_scale_target(layer_name: str) -> str | None:
+    """Which cache a per-layer tensor (its name inside model.layers.N) scales: "k", "v", "kv"
+    (both), or None when it is no KV cache scale."""
+    return KV_SCALE_SUFFIXES.get(layer_name)
 
 
 def is_projection_weight(layer_name: str) -> bool:

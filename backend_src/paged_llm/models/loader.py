@@ -86,10 +86,13 @@ def _iter_tensors(
 
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
     by_name = {name: handle for handle in handles for name in handle.keys()}
-    scales = _quantization_tensors(by_name, layout)
+    scales = _weight_scale_tensors(by_name, layout)
     names = [name for name in by_name if name not in scales]
     for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
         handle = by_name[name]
+        if _kv_scale_target(name) is not None:  # replicated, whatever its module splits
+            yield name, handle.get_tensor(name)
+            continue
         split = _split_of(name) if shard.world_size > 1 else None
         if split is None:
             tensor, rows, columns = handle.get_tensor(name), None, None
@@ -101,6 +104,11 @@ def _iter_tensors(
             tensor = view[start:end] if dim == 0 else view[:, start:end]
         if tensor.dtype == fp8.FP8_DTYPE:
             tensor = _dequantized(name, tensor, handle, by_name, layout, rows, columns)
+        elif layout is not None and f"{name.removesuffix('.weight')}.{layout.scale_suffix}" in scales:
+            raise ConfigError(
+                f"checkpoint tensor {name} is {tensor.dtype}, but it has a scale "
+                f"({name.removesuffix('.weight')}.{layout.scale_suffix}) as FP8 weights have"
+            )
         elif layout is not None and layout.source == "online" and _is_projection(name):
             full = handle.get_tensor(name) if split is not None else tensor
             weight, scale = fp8.quantize(full, layout)
@@ -122,10 +130,15 @@ def _take(
     return tensor[:, columns[0] : columns[1]] if columns is not None else tensor
 
 
-def _quantization_tensors(by_name: dict[str, object], layout: fp8.Fp8Layout | None) -> set[str]:
-    """The checkpoint's scale tensors, read with their weights (or not at all: activation and KV
-    cache scales, while activations and the KV cache stay in the model dtype). A weight scale whose
-    weight is missing is refused here; one beside an unquantized weight, when that is read."""
+def _kv_scale_target(hf_name: str) -> str | None:
+    match = _LAYER_RE.match(hf_name)
+    return fp8.kv_scale_target(match.group(2)) if match is not None else None
+
+
+def _weight_scale_tensors(by_name: dict[str, object], layout: fp8.Fp8Layout | None) -> set[str]:
+    """The checkpoint's weight scale tensors, read with their weights, and its static activation
+    scales, not read (activations stay in the model dtype). A weight scale whose weight is missing
+    is refused here; one beside an unquantized weight, when that weight is read."""
     if layout is None:
         return set()
     names = set()
@@ -135,7 +148,7 @@ def _quantization_tensors(by_name: dict[str, object], layout: fp8.Fp8Layout | No
             if f"{module}.weight" not in by_name:
                 raise ConfigError(f"checkpoint tensor {name} scales {module}.weight, which is missing")
             names.add(name)
-        elif leaf in fp8.ACTIVATION_SCALE_SUFFIXES or any(name.endswith(s) for s in fp8.KV_SCALE_SUFFIXES):
+        elif leaf in fp8.ACTIVATION_SCALE_SUFFIXES:
             names.add(name)
     return names
 
@@ -192,10 +205,13 @@ def load_model(
     parallel: TensorParallelGroup | None = None,
     load_format: str = "safetensors",
     quantization: str = "",
+    fp8_kv_cache: bool = False,
 ) -> CausalLM:
     """Builds the model (this rank's share of it) on `device` without initialising weights, then
     copies every tensor in (load_format "dummy": draws random ones on the device instead).
-    `quantization`: "" (the checkpoint's own) or "fp8" (models/fp8.py)."""
+    `quantization`: "" (the checkpoint's own) or "fp8" (models/fp8.py). `fp8_kv_cache`: the layers
+    take the checkpoint's KV cache scales (k_scale / v_scale; ignored for a cache in the model
+    dtype, as vLLM does), 1.0 where it has none."""
     layout = fp8.detect_fp8_layout(_read_config(Path(model_dir)), quantization)
     with torch.device("meta"):
         model = CausalLM(spec, backend, max_positions, ops, parallel)
@@ -217,7 +233,13 @@ def load_model(
     loaded: set[str] = set()
     with torch.no_grad():
         files = checkpoint_files(Path(model_dir))
+        kv_scaled: set[str] = set()
         for hf_name, tensor in _iter_tensors(files, show_progress, spec, shard, layout):
+            kv_target = _kv_scale_target(hf_name)
+            if kv_target is not None:
+                if fp8_kv_cache:
+                    kv_scaled.add(_set_kv_scale(model, hf_name, kv_target, tensor))
+                continue
             target_name, rows = _map_name(spec, shard, hf_name)
             if target_name is None:
                 continue
@@ -236,8 +258,34 @@ def load_model(
             target.copy_(tensor.to(dtype))
             loaded.add(f"{target_name}[{rows}]" if rows is not None else target_name)
     _check_complete(spec, shard, params, loaded)
+    if fp8_kv_cache and shard.rank == 0:
+        if kv_scaled:
+            logger.info(
+                "kv_cache_dtype fp8: the checkpoint's KV cache scales (%s)", ", ".join(sorted(kv_scaled))
+            )
+        else:
+            logger.warning("kv_cache_dtype fp8: the checkpoint has no KV cache scales; 1.0 for every layer")
     model.rotary.build(device, dtype)
     return model.eval()
+
+
+def _set_kv_scale(model: CausalLM, hf_name: str, target: str, tensor: torch.Tensor) -> str:
+    """Sets a layer's FP8 cache scale(s) from a checkpoint tensor ([1] or []); returns its kind."""
+    if tensor.numel() != 1:
+        raise ConfigError(
+            f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}; a KV cache scale is one value"
+        )
+    value = float(tensor.float().item())
+    if not value > 0.0:
+        raise ConfigError(f"checkpoint tensor {hf_name} is {value}; a KV cache scale must be positive")
+    match = _LAYER_RE.match(hf_name)
+    assert match is not None
+    attention = model.layers[int(match.group(1))].self_attn
+    if "k" in target:
+        attention.k_scale = value
+    if "v" in target:
+        attention.v_scale = value
+    return match.group(2)
 
 
 def _read_config(model_dir: Path) -> dict[str, object]:

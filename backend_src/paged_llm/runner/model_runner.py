@@ -81,6 +81,7 @@ class ModelRunner:
         parallel: TensorParallelGroup | None = None,
         load_format: str = "safetensors",
         quantization: str = "",
+        fp8_kv_cache: bool = False,
         all_reduce: str = "auto",
         torch_compile: str = "",
     ) -> None:
@@ -104,6 +105,7 @@ class ModelRunner:
             greedy_only=greedy_only,
             load_format=load_format,
             quantization=quantization,
+            fp8_kv_cache=fp8_kv_cache,
             all_reduce=all_reduce,
             torch_compile=torch_compile,
         )
@@ -123,6 +125,14 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.attention = attention or default_attention(device)
+        # The cache's element type: FP8 entries (layers/attention/portable.py) or the model dtype.
+        self.kv_dtype = torch.float8_e4m3fn if fp8_kv_cache else dtype
+        if fp8_kv_cache and getattr(self.attention, "name", "") != "portable":
+            backend = getattr(self.attention, "name", type(self.attention).__name__)
+            raise ConfigError(
+                "kv_cache_dtype fp8 is read by the portable attention backend (CPU, NPU) so far, not by "
+                f"the {backend} kernels: use kv_cache_dtype auto"
+            )
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
         self.enable_onednn_linear = enable_onednn_linear
@@ -172,6 +182,7 @@ class ModelRunner:
             parallel=self.parallel,
             load_format=self.load_format,
             quantization=self.quantization,
+            fp8_kv_cache=self.kv_dtype == torch.float8_e4m3fn,
         )
         if self.all_reduce == "auto":  # every rank, in the same order: it is a collective
             self.parallel.enable_one_shot(self.device.torch_device, self.dtype)
@@ -213,7 +224,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank (its KV heads; every rank holds as many blocks)."""
-        element_bytes = torch.finfo(self.dtype).bits // 8
+        element_bytes = torch.finfo(self.kv_dtype).bits // 8
         elements_per_token = 2 * self.spec.num_layers * self.shard.num_kv_heads * self.spec.head_dim
         return elements_per_token * element_bytes * self.block_size_tokens
 
@@ -234,8 +245,8 @@ class ModelRunner:
         device = self.device.torch_device
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=device),
             )
             for _ in range(self.spec.num_layers)
         ]

@@ -56,6 +56,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         tensor_parallel_size=config.device.tensor_parallel_size,
         load_format=config.model.load_format,
         quantization=config.model.quantization,
+        fp8_kv_cache=config.cache.is_fp8,
         all_reduce=config.device.all_reduce,
         torch_compile=config.device.torch_compile,
     )

@@ -6,6 +6,10 @@ with a causal mask, a chunk after cached context gathers the context from the ca
 
     keys:     0 ........ start ....... start+q_len-1
     query i:  attends keys j <= start + i          (mask: j <= start + i)
+
+An FP8 (e4m3) cache stores each key / value divided by its layer's scale, saturated to +-448, and
+reads it back times the scale (vLLM's convention); a chunk with no cached context attends to its
+keys as the cache holds them (rounded to FP8 and back), as every later step will.
 """
 
 from __future__ import annotations
@@ -15,21 +19,55 @@ import torch.nn.functional as F
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+
+def to_cache(values: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """`values` as a cache of `cache_dtype` stores them (FP8: divided by `scale`, saturated: a cast
+    need not saturate)."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return values.to(cache_dtype)
+    return (values.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def from_cache(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cache entries as `dtype` values (FP8: times `scale`)."""
+    if stored.dtype != FP8_KV_DTYPE:
+        return stored.to(dtype)
+    return (stored.float() * scale).to(dtype)
+
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Stores new keys/values ([T, kv_heads, head_dim]) at their slots of the paged cache."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    for cache, values, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        stored = to_cache(values, cache.dtype, scale)
+        _as_bits(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, _as_bits(stored))
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes: torch's CPU index_copy_ / index_select take no float8 (2.13)."""
+    return tensor.view(torch.uint8) if tensor.dtype == FP8_KV_DTYPE else tensor
+
+
+def _select_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    return _as_bits(cache).index_select(0, block_ids).view(cache.dtype)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first `num_tokens` cached entries of one sequence: [num_tokens, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks])
+    blocks = _select_blocks(cache, block_table[:num_blocks])
     return blocks.reshape(-1, *cache.shape[2:])[:num_tokens]
 
 
@@ -45,12 +83,15 @@ class PortableAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        """`k_scale` / `v_scale`: the layer's FP8 cache scales (a cache in the model dtype ignores them)."""
+        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
         decode_rows = [i for i, n in enumerate(metadata.query_lens_host) if n == 1]
         if decode_rows:
-            self._decode(query, k_cache, v_cache, metadata, decode_rows, scale, output)
+            self._decode(query, k_cache, v_cache, metadata, decode_rows, scale, output, k_scale, v_scale)
         starts = metadata.query_start_loc.tolist() if len(decode_rows) < metadata.num_seqs else []
         for row, query_len in enumerate(metadata.query_lens_host):
             if query_len == 1:
@@ -60,11 +101,14 @@ class PortableAttention:
             q = query[start : start + query_len]
             if seq_len == query_len:  # nothing cached before this chunk
                 k, v = key[start : start + query_len], value[start : start + query_len]
+                if k_cache.dtype == FP8_KV_DTYPE:  # as later steps will read them
+                    k = from_cache(to_cache(k, k_cache.dtype, k_scale), q.dtype, k_scale)
+                    v = from_cache(to_cache(v, v_cache.dtype, v_scale), q.dtype, v_scale)
                 mask = None
             else:
                 table = metadata.block_tables[row]
-                k = gather_context(k_cache, table, seq_len)
-                v = gather_context(v_cache, table, seq_len)
+                k = from_cache(gather_context(k_cache, table, seq_len), q.dtype, k_scale)
+                v = from_cache(gather_context(v_cache, table, seq_len), q.dtype, v_scale)
                 first_pos = seq_len - query_len
                 q_pos = torch.arange(first_pos, seq_len, device=query.device)
                 mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
@@ -89,6 +133,8 @@ class PortableAttention:
         rows: list[int],
         scale: float,
         output: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
     ) -> None:
         device = query.device
         row_index = torch.tensor(rows, device=device)
@@ -105,11 +151,12 @@ class PortableAttention:
         # k_cache[tables]: advanced indexing took ~2x as long on CPU (Qwen3-0.6B shape, float32).
         flat_tables = tables.reshape(-1)
         shape = (len(rows), num_blocks * block_size, *k_cache.shape[2:])
-        k = k_cache.index_select(0, flat_tables).view(shape)[:, :max_len].transpose(1, 2)
-        v = v_cache.index_select(0, flat_tables).view(shape)[:, :max_len].transpose(1, 2)
+        k = _select_blocks(k_cache, flat_tables).view(shape)[:, :max_len].transpose(1, 2)
+        v = _select_blocks(v_cache, flat_tables).view(shape)[:, :max_len].transpose(1, 2)
         valid = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
         q = query.index_select(0, token_index).unsqueeze(2)  # [B, heads, 1, D]
+        k, v = from_cache(k, q.dtype, k_scale), from_cache(v, q.dtype, v_scale)
         out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+            q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
         )
         output.index_copy_(0, token_index, out.squeeze(2))

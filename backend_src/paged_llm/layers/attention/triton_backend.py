@@ -88,7 +88,12 @@ class TritonAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """`k_scale` / `v_scale`: an FP8 cache's, which these kernels do not read yet (refused at
+        start: runner/model_runner.py)."""
+        assert k_cache.dtype != torch.float8_e4m3fn, "the Triton attention kernels read no FP8 cache yet"
         # The attention kernel reads the new tokens' keys back from the cache, so write first.
         write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         return self.attend(query, k_cache, v_cache, metadata, scale)
