@@ -58,18 +58,54 @@ def test_entries_are_scaled_and_saturated():
     assert torch.equal(to_cache(values, torch.float32, 2.0), values)
 
 
-def test_attention_kernels_that_read_no_fp8_are_refused_at_start(tiny_model_dir):
-    from paged_llm.config import ConfigError
-    from paged_llm.layers.attention.triton_backend import TritonAttention
+def test_an_fp8_block_takes_a_quarter_of_a_float32_one(tiny_model_dir):
     from paged_llm.models.hf_config import load_model_spec
     from paged_llm.runner.device import Device
     from paged_llm.runner.model_runner import ModelRunner
 
     spec = load_model_spec(tiny_model_dir)
-    with pytest.raises(ConfigError, match="kv_cache_dtype fp8 is read by the portable attention backend"):
-        ModelRunner(spec, tiny_model_dir, Device("cpu"), torch.float32, 64, 4, attention=TritonAttention(),
-                    fp8_kv_cache=True)  # fmt: skip
     runner = ModelRunner(spec, tiny_model_dir, Device("cpu"), torch.float32, 64, 4, fp8_kv_cache=True)
     assert runner.kv_dtype == FP8_KV_DTYPE and runner.kv_bytes_per_block * 4 == (
         ModelRunner(spec, tiny_model_dir, Device("cpu"), torch.float32, 64, 4).kv_bytes_per_block
     )
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.25, 2.0)])
+def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(splits, k_scale, v_scale):
+    """TritonAttention (compiled on CUDA, the interpreter on CPU) over an FP8 cache: the same cache
+    bytes and, to 1e-4, the same attention as the portable path. The step's keys and values lie on
+    the FP8 grid (times a power-of-two scale) or beyond +-448 x scale (saturated): the Triton 3.6
+    interpreter rounds a value just below a power of two down a binade (-1.999 -> -1.0) and flushes
+    subnormals, where torch and the GPU's conversion round to nearest."""
+    from paged_llm.layers.attention.triton_backend import TritonAttention
+    from tests.unit.test_triton_attention import DEVICE, MIXED, context_slots
+
+    device = torch.device(DEVICE)
+    metadata = build_metadata(MIXED, BLOCK_SIZE, device)
+    q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 16, BLOCK_SIZE, torch.float32, device)
+
+    def away_from_zero(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.sign(x) * (x.abs() + 0.03 * scale) * 4
+
+    def on_the_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
+        values = _rounded(away_from_zero(x, scale), scale)
+        values.view(-1)[::7] = 1000.0 * scale  # saturated on the way in
+        return values
+
+    k, v = on_the_grid(k, k_scale), on_the_grid(v, v_scale)
+    fp8_k = to_cache(away_from_zero(k_cache, k_scale), FP8_KV_DTYPE, k_scale)
+    fp8_v = to_cache(away_from_zero(v_cache, v_scale), FP8_KV_DTYPE, v_scale)
+    portable_k, portable_v = fp8_k.clone(), fp8_v.clone()
+    scale = 16**-0.5
+    expected = PortableAttention().forward(
+        q, k, v, portable_k, portable_v, metadata, scale, k_scale=k_scale, v_scale=v_scale
+    )
+    actual = TritonAttention(num_splits=splits).forward(
+        q, k, v, fp8_k, fp8_v, metadata, scale, k_scale=k_scale, v_scale=v_scale
+    )
+    valid = context_slots(metadata, BLOCK_SIZE).to(device)
+    for triton_cache, portable_cache in ((fp8_k, portable_k), (fp8_v, portable_v)):
+        written = triton_cache.view(torch.uint8).view(-1, 2, 16)[valid]
+        assert torch.equal(written, portable_cache.view(torch.uint8).view(-1, 2, 16)[valid])
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)  # as test_triton_attention

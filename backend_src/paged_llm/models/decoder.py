@@ -139,7 +139,13 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
-        if self.backend_reads_kv_written_in_rope and self.ops.qk_norm_rope_write_kv is not None:
+        # The fused RoPE kernel writes a cache in the model dtype only; an FP8 one the backend writes.
+        fused_write = kv_cache[0].dtype != torch.float8_e4m3fn
+        if (
+            fused_write
+            and self.backend_reads_kv_written_in_rope
+            and self.ops.qk_norm_rope_write_kv is not None
+        ):
             k_cache, v_cache = kv_cache
             q = self.ops.qk_norm_rope_write_kv(
                 q, k, v, q_weight, k_weight, self.eps, rotary.cos_sin, positions, k_cache, v_cache,

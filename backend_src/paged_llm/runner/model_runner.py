@@ -125,14 +125,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.attention = attention or default_attention(device)
-        # The cache's element type: FP8 entries (layers/attention/portable.py) or the model dtype.
+        # The cache's element type: FP8 entries (key / the layer's k_scale) or the model dtype.
         self.kv_dtype = torch.float8_e4m3fn if fp8_kv_cache else dtype
-        if fp8_kv_cache and getattr(self.attention, "name", "") != "portable":
-            backend = getattr(self.attention, "name", type(self.attention).__name__)
-            raise ConfigError(
-                "kv_cache_dtype fp8 is read by the portable attention backend (CPU, NPU) so far, not by "
-                f"the {backend} kernels: use kv_cache_dtype auto"
-            )
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
         self.enable_onednn_linear = enable_onednn_linear

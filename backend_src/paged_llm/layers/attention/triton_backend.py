@@ -91,12 +91,10 @@ class TritonAttention:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        """`k_scale` / `v_scale`: an FP8 cache's, which these kernels do not read yet (refused at
-        start: runner/model_runner.py)."""
-        assert k_cache.dtype != torch.float8_e4m3fn, "the Triton attention kernels read no FP8 cache yet"
+        """`k_scale` / `v_scale`: an FP8 cache's (it holds key / k_scale, saturated)."""
         # The attention kernel reads the new tokens' keys back from the cache, so write first.
-        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend(query, k_cache, v_cache, metadata, scale)
+        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self.attend(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
 
     def attend(
         self,
@@ -105,6 +103,8 @@ class TritonAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """forward() without the cache write: the decoder's fused q/k-norm + RoPE kernel wrote the
         step's keys and values (FusedOps.qk_norm_rope_write_kv), one launch per layer fewer."""
@@ -118,4 +118,6 @@ class TritonAttention:
             metadata.max_query_len,
             scale,
             num_splits=self.num_splits(query, k_cache, metadata),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
