@@ -67,8 +67,11 @@ def _hf_greedy_float64(model_dir: Path, prompts: list[list[int]]) -> list[list[i
 
 def _engine_greedy(model_dir: Path, prompts: list[list[int]], **overrides) -> list[list[int]]:
     engine = make_engine(model_dir, **overrides)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    return [r[0].token_ids for r in run_to_completion(engine, prompts, params)]
+    try:  # shut down: a tensor-parallel engine is one per process
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        return [r[0].token_ids for r in run_to_completion(engine, prompts, params)]
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
