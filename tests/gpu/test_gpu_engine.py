@@ -42,10 +42,12 @@ def hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-def cuda_engine(model_dir, torch_compile: str = "", **scheduler) -> LLMEngine:
+def cuda_engine(model_dir, torch_compile: str = "", kv_cache_dtype: str = "auto", **scheduler) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32"),
-        cache=CacheConfig(num_blocks=scheduler.pop("num_blocks", 1024), block_size_tokens=16),
+        cache=CacheConfig(
+            num_blocks=scheduler.pop("num_blocks", 1024), block_size_tokens=16, kv_cache_dtype=kv_cache_dtype
+        ),
         scheduler=SchedulerConfig(**scheduler),
         device=DeviceConfig(device="cuda", torch_compile=torch_compile),
     )
@@ -58,6 +60,23 @@ def test_greedy_matches_hf_on_gpu(model_dir, prompts):
     assert engine.core.runner.graphs is not None and engine.core.runner.attention.name == "triton"
     results = run_to_completion(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [r[0].token_ids for r in results] == expected
+
+
+def test_fp8_kv_cache_gives_the_portable_paths_tokens(model_dir, prompts):
+    """kv_cache_dtype fp8 through the Triton kernels and the decode CUDA graphs: the tokens of the
+    CPU engine's portable path over an FP8 cache (both float32 models: the same FP8 entries up to a
+    rounding flip of a key computed ~1e-7 apart)."""
+    from tests.integration.conftest import make_engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    cpu = make_engine(model_dir, kv_cache_dtype="fp8")
+    try:
+        expected = [r[0].token_ids for r in run_to_completion(cpu, prompts, params)]
+    finally:
+        cpu.shutdown()
+    engine = cuda_engine(model_dir, kv_cache_dtype="fp8", max_num_seqs=32)
+    assert engine.core.runner.graphs is not None and engine.core.runner.kv_dtype == torch.float8_e4m3fn
+    assert [r[0].token_ids for r in run_to_completion(engine, prompts, params)] == expected
 
 
 def test_torch_compiled_decode_graphs_match_hf(model_dir, prompts):
