@@ -69,7 +69,7 @@ def test_fp8_kv_cache_gives_the_portable_paths_tokens(model_dir, prompts):
     from tests.integration.conftest import make_engine
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    cpu = make_engine(model_dir, kv_cache_dtype="fp8")
+    cpu = make_engine(model_dir, kv_cache_dtype="fp8", device="cpu")
     try:
         expected = [r[0].token_ids for r in run_to_completion(cpu, prompts, params)]
     finally:

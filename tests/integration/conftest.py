@@ -33,7 +33,8 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     """A float32 CPU engine on `model_dir`; overrides go to the cache/scheduler sections. With
     core_mode="process" the caller shuts it down (the `engines` fixture does); `sessions` is the
     SessionConfig, `speculative` the SpeculativeConfig, `tensor_parallel_size` the ranks,
-    `enable_onednn_linear` the DeviceConfig's, `load_format` and `quantization` the ModelConfig's."""
+    `enable_onednn_linear` and `device` the DeviceConfig's, `load_format` and `quantization` the
+    ModelConfig's."""
     sessions = overrides.pop("sessions", SessionConfig())
     tensor_parallel_size = overrides.pop("tensor_parallel_size", 1)
     load_format = overrides.pop("load_format", "safetensors")
@@ -41,6 +42,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     speculative = overrides.pop("speculative", SpeculativeConfig())
     structured_output = overrides.pop("structured_output", StructuredOutputConfig())
     enable_onednn_linear = overrides.pop("enable_onednn_linear", True)
+    device = overrides.pop("device", "auto")
     cache_fields = {
         "block_size_tokens",
         "num_blocks",
@@ -65,7 +67,9 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
         speculative=speculative,
         structured_output=structured_output,
         device=DeviceConfig(
-            tensor_parallel_size=tensor_parallel_size, enable_onednn_linear=enable_onednn_linear
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_onednn_linear=enable_onednn_linear,
         ),
     )
     return LLMEngine(config, show_progress=False, core_mode=core_mode)
