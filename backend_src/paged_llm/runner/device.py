@@ -138,6 +138,13 @@ class Device:
             return None
         return int(torch.cuda.get_device_properties(self.torch_device).multi_processor_count)
 
+    def supports_fp8(self) -> bool:
+        """FP8 (e4m3) conversions in the Triton kernels: CUDA compute capability 8.9+ (Ada, Hopper);
+        the portable paths (CPU, NPU) convert in PyTorch."""
+        if self.kind != "cuda":
+            return True
+        return torch.cuda.get_device_capability(self.torch_device) >= (8, 9)
+
     def describe(self) -> str:
         if self.is_accelerator:
             return f"{self.torch_device} ({self._module().get_device_name(self.torch_device)})"

@@ -127,6 +127,11 @@ class ModelRunner:
         self.attention = attention or default_attention(device)
         # The cache's element type: FP8 entries (key / the layer's k_scale) or the model dtype.
         self.kv_dtype = torch.float8_e4m3fn if fp8_kv_cache else dtype
+        if fp8_kv_cache and not device.supports_fp8():
+            raise ConfigError(
+                f"kv_cache_dtype fp8 needs a GPU with FP8 conversions (compute capability 8.9+: Ada, "
+                f"Hopper); {device.describe()} has none: use kv_cache_dtype auto"
+            )
         self.use_cuda_graphs = enable_cuda_graphs and device.supports_graphs
         self.enable_triton_gemv = enable_triton_gemv
         self.enable_onednn_linear = enable_onednn_linear
