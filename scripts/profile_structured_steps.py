@@ -3,11 +3,11 @@
 Runs the offline engine (in-process core) on a closed loop of requests, unconstrained and then all
 held to bench_structured's 10-property schema, and reports per step: the host time of each phase
 (launch = schedule + inputs + enqueue; wait = the host blocked on the device's tokens; update =
-the scheduler taking the tokens, grammars included; fill = the grammar bitmask, on a background
-thread for steps launched ahead; sample_deferred = the deferred sampling, its wait for that fill
-(fill_wait) included; absorb = output processing) and the device time of the forward and of the
-sampling (CUDA events; CPU runs report host phases only). A step whose device time is far below
-its wall time is waiting for the host.
+the scheduler taking the tokens, grammars included (accept: their one xgrammar call); fill = the
+grammar bitmask, on a background thread for steps launched ahead; sample_deferred = the deferred
+sampling, its wait for that fill (fill_wait) included; absorb = output processing) and the device
+time of the forward and of the sampling (CUDA events; CPU runs report host phases only). A step
+whose device time is far below its wall time is waiting for the host.
 
     python scripts/profile_structured_steps.py --launch REPO --concurrency 64 --json out.json
 """
@@ -106,11 +106,12 @@ def install(timer: PhaseTimer, engine: Any) -> None:
     from paged_llm.runner.model_runner import ModelRunner
     from paged_llm.runner.step_types import LaunchedStep
     from paged_llm.sampling.sampler import SamplingMetadata
-    from paged_llm.structured_output.grammar import StepBitmask
+    from paged_llm.structured_output.grammar import SequenceGrammar, StepBitmask
 
     timer.wrap(EngineCore, "launch_step", "launch")
     timer.wrap(LaunchedStep, "result", "wait")
     timer.wrap(type(engine.client.core.scheduler), "update_from_output", "update")
+    timer.wrap(SequenceGrammar, "accept_tokens", "accept")  # the update's xgrammar call
     timer.wrap(ModelRunner, "sample_deferred", "sample_deferred")
     timer.wrap(StepBitmask, "_fill_rows", "fill")  # on the fill thread when started ahead
     timer.wrap(StepBitmask, "finish", "fill_wait")
