@@ -270,3 +270,13 @@ def test_a_kv_cache_scale_must_be_one_positive_value(fp8_models, tmp_path):
         ConfigError, match=r"model.layers.0.self_attn.k_scale has shape \(2,\); a KV cache scale"
     ):
         make_engine(model_dir, kv_cache_dtype="fp8")
+
+
+def test_quantization_fp8_does_not_guess_an_fp8_checkpoints_scales(fp8_models, tmp_path):
+    """FP8 weights with no quantization_config are refused with quantization fp8 too (which
+    quantizes unquantized weights), not read as per-channel."""
+    model_dir = _rewrite(fp8_models["fp8-channel"], tmp_path / "no-config", None, _no_quantization_config)
+    with pytest.raises(
+        ConfigError, match=r"is torch\.float8_e4m3fn, but config\.json has no quantization_config"
+    ):
+        make_engine(model_dir, quantization="fp8")

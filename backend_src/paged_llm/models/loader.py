@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,7 +164,7 @@ def _dequantized(
     columns: tuple[int, int] | None,
 ) -> torch.Tensor:
     """An FP8 weight (or this rank's slice of it) times its scales, refusing what does not fit."""
-    if layout is None:
+    if layout is None or layout.source == "online":  # quantization fp8 quantizes unquantized weights
         raise ConfigError(
             f"checkpoint tensor {name} is {fp8.FP8_DTYPE}, but config.json has no quantization_config "
             "saying how it is scaled"
@@ -233,12 +234,14 @@ def load_model(
     loaded: set[str] = set()
     with torch.no_grad():
         files = checkpoint_files(Path(model_dir))
-        kv_scaled: set[str] = set()
+        kv_scaled: dict[str, set[int]] = {"k": set(), "v": set()}  # layers given a scale
         for hf_name, tensor in _iter_tensors(files, show_progress, spec, shard, layout):
             kv_target = _kv_scale_target(hf_name)
             if kv_target is not None:
                 if fp8_kv_cache:
-                    kv_scaled.add(_set_kv_scale(model, hf_name, kv_target, tensor))
+                    layer = _set_kv_scale(model, hf_name, kv_target, tensor)
+                    for cache in kv_target:
+                        kv_scaled[cache].add(layer)
                 continue
             target_name, rows = _map_name(spec, shard, hf_name)
             if target_name is None:
@@ -259,25 +262,40 @@ def load_model(
             loaded.add(f"{target_name}[{rows}]" if rows is not None else target_name)
     _check_complete(spec, shard, params, loaded)
     if fp8_kv_cache and shard.rank == 0:
-        if kv_scaled:
-            logger.info(
-                "kv_cache_dtype fp8: the checkpoint's KV cache scales (%s)", ", ".join(sorted(kv_scaled))
-            )
-        else:
-            logger.warning("kv_cache_dtype fp8: the checkpoint has no KV cache scales; 1.0 for every layer")
+        _log_kv_scales(kv_scaled, spec.num_layers)
     model.rotary.build(device, dtype)
     return model.eval()
 
 
-def _set_kv_scale(model: CausalLM, hf_name: str, target: str, tensor: torch.Tensor) -> str:
-    """Sets a layer's FP8 cache scale(s) from a checkpoint tensor ([1] or []); returns its kind."""
+def _log_kv_scales(kv_scaled: dict[str, set[int]], num_layers: int) -> None:
+    """Says which layers' FP8 cache scales came from the checkpoint; 1.0 elsewhere (as vLLM), which
+    saturates keys or values beyond +-448."""
+    if not kv_scaled["k"] and not kv_scaled["v"]:
+        logger.warning("kv_cache_dtype fp8: the checkpoint has no KV cache scales; 1.0 for every layer")
+        return
+    for cache, layers in kv_scaled.items():
+        missing = sorted(set(range(num_layers)) - layers)
+        if missing:
+            logger.warning(
+                "kv_cache_dtype fp8: no %s scale in the checkpoint for layers %s; 1.0 there", cache, missing
+            )
+    logger.info(
+        "kv_cache_dtype fp8: the checkpoint's KV cache scales for %d layers",
+        len(kv_scaled["k"] | kv_scaled["v"]),
+    )
+
+
+def _set_kv_scale(model: CausalLM, hf_name: str, target: str, tensor: torch.Tensor) -> int:
+    """Sets a layer's FP8 cache scale(s) from a checkpoint tensor ([1] or []); returns the layer."""
     if tensor.numel() != 1:
         raise ConfigError(
             f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}; a KV cache scale is one value"
         )
     value = float(tensor.float().item())
-    if not value > 0.0:
-        raise ConfigError(f"checkpoint tensor {hf_name} is {value}; a KV cache scale must be positive")
+    if not (math.isfinite(value) and value > 0.0):
+        raise ConfigError(
+            f"checkpoint tensor {hf_name} is {value}; a KV cache scale must be finite and positive"
+        )
     match = _LAYER_RE.match(hf_name)
     assert match is not None
     attention = model.layers[int(match.group(1))].self_attn
@@ -285,7 +303,7 @@ def _set_kv_scale(model: CausalLM, hf_name: str, target: str, tensor: torch.Tens
         attention.k_scale = value
     if "v" in target:
         attention.v_scale = value
-    return match.group(2)
+    return int(match.group(1))
 
 
 def _read_config(model_dir: Path) -> dict[str, object]:

@@ -28,7 +28,9 @@ def to_cache(values: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0)
     need not saturate)."""
     if cache_dtype != FP8_KV_DTYPE:
         return values.to(cache_dtype)
-    return (values.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    # Times the reciprocal, as the Triton kernels do (their float32 division is approximate): both
+    # paths store the same bytes.
+    return (values.float() * (1.0 / scale)).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
 
 
 def from_cache(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

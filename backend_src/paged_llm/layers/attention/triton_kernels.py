@@ -39,7 +39,7 @@ FP8_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value (an FP8 KV cache)
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_inv_scale, v_inv_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -56,9 +56,10 @@ def _write_kv_kernel(
     cache_off += heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    if KV_FP8:  # divided by the layer's scale, saturated (a cast to FP8 need not saturate)
-        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+    if KV_FP8:  # divided by the layer's scale (times 1 / scale: a float32 `/` here is approximate,
+        # the portable path's is not), saturated (a cast to FP8 need not saturate)
+        k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -252,7 +253,7 @@ def write_kv_cache(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
