@@ -20,7 +20,13 @@ from paged_llm.launcher.shm_regions import SHM_DIR, remove_orphaned_shm_regions
 from paged_llm.launcher.supervise import DEAD_STUB_EXIT_STATUS, STUB_CHECK_INTERVAL_S
 from tests.e2e.client import http_post, stream
 from tests.e2e.metrics import value, wait_for
-from tests.e2e.server import RunningServer, free_ports, make_model_repository, start_server
+from tests.e2e.server import (
+    RunningServer,
+    free_ports,
+    live_children_named,
+    make_model_repository,
+    start_server,
+)
 from tests.e2e.test_robustness import StreamClient, our_processes
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -251,8 +257,7 @@ def test_a_server_that_fails_on_a_busy_port_after_loading_leaves_nothing(tmp_pat
 
 
 def _stubs(launcher_pid: int) -> list[psutil.Process]:
-    children = psutil.Process(launcher_pid).children(recursive=True)
-    return [p for p in children if p.name() == "triton_python_backend_stub" and p.status() != "zombie"]
+    return live_children_named(launcher_pid, "triton_python_backend_stub", recursive=True)
 
 
 def test_a_test_run_killed_hard_leaves_no_server_behind(tmp_path):
@@ -441,7 +446,7 @@ def test_make_serve_removes_the_shared_memory_its_killed_server_left(tmp_path):
         [region] = [arg for arg in stub.cmdline() if arg.startswith("triton_python_backend_shm_region_")]
         time.sleep(2 * STUB_CHECK_INTERVAL_S)  # the launcher has seen the stub
         # (the launcher's other child is its HTTP guard)
-        [tritonserver] = [p for p in psutil.Process(launcher.pid).children() if p.name() == "tritonserver"]
+        [tritonserver] = live_children_named(launcher.pid, "tritonserver")
         tritonserver.kill()
         assert launcher.wait(timeout=60) != 0
         assert not stub.is_running() or stub.status() == psutil.STATUS_ZOMBIE

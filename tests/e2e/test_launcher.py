@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from paged_llm.testing.server_process import free_ports, http_status, stop_process_group, wait_until_healthy
+from tests.e2e.server import live_children_named
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,7 +38,7 @@ class Served:
         return self.log_path.read_text(errors="replace")
 
     def tritonserver(self) -> psutil.Process:
-        [server] = [p for p in psutil.Process(self.process.pid).children() if p.name() == "tritonserver"]
+        [server] = live_children_named(self.process.pid, "tritonserver")
         return server
 
 
