@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from paged_llm.config import ConfigError
+from paged_llm.layers.fp8_format import E4M3, E4M3_MAX
 from paged_llm.models import fp8
 from paged_llm.models.random_model import fp8_quantization_config
 
@@ -79,7 +80,7 @@ def test_block_dequantization_equals_transformers(shape):
 
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.05
     quantized, scale = fp8.quantize(weight, BLOCK, torch.bfloat16)
-    assert quantized.dtype == fp8.FP8_DTYPE and scale.dtype == torch.bfloat16
+    assert quantized.dtype == E4M3 and scale.dtype == torch.bfloat16
     assert tuple(scale.shape) == ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
     ours = fp8.dequantize(quantized, scale, BLOCK)
     theirs = _dequantize_fp8_weight(quantized, scale.float(), [128, 128], torch.float32)
@@ -102,7 +103,7 @@ def test_channel_and_tensor_scales(kind):
         assert torch.equal(
             scale[:, 0], torch.where(weight.abs().amax(1) > 0, weight.abs().amax(1) / 448, 1.0)
         )
-    assert quantized.float().abs().max().item() == fp8.FP8_MAX  # the largest value maps to 448
+    assert quantized.float().abs().max().item() == E4M3_MAX  # the largest value maps to 448
 
 
 @pytest.mark.parametrize(

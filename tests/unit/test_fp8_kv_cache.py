@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_llm.layers.attention.portable import FP8_KV_DTYPE, PortableAttention, from_cache, to_cache
+from paged_llm.layers.attention.portable import PortableAttention, from_cache, to_cache
+from paged_llm.layers.fp8_format import E4M3
 from tests.unit.test_triton_attention import build_metadata, make_inputs
 
 BLOCK_SIZE = 4
 
 
 def _rounded(values: torch.Tensor, scale: float) -> torch.Tensor:
-    return from_cache(to_cache(values, FP8_KV_DTYPE, scale), torch.float32, scale)
+    return from_cache(to_cache(values, E4M3, scale), torch.float32, scale)
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,7 @@ def _rounded(values: torch.Tensor, scale: float) -> torch.Tensor:
 def test_attention_over_fp8_blocks_equals_attention_over_their_values(chunks, k_scale, v_scale):
     metadata = build_metadata(chunks, BLOCK_SIZE, torch.device("cpu"))
     q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 16, BLOCK_SIZE, torch.float32, "cpu")
-    fp8_k, fp8_v = to_cache(k_cache, FP8_KV_DTYPE, k_scale), to_cache(v_cache, FP8_KV_DTYPE, v_scale)
+    fp8_k, fp8_v = to_cache(k_cache, E4M3, k_scale), to_cache(v_cache, E4M3, v_scale)
     # The reference: a float32 cache holding exactly what the FP8 one holds, and the step's keys
     # and values rounded the same way (the FP8 path reads every key from the cache or as it would).
     ref_k, ref_v = from_cache(fp8_k, torch.float32, k_scale), from_cache(fp8_v, torch.float32, v_scale)
@@ -40,7 +41,7 @@ def test_attention_over_fp8_blocks_equals_attention_over_their_values(chunks, k_
         q, k, v, fp8_k, fp8_v, metadata, scale, k_scale=k_scale, v_scale=v_scale
     )
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
-    assert fp8_k.dtype == FP8_KV_DTYPE
+    assert fp8_k.dtype == E4M3
     assert torch.equal(from_cache(fp8_k, torch.float32, k_scale), ref_k)  # the new tokens written alike
     assert torch.equal(from_cache(fp8_v, torch.float32, v_scale), ref_v)
     # and the FP8 rounding is there to see: the unrounded keys give another result
@@ -50,8 +51,8 @@ def test_attention_over_fp8_blocks_equals_attention_over_their_values(chunks, k_
 
 def test_entries_are_scaled_and_saturated():
     values = torch.tensor([0.0, 1.0, -2.5, 1000.0, -1000.0, 0.3])
-    stored = to_cache(values, FP8_KV_DTYPE, 2.0)
-    assert stored.dtype == FP8_KV_DTYPE
+    stored = to_cache(values, E4M3, 2.0)
+    assert stored.dtype == E4M3
     assert stored.float().tolist() == [0.0, 0.5, -1.25, 448.0, -448.0, 0.15625]
     assert from_cache(stored, torch.float32, 2.0).tolist() == [0.0, 1.0, -2.5, 896.0, -896.0, 0.3125]
     # a cache in the model dtype ignores the scale
@@ -65,7 +66,7 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_one(tiny_model_dir):
 
     spec = load_model_spec(tiny_model_dir)
     runner = ModelRunner(spec, tiny_model_dir, Device("cpu"), torch.float32, 64, 4, fp8_kv_cache=True)
-    assert runner.kv_dtype == FP8_KV_DTYPE and runner.kv_bytes_per_block * 4 == (
+    assert runner.kv_dtype == E4M3 and runner.kv_bytes_per_block * 4 == (
         ModelRunner(spec, tiny_model_dir, Device("cpu"), torch.float32, 64, 4).kv_bytes_per_block
     )
 
@@ -94,8 +95,8 @@ def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(splits, k_sc
         return values
 
     k, v = on_the_grid(k, k_scale), on_the_grid(v, v_scale)
-    fp8_k = to_cache(away_from_zero(k_cache, k_scale), FP8_KV_DTYPE, k_scale)
-    fp8_v = to_cache(away_from_zero(v_cache, v_scale), FP8_KV_DTYPE, v_scale)
+    fp8_k = to_cache(away_from_zero(k_cache, k_scale), E4M3, k_scale)
+    fp8_v = to_cache(away_from_zero(v_cache, v_scale), E4M3, v_scale)
     portable_k, portable_v = fp8_k.clone(), fp8_v.clone()
     scale = 16**-0.5
     expected = PortableAttention().forward(

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models.hf_config import ModelSpec, RopeSpec
@@ -140,7 +141,7 @@ class Attention(nn.Module):
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
         # The fused RoPE kernel writes a cache in the model dtype only; an FP8 one the backend writes.
-        fused_write = kv_cache[0].dtype != torch.float8_e4m3fn
+        fused_write = kv_cache[0].dtype != E4M3
         if (
             fused_write
             and self.backend_reads_kv_written_in_rope

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from paged_llm.config import ConfigError
+from paged_llm.layers.fp8_format import E4M3, E4M3_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value
 PROJECTIONS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -235,7 +234,7 @@ def quantize(
         amax = values.abs().amax(dim=1, keepdim=True)
     else:
         amax = values.abs().amax().reshape(1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
     expanded = dequantize(torch.ones_like(values), scale, layout)
-    quantized = (values / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    quantized = (values / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return quantized, scale

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from paged_llm.config import ConfigError
+from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models import fp8
@@ -103,7 +104,7 @@ def _iter_tensors(
             view = handle.get_slice(name)
             rows, columns = ((start, end), None) if dim == 0 else (None, (start, end))
             tensor = view[start:end] if dim == 0 else view[:, start:end]
-        if tensor.dtype == fp8.FP8_DTYPE:
+        if tensor.dtype == E4M3:
             tensor = _dequantized(name, tensor, handle, by_name, layout, rows, columns)
         elif layout is not None and f"{name.removesuffix('.weight')}.{layout.scale_suffix}" in scales:
             raise ConfigError(
@@ -166,12 +167,12 @@ def _dequantized(
     """An FP8 weight (or this rank's slice of it) times its scales, refusing what does not fit."""
     if layout is None or layout.source == "online":  # quantization fp8 quantizes unquantized weights
         raise ConfigError(
-            f"checkpoint tensor {name} is {fp8.FP8_DTYPE}, but config.json has no quantization_config "
+            f"checkpoint tensor {name} is {E4M3}, but config.json has no quantization_config "
             "saying how it is scaled"
         )
     if not _is_projection(name):
         raise ConfigError(
-            f"checkpoint tensor {name} is {fp8.FP8_DTYPE}: only the decoder layers' projections "
+            f"checkpoint tensor {name} is {E4M3}: only the decoder layers' projections "
             f"({', '.join(fp8.PROJECTIONS)}) may be FP8"
         )
     module = name[: -len(".weight")]

@@ -22,6 +22,7 @@ from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.errors import TensorParallelError
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.portable import PortableAttention
+from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup, all_ranks_min
 from paged_llm.models.decoder import AttentionBackend, CausalLM
@@ -126,7 +127,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.attention = attention or default_attention(device)
         # The cache's element type: FP8 entries (key / the layer's k_scale) or the model dtype.
-        self.kv_dtype = torch.float8_e4m3fn if fp8_kv_cache else dtype
+        self.kv_dtype = E4M3 if fp8_kv_cache else dtype
         if fp8_kv_cache and not device.supports_fp8():
             raise ConfigError(
                 f"kv_cache_dtype fp8 needs a GPU with FP8 conversions (compute capability 8.9+: Ada, "
@@ -181,7 +182,7 @@ class ModelRunner:
             parallel=self.parallel,
             load_format=self.load_format,
             quantization=self.quantization,
-            fp8_kv_cache=self.kv_dtype == torch.float8_e4m3fn,
+            fp8_kv_cache=self.kv_dtype == E4M3,
         )
         if self.all_reduce == "auto":  # every rank, in the same order: it is a collective
             self.parallel.enable_one_shot(self.device.torch_device, self.dtype)

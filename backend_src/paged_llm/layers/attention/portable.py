@@ -18,24 +18,22 @@ import torch
 import torch.nn.functional as F
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = 448.0
+from paged_llm.layers.fp8_format import E4M3, E4M3_MAX
 
 
 def to_cache(values: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """`values` as a cache of `cache_dtype` stores them (FP8: divided by `scale`, saturated: a cast
     need not saturate)."""
-    if cache_dtype != FP8_KV_DTYPE:
+    if cache_dtype != E4M3:
         return values.to(cache_dtype)
     # Times the reciprocal, as the Triton kernels do (their float32 division is approximate): both
     # paths store the same bytes.
-    return (values.float() * (1.0 / scale)).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    return (values.float() * (1.0 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def from_cache(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """Cache entries as `dtype` values (FP8: times `scale`)."""
-    if stored.dtype != FP8_KV_DTYPE:
+    if stored.dtype != E4M3:
         return stored.to(dtype)
     return (stored.float() * scale).to(dtype)
 
@@ -58,7 +56,7 @@ def write_kv_cache(
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """FP8 tensors as their bytes: torch's CPU index_copy_ / index_select take no float8 (2.13)."""
-    return tensor.view(torch.uint8) if tensor.dtype == FP8_KV_DTYPE else tensor
+    return tensor.view(torch.uint8) if tensor.dtype == E4M3 else tensor
 
 
 def _select_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -103,7 +101,7 @@ class PortableAttention:
             q = query[start : start + query_len]
             if seq_len == query_len:  # nothing cached before this chunk
                 k, v = key[start : start + query_len], value[start : start + query_len]
-                if k_cache.dtype == FP8_KV_DTYPE:  # as later steps will read them
+                if k_cache.dtype == E4M3:  # as later steps will read them
                     k = from_cache(to_cache(k, k_cache.dtype, k_scale), q.dtype, k_scale)
                     v = from_cache(to_cache(v, v_cache.dtype, v_scale), q.dtype, v_scale)
                 mask = None

@@ -29,12 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_llm.layers.fp8_format import E4M3, E4M3_MAX
 from paged_llm.layers.powers_of_two import next_power_of_2
 
 # The max/sum of the online softmax live in log2 units: exp2 is the fast hardware path.
 LOG2E = 1.4426950408889634
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split of a prompt chunk's query block, at least
-FP8_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value (an FP8 KV cache)
+FP8_MAX = tl.constexpr(E4M3_MAX)  # an FP8 KV cache's bound (a jit function reads constexpr globals)
 
 
 @triton.jit
@@ -258,7 +259,7 @@ def write_kv_cache(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         KV_HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM_P=next_power_of_2(head_dim),
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=k_cache.dtype == E4M3,
         num_warps=1 if num_kv_heads * head_dim <= 256 else 4,
     )  # fmt: skip
 
@@ -381,7 +382,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32", PREFETCH_BLOCKS=prefetch_blocks,
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=k_cache.dtype == E4M3,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
