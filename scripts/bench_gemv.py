@@ -130,13 +130,18 @@ class KernelCase:
         def run(i: int) -> None:
             if self.kernel == "norm_gemv":
                 _norm_gemv_kernel[grid](
-                    self.x, self.residual, self.norm_weight, self.weights[i], self.out, self.residual_out,
-                    n, k, EPS, HAS_RESIDUAL=True, K_P=triton.next_power_of_2(k), **blocks,
+                    self.x, self.residual, self.norm_weight, self.weights[i], self.weights[i], self.out,
+                    self.residual_out, n, k, EPS, HAS_RESIDUAL=True, W_SCALED=False,
+                    K_P=triton.next_power_of_2(k), **blocks,
                 )  # fmt: skip
             elif self.kernel == "silu_mul_gemv":
-                _silu_mul_gemv_kernel[grid](self.x, self.weights[i], self.out, n, k, **blocks)
+                _silu_mul_gemv_kernel[grid](
+                    self.x, self.weights[i], self.weights[i], self.out, n, k, W_SCALED=False, **blocks
+                )  # fmt: skip
             else:
-                _gemv_kernel[grid](self.x, self.weights[i], self.out, n, k, **blocks)
+                _gemv_kernel[grid](
+                    self.x, self.weights[i], self.weights[i], self.out, n, k, W_SCALED=False, **blocks
+                )  # fmt: skip
 
         return run
 

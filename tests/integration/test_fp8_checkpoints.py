@@ -132,6 +132,37 @@ def test_each_layout_gives_the_tokens_of_its_dequantized_weights(fp8_models, lay
     assert _engine_greedy(model_dir, chosen) == expected
 
 
+@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-tensor", "online"])
+def test_weights_kept_in_fp8_give_the_dequantized_tokens(fp8_models, layout, prompts, tmp_path, monkeypatch):
+    """Projections kept in FP8 with a scale a row (what CUDA sm90 does; forced here, where the
+    layer dequantizes for each call) give the tokens of the weights dequantized at load, and
+    hold FP8 bytes and float32 row scales."""
+    from paged_llm.models import loader
+    from paged_llm.models.decoder import projections
+
+    if layout == "online":
+        model_dir = write_random_model(tmp_path / "bf16", "tiny-llama", "bfloat16", seed=7, std=0.05)
+        overrides = {"quantization": "fp8"}
+    else:
+        model_dir, overrides = fp8_models[layout], {}
+    chosen = prompts[:4]
+    dequantized = _engine_greedy(model_dir, chosen, **overrides)
+    monkeypatch.setattr(loader, "fp8_weights_stay_fp8", lambda device: True)
+    engine = make_engine(model_dir, **overrides)
+    try:
+        model = engine.core.runner.model
+        kept = list(projections(model))
+        assert len(kept) == 4 * model.spec.num_layers
+        for _, linear in kept:
+            assert linear.weight.dtype == torch.float8_e4m3fn
+            assert linear.weight_scale.dtype == torch.float32
+            assert linear.weight_scale.shape == (linear.weight.shape[0],)
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        assert [r[0].token_ids for r in run_to_completion(engine, chosen, params)] == dequantized
+    finally:
+        engine.shutdown()
+
+
 def test_blocks_that_do_not_align_with_the_ranks_split(tmp_path, prompts):
     """48x80 blocks: tiny-llama's 128 q rows split into 64 per rank, inside a block; each rank
     dequantizes its slice with the whole scale grid and the tokens equal one rank's."""

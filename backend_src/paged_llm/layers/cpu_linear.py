@@ -22,6 +22,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from paged_llm.layers.fp8_linear import fp8_linear
+
 MIN_IN_FEATURES = 512
 MIN_WEIGHT_ELEMENTS = 1 << 20  # 4 MiB of float32
 
@@ -60,8 +62,16 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through oneDNN where that is faster (see the module docstring)."""
+def onednn_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias), through oneDNN where that is faster (see the module docstring).
+    `weight_scale`: an FP8 weight's row scales (layers/fp8_linear.py, which dequantizes it here)."""
+    if weight_scale is not None:
+        return fp8_linear(x, weight, weight_scale, bias)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if bias is not None:

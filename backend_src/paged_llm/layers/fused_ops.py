@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from paged_llm.layers.cpu_linear import onednn_linear
 from paged_llm.layers.torch_ops import (
+    linear_torch,
     norm_then_linear,
     qk_norm_rope_torch,
     rms_norm_torch,
@@ -46,7 +47,11 @@ class FusedOps:
         # With an attention backend that reads a cache written here (TritonAttention.attend).
         self.qk_norm_rope_write_kv = qk_norm_rope_write_kv_triton if self.use_triton else None
         self.silu_and_mul = silu_and_mul_triton if self.use_triton else silu_and_mul_torch
-        self.linear = linear_triton if self.use_triton and use_gemv else F.linear
+        # Every linear op takes (x, weight, bias=None, weight_scale=None): `weight_scale` with an FP8
+        # weight (layers/fp8_linear.py).
+        self.linear: Callable[..., torch.Tensor] = (
+            linear_triton if self.use_triton and use_gemv else linear_torch
+        )
         # The LM head: cuBLAS on CUDA (the Triton GEMV was measured on the layers' shapes only).
         self.lm_head_linear: Callable[..., torch.Tensor] = F.linear
         if not self.use_triton and use_onednn:

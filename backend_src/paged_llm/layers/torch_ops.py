@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from paged_llm.layers.fp8_linear import fp8_linear
+
 
 def rms_norm_torch(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -58,13 +60,28 @@ def silu_mul_then_linear(
     linear: Callable[..., torch.Tensor],
     gate_up: torch.Tensor,
     weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """linear(silu_and_mul(gate_up), weight) as two ops: what silu_mul_linear_triton fuses for one
-    row, and what every other case runs."""
-    return linear(silu_and_mul(gate_up), weight)
+    row, and what every other case runs. `weight_scale`: an FP8 weight's row scales (fp8_linear)."""
+    if weight_scale is None:
+        return linear(silu_and_mul(gate_up), weight)
+    return linear(silu_and_mul(gate_up), weight, weight_scale=weight_scale)
 
 
-silu_mul_linear_torch = functools.partial(silu_mul_then_linear, silu_and_mul_torch, F.linear)
+def linear_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear, or fp8_linear for an FP8 weight with its row scales."""
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, bias)
+
+
+silu_mul_linear_torch = functools.partial(silu_mul_then_linear, silu_and_mul_torch, linear_torch)
 
 
 def norm_then_linear(
@@ -76,8 +93,11 @@ def norm_then_linear(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x [+ residual])), the new residual) as two ops: what norm_linear_triton
-    fuses for one row, and what every other case runs."""
+    fuses for one row, and what every other case runs. `weight_scale`: as silu_mul_then_linear."""
     normed, residual_out = rms_norm(x, norm_weight, eps, residual)
-    return linear(normed, weight, bias), residual_out
+    if weight_scale is None:
+        return linear(normed, weight, bias), residual_out
+    return linear(normed, weight, bias, weight_scale=weight_scale), residual_out

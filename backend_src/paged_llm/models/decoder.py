@@ -13,6 +13,7 @@ each is one Triton kernel instead of a handful of eager launches.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -85,6 +86,11 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(dtype).contiguous()  # [2, positions, D]
 
 
+def weight_scale_of(linear: nn.Linear) -> torch.Tensor | None:
+    """An FP8 projection's float32 row scales (keep_fp8_projections), else None."""
+    return linear._buffers.get("weight_scale")  # not nn.Module.__getattr__: on every call
+
+
 class Attention(nn.Module):
     """This rank's query and KV heads (all of them without tensor parallelism)."""
 
@@ -132,8 +138,9 @@ class Attention(nn.Module):
         """(attention output, the residual stream): `norm` is the layer's input norm, applied to
         hidden + residual together with the QKV projection (one kernel for a one-row batch)."""
         qkv, residual = self.ops.norm_linear(
-            hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias
-        )
+            hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+            weight_scale=weight_scale_of(self.qkv_proj),
+        )  # fmt: skip
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -166,7 +173,9 @@ class Attention(nn.Module):
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
             )
-        out = self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
+        out = self.ops.linear(
+            out.reshape(-1, self.q_size), self.o_proj.weight, weight_scale=weight_scale_of(self.o_proj)
+        )
         return self.parallel.all_reduce(out), residual
 
 
@@ -190,9 +199,11 @@ class MLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, the residual stream): `norm` (post-attention) is applied with gate/up."""
         gate_up, residual = self.ops.norm_linear(
-            hidden, residual, norm.weight, norm.eps, self.gate_up_proj.weight
-        )
-        return self.parallel.all_reduce(self.ops.silu_mul_linear(gate_up, self.down_proj.weight)), residual
+            hidden, residual, norm.weight, norm.eps, self.gate_up_proj.weight,
+            weight_scale=weight_scale_of(self.gate_up_proj),
+        )  # fmt: skip
+        out = self.ops.silu_mul_linear(gate_up, self.down_proj.weight, weight_scale_of(self.down_proj))
+        return self.parallel.all_reduce(out), residual
 
 
 class DecoderLayer(nn.Module):
@@ -270,3 +281,26 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.parallel.gather_vocab(self.ops.lm_head_linear(hidden, weight), self.spec.vocab_size)
+
+
+def projections(model: CausalLM) -> Iterator[tuple[str, nn.Linear]]:
+    """(name, module) of every decoder layer's four projections (q/k/v and gate/up fused)."""
+    for index, layer in enumerate(model.layers):
+        yield f"layers.{index}.self_attn.qkv_proj", layer.self_attn.qkv_proj
+        yield f"layers.{index}.self_attn.o_proj", layer.self_attn.o_proj
+        yield f"layers.{index}.mlp.gate_up_proj", layer.mlp.gate_up_proj
+        yield f"layers.{index}.mlp.down_proj", layer.mlp.down_proj
+
+
+def keep_fp8_projections(model: CausalLM) -> None:
+    """Gives every projection an FP8 weight and a float32 `weight_scale` buffer [out] (one scale a
+    row: layers/fp8_linear.py), on the model's device and uninitialised (the loader fills both).
+    After any dtype cast of the model: a cast would turn the FP8 weights into the model dtype."""
+    for _, linear in projections(model):
+        weight = linear.weight
+        linear.weight = nn.Parameter(
+            torch.empty(weight.shape, dtype=E4M3, device=weight.device), requires_grad=False
+        )
+        linear.register_buffer(
+            "weight_scale", torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        )

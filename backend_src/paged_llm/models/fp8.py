@@ -50,6 +50,9 @@ KV_SCALE_SUFFIXES = {
     "self_attn.kv_scale": "kv",  # one scale for both (deprecated)
 }
 LAYOUTS = ("fp8-block", "fp8-channel", "fp8-tensor")
+# The layouts whose weights can stay FP8 with one scale per output row (layers/fp8_linear.py);
+# fp8-block's 128 x 128 blocks are dequantized at load.
+ROW_SCALED_LAYOUTS = ("fp8-channel", "fp8-tensor")
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,19 @@ def dequantize(
     if layout.kind == "fp8-channel":
         return values * scale.reshape(-1, 1)[row_start : row_start + num_rows]
     return values * scale.reshape(())
+
+
+def row_scales(
+    scale: torch.Tensor, layout: Fp8Layout, rows: tuple[int, int] | None, num_rows: int
+) -> torch.Tensor:
+    """float32 [num_rows]: the scale of each row of a weight (or of rows [rows) of it) in a layout
+    with one scale a row (fp8-channel) or one for all (fp8-tensor): an FP8 weight kept in FP8."""
+    assert layout.kind in ROW_SCALED_LAYOUTS, f"{layout.kind} has no scale a row"
+    values = scale.to(torch.float32)
+    if layout.kind == "fp8-tensor":
+        return values.reshape(()).expand(num_rows).contiguous()
+    start = rows[0] if rows is not None else 0
+    return values.reshape(-1)[start : start + num_rows].contiguous()
 
 
 def quantize(

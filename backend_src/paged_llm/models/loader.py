@@ -5,8 +5,10 @@ Under tensor parallelism each rank reads only its own slice of every split tenso
 model in host memory.
 
 FP8 checkpoints (models/fp8.py: the layouts config.json's quantization_config declares) and
-`quantization` fp8 on an unquantized one are dequantized at load into the model dtype: each FP8
-projection with its scale tensor (a rank's slice with the full scale, indexed by position)."""
+`quantization` fp8 on an unquantized one: where the FP8 kernels run (CUDA, sm90) projections of a
+layout with a scale a row (fp8-channel, fp8-tensor, online) stay FP8 with their row scales
+(layers/fp8_linear.py); otherwise (CPU, NPU, fp8-block) each FP8 projection is dequantized at load
+into the model dtype with its scale tensor (a rank's slice with the full scale, indexed by position)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from tqdm import tqdm
 
 from paged_llm.config import ConfigError
 from paged_llm.layers.fp8_format import E4M3
+from paged_llm.layers.fp8_linear import fp8_weights_stay_fp8
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models import fp8
-from paged_llm.models.decoder import AttentionBackend, CausalLM
+from paged_llm.models.decoder import AttentionBackend, CausalLM, keep_fp8_projections, projections
 from paged_llm.models.hf_config import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -80,10 +83,17 @@ def _split_of(hf_name: str) -> tuple[int, str] | None:
 
 
 def _iter_tensors(
-    files: list[Path], show_progress: bool, spec: ModelSpec, shard: ShardPlan, layout: fp8.Fp8Layout | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor, or this rank's slice of it; FP8 projections dequantized (float32),
-    their scale tensors and the other quantization tensors (activation and KV cache scales) taken."""
+    files: list[Path],
+    show_progress: bool,
+    spec: ModelSpec,
+    shard: ShardPlan,
+    layout: fp8.Fp8Layout | None,
+    keep_fp8: bool,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name, tensor, row scales) for every checkpoint tensor, or this rank's slice of it. FP8
+    projections come dequantized (float32, row scales None), or with `keep_fp8` as FP8 with their
+    float32 row scales; their scale tensors and the other quantization tensors (activation and KV
+    cache scales) are taken."""
     from safetensors import safe_open
 
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
@@ -93,7 +103,7 @@ def _iter_tensors(
     for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
         handle = by_name[name]
         if _kv_scale_target(name) is not None:  # replicated, whatever its module splits
-            yield name, handle.get_tensor(name)
+            yield name, handle.get_tensor(name), None
             continue
         split = _split_of(name) if shard.world_size > 1 else None
         if split is None:
@@ -104,19 +114,31 @@ def _iter_tensors(
             view = handle.get_slice(name)
             rows, columns = ((start, end), None) if dim == 0 else (None, (start, end))
             tensor = view[start:end] if dim == 0 else view[:, start:end]
+        row_scales = None
         if tensor.dtype == E4M3:
-            tensor = _dequantized(name, tensor, handle, by_name, layout, rows, columns)
+            scale = _checked_scale(name, handle, by_name, layout)
+            assert layout is not None
+            if keep_fp8:
+                row_scales = fp8.row_scales(scale, layout, rows, tensor.shape[0])
+            else:
+                tensor = fp8.dequantize(tensor, scale, layout, rows, columns)
         elif layout is not None and f"{name.removesuffix('.weight')}.{layout.scale_suffix}" in scales:
             raise ConfigError(
                 f"checkpoint tensor {name} is {tensor.dtype}, but it has a scale "
                 f"({name.removesuffix('.weight')}.{layout.scale_suffix}) as FP8 weights have"
             )
-        elif layout is not None and layout.source == "online" and _is_projection(name):
+        elif layout is not None and _is_projection(name) and (layout.source == "online" or keep_fp8):
+            # quantization fp8; or a projection an FP8 checkpoint left unquantized, where every
+            # projection is kept FP8: per channel, as online
             full = handle.get_tensor(name) if split is not None else tensor
-            weight, scale = fp8.quantize(full, layout)
-            dequantized = fp8.dequantize(weight, scale, layout)
-            tensor = dequantized if split is None else _take(dequantized, rows, columns)
-        yield name, tensor
+            weight, scale = fp8.quantize(full, fp8.ONLINE_LAYOUT)
+            if keep_fp8:
+                tensor = _take(weight, rows, columns)
+                row_scales = fp8.row_scales(scale, fp8.ONLINE_LAYOUT, rows, tensor.shape[0])
+            else:
+                dequantized = fp8.dequantize(weight, scale, fp8.ONLINE_LAYOUT)
+                tensor = dequantized if split is None else _take(dequantized, rows, columns)
+        yield name, tensor, row_scales
 
 
 def _is_projection(hf_name: str) -> bool:
@@ -155,16 +177,10 @@ def _weight_scale_tensors(by_name: dict[str, object], layout: fp8.Fp8Layout | No
     return names
 
 
-def _dequantized(
-    name: str,
-    tensor: torch.Tensor,
-    handle: object,
-    by_name: dict[str, object],
-    layout: fp8.Fp8Layout | None,
-    rows: tuple[int, int] | None,
-    columns: tuple[int, int] | None,
+def _checked_scale(
+    name: str, handle: object, by_name: dict[str, object], layout: fp8.Fp8Layout | None
 ) -> torch.Tensor:
-    """An FP8 weight (or this rank's slice of it) times its scales, refusing what does not fit."""
+    """The scale tensor of FP8 weight `name`, refusing what does not fit."""
     if layout is None or layout.source == "online":  # quantization fp8 quantizes unquantized weights
         raise ConfigError(
             f"checkpoint tensor {name} is {E4M3}, but config.json has no quantization_config "
@@ -182,7 +198,7 @@ def _dequantized(
     full_shape = tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
     scale = by_name[scale_name].get_tensor(scale_name)  # type: ignore[attr-defined]
     fp8.check_scale(layout, scale_name, full_shape, scale)
-    return fp8.dequantize(tensor, scale, layout, rows, columns)
+    return scale
 
 
 def _fused_slice(shard: ShardPlan, spec: ModelSpec, fused_name: str, part: int) -> tuple[int, int]:
@@ -208,21 +224,34 @@ def load_model(
     load_format: str = "safetensors",
     quantization: str = "",
     fp8_kv_cache: bool = False,
+    keep_fp8_weights: bool | None = None,
 ) -> CausalLM:
     """Builds the model (this rank's share of it) on `device` without initialising weights, then
     copies every tensor in (load_format "dummy": draws random ones on the device instead).
     `quantization`: "" (the checkpoint's own) or "fp8" (models/fp8.py). `fp8_kv_cache`: the layers
     take the checkpoint's KV cache scales (k_scale / v_scale; ignored for a cache in the model
-    dtype, as vLLM does), 1.0 where it has none."""
+    dtype, as vLLM does), 1.0 where it has none. `keep_fp8_weights`: an FP8 layout's projections
+    stay FP8 (layers/fp8_linear.py); None: where the FP8 kernels run (fp8_weights_stay_fp8), else
+    they are dequantized into `dtype`."""
     layout = fp8.detect_fp8_layout(_read_config(Path(model_dir)), quantization)
+    keep_fp8 = layout is not None and layout.kind in fp8.ROW_SCALED_LAYOUTS
+    keep_fp8 = keep_fp8 and (fp8_weights_stay_fp8(device) if keep_fp8_weights is None else keep_fp8_weights)
     with torch.device("meta"):
         model = CausalLM(spec, backend, max_positions, ops, parallel)
-    model = model.to(dtype).to_empty(device=device)  # dtype first: no fp32 copy on the device
+    model = model.to(dtype)  # dtype first: no fp32 copy on the device
+    if keep_fp8:
+        keep_fp8_projections(model)
+    model = model.to_empty(device=device)
     shard = model.shard
     if layout is not None and shard.rank == 0:
         what = "FP8 checkpoint" if layout.source != "online" else "quantization fp8 (per channel, at load)"
-        action = "random weights" if load_format == "dummy" else "dequantized at load"
-        logger.info("%s: %s; %s to %s on %s", what, layout.describe(), action, dtype, device)
+        if keep_fp8:
+            action = "projections kept in FP8 with a scale a row (FP8 GEMV at one row, W8A8 GEMMs above)"
+        else:
+            action = f"dequantized at load to {dtype}"
+        if load_format == "dummy":
+            action = f"random weights; {action}"
+        logger.info("%s: %s; %s on %s", what, layout.describe(), action, device)
     if load_format == "dummy":
         _fill_random(model, seed=shard.rank)
         model.rotary.build(device, dtype)
@@ -232,11 +261,14 @@ def load_model(
         if model.lm_head is not None:
             model.lm_head.weight.data.zero_()
     params = dict(model.named_parameters())
+    row_scale_buffers = {
+        f"{name}.weight": linear.weight_scale for name, linear in projections(model) if keep_fp8
+    }
     loaded: set[str] = set()
     with torch.no_grad():
         files = checkpoint_files(Path(model_dir))
         kv_scaled: dict[str, set[int]] = {"k": set(), "v": set()}  # layers given a scale
-        for hf_name, tensor in _iter_tensors(files, show_progress, spec, shard, layout):
+        for hf_name, tensor, row_scales in _iter_tensors(files, show_progress, spec, shard, layout, keep_fp8):
             kv_target = _kv_scale_target(hf_name)
             if kv_target is not None:
                 if fp8_kv_cache:
@@ -259,7 +291,15 @@ def load_model(
                     f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(target.shape)}"
                 )
-            target.copy_(tensor.to(dtype))
+            if target_name in row_scale_buffers:
+                assert row_scales is not None and tensor.dtype == E4M3, f"{hf_name}: no FP8 weight to keep"
+                scale_target = row_scale_buffers[target_name]
+                if rows is not None:
+                    scale_target = scale_target[rows[0] : rows[1]]
+                scale_target.copy_(row_scales)
+                target.copy_(tensor)
+            else:
+                target.copy_(tensor.to(dtype))
             loaded.add(f"{target_name}[{rows}]" if rows is not None else target_name)
     _check_complete(spec, shard, params, loaded)
     if fp8_kv_cache and shard.rank == 0:
@@ -319,10 +359,18 @@ def _fill_random(model: CausalLM, seed: int, std: float = 0.02) -> None:
     replicated = torch.Generator(device=device).manual_seed(0)
     split = torch.Generator(device=device).manual_seed(seed)
     for param in model.parameters():
+        if param.dtype == E4M3:
+            continue  # below
         if param.dim() == 1:
             param.normal_(1.0, 0.1, generator=replicated)
         else:
             param.normal_(0.0, std, generator=split)
+    for _, linear in projections(model):
+        if linear.weight.dtype == E4M3:  # N(0, std) weights quantized a row at a time, as online
+            values = torch.empty(linear.weight.shape, dtype=torch.bfloat16, device=device)
+            weight, scale = fp8.quantize(values.normal_(0.0, std, generator=split), fp8.ONLINE_LAYOUT)
+            linear.weight.data.copy_(weight)
+            linear.weight_scale.copy_(scale.view(-1))
 
 
 def _map_name(spec: ModelSpec, shard: ShardPlan, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
