@@ -213,6 +213,12 @@ def main() -> None:
         "--no-onednn-linear", action="store_true", help="CPU float32: F.linear (MKL) for every linear layer"
     )
     parser.add_argument(
+        "--quantization", default="", choices=["", "fp8"], help="fp8: FP8 weights (per channel, at load)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 (e4m3) KV cache"
+    )
+    parser.add_argument(
         "--load-format",
         default="safetensors",
         choices=["safetensors", "dummy"],
@@ -251,8 +257,9 @@ def main() -> None:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             load_format=args.load_format,
+            quantization=args.quantization,
         ),
-        cache=CacheConfig(),
+        cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=16384),
         device=DeviceConfig(
             device=args.device,

@@ -187,6 +187,12 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
     parser.add_argument(
+        "--quantization", default="", choices=["", "fp8"], help="fp8: FP8 weights (per channel, at load)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 (e4m3) KV cache"
+    )
+    parser.add_argument(
         "--load-format",
         default="safetensors",
         choices=["safetensors", "dummy"],
@@ -203,8 +209,9 @@ def main() -> None:
             dtype=args.dtype,
             max_model_len=args.max_model_len or None,
             load_format=args.load_format,
+            quantization=args.quantization,
         ),
-        cache=CacheConfig(num_blocks=args.num_kv_blocks or None),
+        cache=CacheConfig(num_blocks=args.num_kv_blocks or None, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
