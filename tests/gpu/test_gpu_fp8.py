@@ -1,0 +1,117 @@
+"""FP8 weights on CUDA: the projections kept in FP8 (FP8 GEMVs at one row, W8A8 GEMMs above) inside
+the CUDA graphs, and FP8 checkpoints against HF transformers' own FP8 implementation where it runs.
+
+Greedy tokens of FP8 arithmetic need not equal a reference token for token (W8A8 rounds the
+activations; a near-tie flips), so each token we pick is checked against the reference's logits
+over the same text (teacher forcing): it must be the reference's top token or within MARGIN of it.
+Skipped without an sm90 GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.models.decoder import projections
+from paged_llm.models.random_model import write_random_model
+from paged_llm.sampling_params import SamplingParams
+from tests.integration.conftest import run_to_completion
+from tests.integration.test_fp8_checkpoints import _dequantized_twin
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs CUDA sm90"
+    ),
+]
+MAX_TOKENS = 16
+MARGIN = 0.25  # logits of a bf16 model over W8A8 rounding
+
+
+def engine_on_cuda(model_dir, dtype: str = "bfloat16", **model) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype=dtype, **model),
+        cache=CacheConfig(num_blocks=1024, block_size_tokens=16),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+        device=DeviceConfig(device="cuda"),
+    )
+    return LLMEngine(config, show_progress=False)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [r[0].token_ids for r in run_to_completion(engine, prompts, params)]
+
+
+def assert_reference_agrees(hf_model, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Each output token is the reference's greedy token, or within MARGIN of its logit, over
+    the prompt and the tokens before it."""
+    flips = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt + output], device="cuda")
+        with torch.no_grad():
+            logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].float()
+        chosen = logits.gather(1, torch.tensor(output, device="cuda").view(-1, 1)).view(-1)
+        gap = logits.max(dim=1).values - chosen
+        assert (gap <= MARGIN).all(), f"tokens {output}: gaps to the reference's top logit {gap.tolist()}"
+        flips += int((gap > 0).sum())
+    assert flips <= len(prompts) * MAX_TOKENS // 4, f"{flips} tokens not the reference's top one"
+
+
+@pytest.fixture(scope="module")
+def channel_checkpoint(tmp_path_factory):
+    return write_random_model(
+        tmp_path_factory.mktemp("fp8") / "tiny-llama-fp8", "tiny-llama", "bfloat16", seed=5,
+        quantization="fp8-channel", std=0.05,
+    )  # fmt: skip
+
+
+def test_kept_fp8_projections_agree_with_hf_over_the_dequantized_weights(
+    channel_checkpoint, prompts, tmp_path
+):
+    """fp8-channel kept in FP8 on CUDA (one-row GEMVs in the decode graphs, W8A8 prefill and
+    batched decode): HF transformers (float32) over the dequantized weights agrees token by token."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_on_cuda(channel_checkpoint)
+    try:
+        model = engine.core.runner.model
+        assert all(linear.weight.dtype == torch.float8_e4m3fn for _, linear in projections(model))
+        assert engine.core.runner.graphs is not None
+        batched = greedy(engine, prompts)
+        alone = [greedy(engine, [prompt])[0] for prompt in prompts[:2]]  # batch 1: the GEMVs
+    finally:
+        engine.shutdown()
+    twin = _dequantized_twin(channel_checkpoint, tmp_path / "twin")
+    hf = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).cuda().eval()
+    assert_reference_agrees(hf, prompts, batched)
+    assert_reference_agrees(hf, prompts[:2], alone)
+
+
+def test_fp8_block_checkpoint_agrees_with_hf_fine_grained_fp8(tmp_path, prompts):
+    """An fp8-block checkpoint (Qwen3-*-FP8's layout; dequantized at load here) against HF
+    transformers' own fine-grained FP8 layers (W8A8 per 128-column group), where they load."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_random_model(
+        tmp_path / "tiny-llama-fp8-block",
+        "tiny-llama",
+        "bfloat16",
+        seed=6,
+        quantization="fp8-block",
+        std=0.05,
+    )
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.bfloat16, device_map="cuda"
+        ).eval()
+    except Exception as error:  # this transformers build or card has no FP8 kernels
+        pytest.skip(f"HF fine-grained FP8 does not load here: {type(error).__name__}: {error}")
+    assert any("FP8" in type(module).__name__ for module in hf.modules()), "HF dequantized the checkpoint"
+    engine = engine_on_cuda(model_dir)
+    try:
+        outputs = greedy(engine, prompts)
+    finally:
+        engine.shutdown()
+    assert_reference_agrees(hf, prompts, outputs)
