@@ -47,7 +47,14 @@ def test_entries_that_cannot_launch_are_dropped():
     }
     assert parse_section(configs) == {(4096, 1024): GemvConfig(16, 256, 8, 4)}
     table = parse_table({"configs": {}, "norm_gemv_configs": configs, "silu_mul_gemv_configs": {}})
-    assert table == {"gemv": {}, "norm_gemv": {(4096, 1024): GemvConfig(16, 256, 8, 4)}, "silu_mul_gemv": {}}
+    assert table == {
+        "gemv": {},
+        "norm_gemv": {(4096, 1024): GemvConfig(16, 256, 8, 4)},
+        "silu_mul_gemv": {},
+        "fp8_gemv": {},
+        "fp8_norm_gemv": {},
+        "fp8_silu_mul_gemv": {},
+    }
 
 
 def test_an_unreadable_table_gives_the_default_rule(table_in_env):
@@ -98,7 +105,22 @@ def test_each_kernel_takes_its_own_section(table_in_env):
 
 
 def test_a_table_without_fused_sections_gives_them_the_plain_entries(table_in_env):
-    """Tables written before the sweep timed the fused kernels (the H100's) keep their behaviour."""
+    """Tables written before the sweep timed the fused kernels (the H100's) keep their behaviour;
+    the FP8 kernels, which load half the bytes, take the FP8 rule rather than 16-bit settings."""
     table_in_env({"configs": {"1024,3072": [2, 1024, 4, 4]}})
-    for kernel in KERNELS:
+    for kernel in ("gemv", "norm_gemv", "silu_mul_gemv"):
         assert gemv_config(1024, 3072, CUDA, kernel) == GemvConfig(2, 1024, 4, 4)
+    for kernel in ("fp8_gemv", "fp8_norm_gemv", "fp8_silu_mul_gemv"):
+        assert gemv_config(1024, 3072, CUDA, kernel) == default_gemv_config(1024, 3072, fp8=True)
+
+
+def test_the_fp8_rule_loads_the_bytes_of_the_16_bit_rule():
+    """Twice the columns a load where that divides K, else the 16-bit rule; FP8 sections are their own."""
+    assert default_gemv_config(4096, 4096, fp8=True) == GemvConfig(8, 1024)
+    assert default_gemv_config(4096, 1024, fp8=True) == GemvConfig(8, 512)
+    assert default_gemv_config(1024, 1536, fp8=True) == GemvConfig(4, 512)  # 1024 does not divide 1536
+    table = parse_table(
+        {"configs": {"4096,4096": [2, 512, 4, 2]}, "fp8_configs": {"4096,4096": [4, 2048, 8, 3]}}
+    )
+    assert table["fp8_gemv"] == {(4096, 4096): GemvConfig(4, 2048, 8, 3)}
+    assert table["gemv"] == {(4096, 4096): GemvConfig(2, 512, 4, 2)}

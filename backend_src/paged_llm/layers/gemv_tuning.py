@@ -35,9 +35,18 @@ logger = logging.getLogger(__name__)
 
 TABLES_DIR = Path(__file__).resolve().parent / "gemv_tables"
 TABLE_ENV = "PAGED_LLM_GEMV_TABLE"
-# The one-row GEMV kernels of layers/triton_gemv.py and their sections in a table.
-SECTIONS = {"gemv": "configs", "norm_gemv": "norm_gemv_configs", "silu_mul_gemv": "silu_mul_gemv_configs"}
+# The one-row GEMV kernels of layers/triton_gemv.py and their sections in a table; "fp8_*": the same
+# kernels over FP8 weights (half the bytes a load: other settings win).
+SECTIONS = {
+    "gemv": "configs",
+    "norm_gemv": "norm_gemv_configs",
+    "silu_mul_gemv": "silu_mul_gemv_configs",
+    "fp8_gemv": "fp8_configs",
+    "fp8_norm_gemv": "fp8_norm_gemv_configs",
+    "fp8_silu_mul_gemv": "fp8_silu_mul_gemv_configs",
+}
 KERNELS = tuple(SECTIONS)
+FP8_PREFIX = "fp8_"
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,13 @@ class GemvConfig:
         return k % self.block_k == 0
 
 
-def default_gemv_config(n: int, k: int) -> GemvConfig:
-    return GemvConfig(8 if n >= 4096 else 4, 256 if k <= 1024 else 512)
+def default_gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
+    """The rule for a shape no table has. FP8 weights: twice the columns a load (the same bytes
+    in flight as the 16-bit rule) where that divides K."""
+    config = GemvConfig(8 if n >= 4096 else 4, 256 if k <= 1024 else 512)
+    if fp8 and k % (2 * config.block_k) == 0:
+        return GemvConfig(config.block_n, 2 * config.block_k, config.num_warps, config.num_stages)
+    return config
 
 
 def table_file_name(device_name: str) -> str:
@@ -77,13 +91,17 @@ def parse_section(entries: dict) -> dict[tuple[int, int], GemvConfig]:
 
 
 def parse_table(payload: dict) -> dict[str, dict[tuple[int, int], GemvConfig]]:
-    """A table file's payload -> {kernel: {(N, K): config}}. A fused kernel without its own section
-    takes the plain GEMV's ("configs", the only section of tables written before)."""
+    """A table file's payload -> {kernel: {(N, K): config}}. A fused 16-bit kernel without its own
+    section takes the plain GEMV's ("configs", the only section of tables written before); an FP8
+    kernel without its section takes the FP8 rule (16-bit settings load half the bytes)."""
     plain = parse_section(payload["configs"])
-    return {
-        kernel: parse_section(payload[SECTIONS[kernel]]) if SECTIONS[kernel] in payload else plain
-        for kernel in KERNELS
-    }
+    table = {}
+    for kernel in KERNELS:
+        if SECTIONS[kernel] in payload:
+            table[kernel] = parse_section(payload[SECTIONS[kernel]])
+        else:
+            table[kernel] = {} if kernel.startswith(FP8_PREFIX) else plain
+    return table
 
 
 @functools.cache
@@ -118,4 +136,4 @@ def gemv_config(n: int, k: int, device: torch.device, kernel: str = "gemv") -> G
         tuned = _table_for(_device_name(device.index or 0)).get(kernel, {}).get((n, k))
         if tuned is not None:
             return tuned
-    return default_gemv_config(n, k)
+    return default_gemv_config(n, k, fp8=kernel.startswith(FP8_PREFIX))

@@ -18,7 +18,7 @@ except ImportError:  # CPU-only installs without triton use the PyTorch versions
 
 from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.fp8_linear import fp8_linear
-from paged_llm.layers.gemv_tuning import gemv_config
+from paged_llm.layers.gemv_tuning import FP8_PREFIX, gemv_config
 from paged_llm.layers.powers_of_two import next_power_of_2
 from paged_llm.layers.torch_ops import norm_then_linear
 from paged_llm.layers.triton_elementwise import rms_norm_triton, silu_and_mul_triton
@@ -129,6 +129,11 @@ def _gemv_applies(
     )
 
 
+def _kernel(name: str, weight_scale: torch.Tensor | None) -> str:
+    """The kernel's name in the GEMV tables (layers/gemv_tuning.py): FP8 weights have their own."""
+    return name if weight_scale is None else FP8_PREFIX + name
+
+
 def silu_mul_linear_triton(
     gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -136,7 +141,7 @@ def silu_mul_linear_triton(
     else the two ops. `weight_scale`: an FP8 weight's row scales."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
-    config = gemv_config(n, k, weight.device, "silu_mul_gemv")
+    config = gemv_config(n, k, weight.device, _kernel("silu_mul_gemv", weight_scale))
     if not _gemv_applies(gate_up, weight, k, config.block_k, weight_scale) or weight.shape[1] != k:
         return linear_triton(silu_and_mul_triton(gate_up), weight, weight_scale=weight_scale)
     out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
@@ -161,7 +166,7 @@ def linear_triton(
     one row, else layers/fp8_linear.py)."""
     k = x.shape[1]
     n = weight.shape[0]
-    config = gemv_config(n, k, weight.device)
+    config = gemv_config(n, k, weight.device, _kernel("gemv", weight_scale))
     if bias is not None or not _gemv_applies(x, weight, k, config.block_k, weight_scale):
         if weight_scale is not None:
             return fp8_linear(x, weight, weight_scale, bias)
@@ -189,7 +194,7 @@ def norm_linear_triton(
     an FP8 weight's row scales."""
     k = x.shape[1]
     n = weight.shape[0]
-    config = gemv_config(n, k, weight.device, "norm_gemv")
+    config = gemv_config(n, k, weight.device, _kernel("norm_gemv", weight_scale))
     if (
         bias is not None
         or not _gemv_applies(x, weight, k, config.block_k, weight_scale)
