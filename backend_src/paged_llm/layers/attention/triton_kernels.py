@@ -129,6 +129,8 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     offs_n = tl.arange(0, TILE_N)
+    if KV_FP8:  # the cache holds key / k_scale: the layer's scale goes on the scores, once a tile
+        scale_log2 = scale_log2 * k_scale
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_ptrs = k_cache_ptr + kv_head * stride_ch + dims[None, :]  # + a key's cache row offset
     v_ptrs = v_cache_ptr + kv_head * stride_ch + dims[None, :]
@@ -156,8 +158,7 @@ def _paged_attention_kernel(
         # K is loaded as V is (rows of keys) and transposed for the dot: on an H100 that took a
         # 201-token chunk over 4,400 keys from 54 to 49 us a layer.
         k = tl.load(k_ptrs + row_off, mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
-        if KV_FP8:  # an FP8 cache holds key / k_scale
-            k = k.to(tl.float32) * k_scale
+        # FP8 keys widen straight into q's dtype (e4m3 values are exact in bf16 and fp32)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         if start + TILE_N > all_visible_hi:  # the causal edge, the range's end, or padding rows
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :] & row_valid[:, None]
@@ -169,15 +170,15 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs + row_off, mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
-        if KV_FP8:
-            v = v.to(tl.float32) * v_scale
-        v = v.to(q.dtype)
+        v = v.to(q.dtype)  # an FP8 cache's values / v_scale: the scale goes on acc after the loop
         # Rescaled, then accumulated by the dot itself (not added to a separate product): 1-5%
         # faster on an H200 for prompt chunks and decode alike.
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows without keys (padding) give 0
         out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -303,17 +304,24 @@ def _max_shared_mem_bytes(device_index: int) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
 
 
-def attention_tiles(max_query_len: int, group: int, head_dim: int) -> AttentionTiles:
+# Keys a decode tile reads from an FP8 cache (head_dim <= 128): scripts/bench_attention.py --fp8-tile-n
+FP8_DECODE_TILE_N = 64
+
+
+def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool = False) -> AttentionTiles:
     """tl.dot wants every dim >= 16, so BLOCK_M never drops below 16.
 
     Decode-like batches (one token times the head group fits 16 rows) take the 16-row tile: the
     kernel is bound by the K/V reads and bigger tiles only add masked rows. Prefills take 64 rows,
-    the usual FlashAttention-2 tile for head_dim <= 128 on Hopper.
+    the usual FlashAttention-2 tile for head_dim <= 128 on Hopper. `kv_fp8`: an FP8 cache, whose
+    decode tiles may take more keys (FP8_DECODE_TILE_N) for the same bytes.
     """
     group_p = next_power_of_2(group)
     tile_n = 64 if head_dim <= 128 else 32  # keeps K/V tiles + scores within the register file
     if max_query_len * group_p <= 16:
         block_m = max(16, group_p)
+        if kv_fp8 and head_dim <= 128:
+            tile_n = FP8_DECODE_TILE_N
         return AttentionTiles(block_m, block_m // group_p, tile_n, num_warps=4, num_stages=3)
     # 3 stages with the block ids prefetched: an H200 kernel-only A/B against 2 stages without
     # (41 -> 33 us a layer for 201 tokens over 4,400 cached, 9.5 -> 8.0 without history, 367 -> 348
@@ -347,7 +355,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    tiles = attention_tiles(max_query_len, group, head_dim)
+    tiles = attention_tiles(max_query_len, group, head_dim, kv_fp8=k_cache.dtype == E4M3)
     block_m, block_q, tile_n = tiles.block_m, tiles.block_q, tiles.tile_n
     head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
     if query.is_cuda and not _INTERPRETED:

@@ -1,0 +1,141 @@
+"""Decode attention alone: one layer's paged attention over a bf16 or an FP8 (e4m3) KV cache, per
+batch size and context, timed in a CUDA graph; bytes of K and V read against the card's copy
+bandwidth. The kernel and split-KV choice are the engine's (TritonAttention).
+
+    python scripts/bench_attention.py --shape qwen3-0.6b --batch-sizes 64,256 --context 1024 \\
+        --json attention.json
+    # the FP8 decode tile's keys (layers/attention/triton_kernels.py FP8_DECODE_TILE_N), A/B:
+    python scripts/bench_attention.py --fp8-tile-n 64,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from paged_llm.layers.attention import triton_kernels
+from paged_llm.layers.attention.metadata import AttentionMetadata
+from paged_llm.layers.attention.triton_backend import TritonAttention
+from paged_llm.layers.fp8_format import E4M3
+from paged_llm.models.random_model import SHAPES
+
+BLOCK_SIZE_TOKENS = 16
+CALLS_PER_GRAPH = 20
+
+
+def copy_bandwidth_gb_per_s(device: torch.device, num_bytes: int = 2 << 30) -> float:
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * num_bytes * 5 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def decode_metadata(batch_size: int, context: int, device: torch.device) -> AttentionMetadata:
+    """One new token per sequence over `context` cached ones; blocks scattered over the pool."""
+    blocks_per_seq = -(-(context + 1) // BLOCK_SIZE_TOKENS)
+    order = torch.randperm(batch_size * blocks_per_seq, generator=torch.Generator().manual_seed(0))
+    block_tables = order.view(batch_size, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch_size,), context + 1, dtype=torch.int32)
+    slots = (
+        block_tables[:, context // BLOCK_SIZE_TOKENS].long() * BLOCK_SIZE_TOKENS + context % BLOCK_SIZE_TOKENS
+    )
+    return AttentionMetadata(
+        num_tokens=batch_size,
+        num_seqs=batch_size,
+        slot_mapping=slots.to(device),
+        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device=device),
+        seq_lens=seq_lens.to(device),
+        block_tables=block_tables.to(device),
+        max_query_len=1,
+        max_seq_len=context + 1,
+        query_lens_host=[1] * batch_size,
+        seq_lens_host=seq_lens.tolist(),
+    )
+
+
+def time_us(run) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(CALLS_PER_GRAPH):
+            run()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(9):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    return sorted(samples)[len(samples) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument(
+        "--fp8-tile-n", default="", help="FP8 decode tile sizes to try (default: the engine's)"
+    )
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    config = SHAPES[args.shape]
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", config["hidden_size"] // num_heads)
+    bandwidth = copy_bandwidth_gb_per_s(device)
+    heads = f"{num_heads} q heads, {num_kv_heads} kv heads, head_dim {head_dim}"
+    print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bandwidth:.0f} GB/s; {args.shape}: {heads}")
+    print(f"context {args.context}")
+    tile_ns = [int(t) for t in args.fp8_tile_n.split(",") if t] or [triton_kernels.FP8_DECODE_TILE_N]
+    backend = TritonAttention(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
+    rows = []
+    print(f"{'batch':>6} {'cache':>10} {'us':>9} {'GB/s':>7} {'of copy':>8}")
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        metadata = decode_metadata(batch_size, args.context, device)
+        num_blocks = int(metadata.block_tables.numel())
+        query = torch.randn(batch_size, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+        shape = (num_blocks, BLOCK_SIZE_TOKENS, num_kv_heads, head_dim)
+        caches = {"bf16": torch.randn(shape, dtype=torch.bfloat16, device=device)}
+        caches["fp8"] = caches["bf16"].clamp(-448, 448).to(E4M3)
+        for name, cache in caches.items():
+            for tile_n in tile_ns if name == "fp8" else [None]:
+                if tile_n is not None:
+                    triton_kernels.FP8_DECODE_TILE_N = tile_n
+                label = name if tile_n is None else f"{name}/{tile_n}"
+                us = time_us(lambda q=query, c=cache, m=metadata: backend.attend(q, c, c, m, head_dim**-0.5))
+                kv_bytes = (
+                    2 * batch_size * (args.context + 1) * num_kv_heads * head_dim * cache.element_size()
+                )
+                gb_per_s = kv_bytes / us / 1e3
+                rows.append(dict(batch_size=batch_size, cache=label, us=us, gb_per_s=gb_per_s))
+                print(
+                    f"{batch_size:>6} {label:>10} {us:>9.1f} {gb_per_s:>7.0f} {gb_per_s / bandwidth:>7.1%}",
+                    flush=True,
+                )
+    if args.json:
+        args.json.write_text(json.dumps({"card": torch.cuda.get_device_name(device), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
