@@ -132,7 +132,12 @@ def main() -> int:
     parser.add_argument("--output-len", default="128")
     parser.add_argument("--vocab-limit", type=int, default=32000)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--modes", default="free,json", help="comma-separated: free, json, half (alternate rows)"
+    )
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    modes = args.modes.split(",")
 
     engine = offline_engine(args.launch, None, "inprocess")
     cuda = engine.client.core.runner.device.is_accelerator
@@ -143,7 +148,7 @@ def main() -> int:
         run_offline(engine, _with(random_workload(16, "16", "8", args.vocab_limit, 1), "json", schema), 16)
         install(timer, engine)
         with timer.installed():
-            for index, mode in enumerate(("free", "json", "free", "json")):
+            for index, mode in enumerate(modes * args.rounds):
                 jobs = random_workload(
                     args.num_prompts, args.input_len, args.output_len, args.vocab_limit, 100 + index
                 )
@@ -153,7 +158,7 @@ def main() -> int:
                 start = time.perf_counter()
                 run_offline(engine, _with(jobs, mode, schema), args.concurrency)
                 report = timer.report(core.num_steps - steps_before, time.perf_counter() - start)
-                results[f"{mode}_{index // 2}"] = report
+                results[f"{mode}_{index // len(modes)}"] = report
                 print(mode, json.dumps(report), flush=True)
     finally:
         engine.shutdown()
