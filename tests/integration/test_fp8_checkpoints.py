@@ -23,8 +23,6 @@ NUM_TOKENS = 10
 def _dequantized_twin(fp8_dir: Path, out_dir: Path) -> Path:
     """The checkpoint with every FP8 projection replaced by its float32 values (HF transformers'
     own dequantization for blocks; weight x scale for compressed-tensors) and no quantization."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-
     out_dir.mkdir(parents=True, exist_ok=True)
     config = json.loads((fp8_dir / "config.json").read_text())
     quant = config.pop("quantization_config")
@@ -39,7 +37,9 @@ def _dequantized_twin(fp8_dir: Path, out_dir: Path) -> Path:
             continue
         if tensor.dtype == torch.float8_e4m3fn:
             module = name[: -len(".weight")]
-            if quant["quant_method"] == "fp8":
+            if quant["quant_method"] == "fp8":  # this transformers' private helper (not every version)
+                from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
                 block = quant["weight_block_size"]
                 scale = tensors[f"{module}.weight_scale_inv"].float()
                 tensor = _dequantize_fp8_weight(tensor, scale, block, torch.float32)
