@@ -110,3 +110,25 @@ def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(splits, k_sc
         written = triton_cache.view(torch.uint8).view(-1, 2, 16)[valid]
         assert torch.equal(written, portable_cache.view(torch.uint8).view(-1, 2, 16)[valid])
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)  # as test_triton_attention
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter has no 16-bit dots")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_bf16_model_reads_the_fp8_cache_through_float16_dots(splits):
+    """bf16 queries over an FP8 cache (the dots in float16, where e4m3 widens in one instruction):
+    within bf16's rounding of the float32 attention over the cache's values."""
+    from paged_llm.layers.attention.triton_backend import TritonAttention
+    from tests.unit.test_triton_attention import MIXED
+
+    device = torch.device("cuda")
+    metadata = build_metadata(MIXED, BLOCK_SIZE, device)
+    q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 64, BLOCK_SIZE, torch.float32, device)
+    q, k, v = (x.bfloat16().float() for x in (q, k, v))  # both sides write the same values
+    fp8_k, fp8_v = to_cache(k_cache, E4M3, 0.5), to_cache(v_cache, E4M3, 2.0)
+    expected = PortableAttention().forward(
+        q, k, v, fp8_k.clone(), fp8_v.clone(), metadata, 0.125, k_scale=0.5, v_scale=2.0
+    )
+    actual = TritonAttention(num_splits=splits).forward(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), fp8_k, fp8_v, metadata, 0.125, k_scale=0.5, v_scale=2.0
+    )
+    torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-2)
