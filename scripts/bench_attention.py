@@ -116,16 +116,24 @@ def main() -> None:
         num_blocks = int(metadata.block_tables.numel())
         query = torch.randn(batch_size, num_heads, head_dim, dtype=torch.bfloat16, device=device)
         shape = (num_blocks, BLOCK_SIZE_TOKENS, num_kv_heads, head_dim)
-        caches = {"bf16": torch.randn(shape, dtype=torch.bfloat16, device=device)}
-        caches["fp8"] = caches["bf16"].clamp(-448, 448).to(E4M3)
-        for name, cache in caches.items():
+        # K and V apart: one tensor for both would read each tile's V from L2, just after its K
+        bf16 = (
+            torch.randn(shape, dtype=torch.bfloat16, device=device),
+            torch.randn(shape, dtype=torch.bfloat16, device=device),
+        )
+        caches = {"bf16": bf16, "fp8": tuple(c.clamp(-448, 448).to(E4M3) for c in bf16)}
+        for name, (k_cache, v_cache) in caches.items():
             for tile_n in tile_ns if name == "fp8" else [None]:
                 if tile_n is not None:
                     triton_kernels.FP8_DECODE_TILE_N = tile_n
                 label = name if tile_n is None else f"{name}/{tile_n}"
-                us = time_us(lambda q=query, c=cache, m=metadata: backend.attend(q, c, c, m, head_dim**-0.5))
+                us = time_us(
+                    lambda q=query, k=k_cache, v=v_cache, m=metadata: backend.attend(
+                        q, k, v, m, head_dim**-0.5
+                    )
+                )
                 kv_bytes = (
-                    2 * batch_size * (args.context + 1) * num_kv_heads * head_dim * cache.element_size()
+                    2 * batch_size * (args.context + 1) * num_kv_heads * head_dim * k_cache.element_size()
                 )
                 gb_per_s = kv_bytes / us / 1e3
                 rows.append(dict(batch_size=batch_size, cache=label, us=us, gb_per_s=gb_per_s))
