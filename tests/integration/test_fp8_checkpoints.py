@@ -137,7 +137,6 @@ def test_weights_kept_in_fp8_give_the_dequantized_tokens(fp8_models, layout, pro
     """Projections kept in FP8 with a scale a row (what CUDA sm90 does; forced here, where the
     layer dequantizes for each call) give the tokens of the weights dequantized at load, and
     hold FP8 bytes and float32 row scales."""
-    from paged_llm.models import loader
     from paged_llm.models.decoder import projections
 
     if layout == "online":
@@ -147,7 +146,7 @@ def test_weights_kept_in_fp8_give_the_dequantized_tokens(fp8_models, layout, pro
         model_dir, overrides = fp8_models[layout], {}
     chosen = prompts[:4]
     dequantized = _engine_greedy(model_dir, chosen, **overrides)
-    monkeypatch.setattr(loader, "fp8_weights_stay_fp8", lambda device: True)
+    monkeypatch.setenv("PAGED_LLM_FP8_WEIGHTS", "keep")
     engine = make_engine(model_dir, **overrides)
     try:
         model = engine.core.runner.model
@@ -159,6 +158,26 @@ def test_weights_kept_in_fp8_give_the_dequantized_tokens(fp8_models, layout, pro
             assert linear.weight_scale.shape == (linear.weight.shape[0],)
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         assert [r[0].token_ids for r in run_to_completion(engine, chosen, params)] == dequantized
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-tensor"])
+def test_weights_kept_in_fp8_split_over_two_ranks(fp8_models, layout, prompts, monkeypatch):
+    """Tensor parallelism with kept FP8 projections: each rank holds its rows of q/k/v and gate/up
+    with their row scales, and all rows (its columns) of o and down: the tokens of one rank."""
+    from paged_llm.models.decoder import projections
+
+    chosen = prompts[:3]
+    one_rank = _engine_greedy(fp8_models[layout], chosen)
+    monkeypatch.setenv("PAGED_LLM_FP8_WEIGHTS", "keep")  # the workers inherit it
+    engine = make_engine(fp8_models[layout], tensor_parallel_size=2)
+    try:
+        model = engine.core.runner.model  # rank 0's share
+        _, qkv = next(projections(model))
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.weight.shape[0],)
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        assert [r[0].token_ids for r in run_to_completion(engine, chosen, params)] == one_rank
     finally:
         engine.shutdown()
 

@@ -14,6 +14,8 @@ their scalar repeated, `quantization: fp8` quantized per channel at load.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,7 @@ try:
 except ImportError:  # CPU-only installs: the torch versions
     triton = None
 
+FP8_WEIGHTS_ENV = "PAGED_LLM_FP8_WEIGHTS"
 # _scaled_mm's FP8 operands need K and N to be multiples of 16.
 SCALED_MM_ALIGN = 16
 # A row's amax below this quantizes with this instead (an all-zero row: any scale gives zeros).
@@ -55,7 +58,14 @@ if triton is not None:
 
 
 def fp8_weights_stay_fp8(device: torch.device) -> bool:
-    """FP8 weights stay FP8 here: CUDA with Hopper's FP8 row-wise GEMMs (sm90 and later) and Triton."""
+    """FP8 weights stay FP8 here: CUDA with Hopper's FP8 row-wise GEMMs (sm90 and later) and Triton.
+    FP8_WEIGHTS_ENV overrides: "dequantize" (bf16 speed, an A/B), "keep" (any device: the layer
+    dequantizes for each call where it has no kernel; tests of the kept layout on CPU)."""
+    override = os.environ.get(FP8_WEIGHTS_ENV, "")
+    if override not in ("", "keep", "dequantize"):
+        raise ValueError(f"{FP8_WEIGHTS_ENV} must be keep or dequantize, got {override!r}")
+    if override:
+        return override == "keep"
     if device.type != "cuda" or triton is None or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
