@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_decode import copy_bandwidth_gb_per_s
+from bench_gemv import time_us
 
 from paged_llm.layers.attention import triton_kernels
 from paged_llm.layers.attention.metadata import AttentionMetadata
@@ -24,21 +26,6 @@ from paged_llm.layers.fp8_format import E4M3
 from paged_llm.models.random_model import SHAPES
 
 BLOCK_SIZE_TOKENS = 16
-CALLS_PER_GRAPH = 20
-
-
-def copy_bandwidth_gb_per_s(device: torch.device, num_bytes: int = 2 << 30) -> float:
-    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * num_bytes * 5 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def decode_metadata(batch_size: int, context: int, device: torch.device) -> AttentionMetadata:
@@ -62,29 +49,6 @@ def decode_metadata(batch_size: int, context: int, device: torch.device) -> Atte
         query_lens_host=[1] * batch_size,
         seq_lens_host=seq_lens.tolist(),
     )
-
-
-def time_us(run) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(CALLS_PER_GRAPH):
-            run()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(9):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return sorted(samples)[len(samples) // 2]
 
 
 def main() -> None:

@@ -42,9 +42,11 @@ def hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-def cuda_engine(model_dir, torch_compile: str = "", kv_cache_dtype: str = "auto", **scheduler) -> LLMEngine:
+def cuda_engine(
+    model_dir, torch_compile: str = "", kv_cache_dtype: str = "auto", dtype: str = "float32", **scheduler
+) -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        model=ModelConfig(model=str(model_dir), dtype=dtype),
         cache=CacheConfig(
             num_blocks=scheduler.pop("num_blocks", 1024), block_size_tokens=16, kv_cache_dtype=kv_cache_dtype
         ),

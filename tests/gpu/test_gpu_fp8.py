@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.models.decoder import projections
 from paged_llm.models.random_model import write_random_model
 from paged_llm.sampling_params import SamplingParams
+from tests.gpu.test_gpu_engine import cuda_engine
 from tests.integration.conftest import run_to_completion
 from tests.integration.test_fp8_checkpoints import _dequantized_twin
 
@@ -27,16 +27,6 @@ pytestmark = [
 ]
 MAX_TOKENS = 16
 MARGIN = 0.25  # logits of a bf16 model over W8A8 rounding
-
-
-def engine_on_cuda(model_dir, dtype: str = "bfloat16", **model) -> LLMEngine:
-    config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype=dtype, **model),
-        cache=CacheConfig(num_blocks=1024, block_size_tokens=16),
-        scheduler=SchedulerConfig(max_num_seqs=32),
-        device=DeviceConfig(device="cuda"),
-    )
-    return LLMEngine(config, show_progress=False)
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -74,7 +64,7 @@ def test_kept_fp8_projections_agree_with_hf_over_the_dequantized_weights(
     batched decode): HF transformers (float32) over the dequantized weights agrees token by token."""
     from transformers import AutoModelForCausalLM
 
-    engine = engine_on_cuda(channel_checkpoint)
+    engine = cuda_engine(channel_checkpoint, dtype="bfloat16", max_num_seqs=32)
     try:
         model = engine.core.runner.model
         assert all(linear.weight.dtype == torch.float8_e4m3fn for _, linear in projections(model))
@@ -109,7 +99,7 @@ def test_fp8_block_checkpoint_agrees_with_hf_fine_grained_fp8(tmp_path, prompts)
     except Exception as error:  # this transformers build or card has no FP8 kernels
         pytest.skip(f"HF fine-grained FP8 does not load here: {type(error).__name__}: {error}")
     assert any("FP8" in type(module).__name__ for module in hf.modules()), "HF dequantized the checkpoint"
-    engine = engine_on_cuda(model_dir)
+    engine = cuda_engine(model_dir, dtype="bfloat16", max_num_seqs=32)
     try:
         outputs = greedy(engine, prompts)
     finally:

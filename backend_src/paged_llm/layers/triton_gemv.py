@@ -8,7 +8,6 @@ other case (more rows, float32, a bias) takes the separate ops.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -17,10 +16,9 @@ except ImportError:  # CPU-only installs without triton use the PyTorch versions
     triton = None
 
 from paged_llm.layers.fp8_format import E4M3
-from paged_llm.layers.fp8_linear import fp8_linear
 from paged_llm.layers.gemv_tuning import FP8_PREFIX, gemv_config
 from paged_llm.layers.powers_of_two import next_power_of_2
-from paged_llm.layers.torch_ops import norm_then_linear
+from paged_llm.layers.torch_ops import linear_torch, norm_then_linear
 from paged_llm.layers.triton_elementwise import rms_norm_triton, silu_and_mul_triton
 
 if triton is not None:
@@ -168,9 +166,7 @@ def linear_triton(
     n = weight.shape[0]
     config = gemv_config(n, k, weight.device, _kernel("gemv", weight_scale))
     if bias is not None or not _gemv_applies(x, weight, k, config.block_k, weight_scale):
-        if weight_scale is not None:
-            return fp8_linear(x, weight, weight_scale, bias)
-        return F.linear(x, weight, bias)
+        return linear_torch(x, weight, bias, weight_scale)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight, out, n, k,
