@@ -91,10 +91,12 @@ def main() -> None:
                 if tile_n is not None:
                     triton_kernels.FP8_DECODE_TILE_N = tile_n
                 label = name if tile_n is None else f"{name}/{tile_n}"
+                # one copy: K and V of 64+ sequences at 1k tokens are far beyond L2 already
                 us = time_us(
-                    lambda q=query, k=k_cache, v=v_cache, m=metadata: backend.attend(
+                    lambda _copy, q=query, k=k_cache, v=v_cache, m=metadata: backend.attend(
                         q, k, v, m, head_dim**-0.5
-                    )
+                    ),
+                    num_copies=1,
                 )
                 kv_bytes = (
                     2 * batch_size * (args.context + 1) * num_kv_heads * head_dim * k_cache.element_size()
