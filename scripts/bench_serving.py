@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from paged_llm.engine.step_times import KINDS as STEP_KINDS
+from paged_llm.engine.step_times import StepTimes
 from paged_llm.gc_pauses import LONG_PAUSE_S, process_gc_pauses
 from paged_llm.testing.bench_workload import (
     Job,
@@ -453,6 +455,47 @@ def _histogram_lag(server: Any, before: dict[str, float] | None, limit_s: float 
                 "num_dropped": delta("histogram_observations_dropped_total"),
             }
         time.sleep(0.05)
+
+
+_ENGINE_STEPS = re.compile(
+    r'^paged_llm_engine_(steps|step_seconds)_total\{[^}]*kind="(\w+)"[^}]*\}\s+(\S+)$', re.M
+)
+
+
+def server_step_times(server: Any, settle_s: float = 1.0) -> StepTimes:
+    """The engine core's busy step periods (all series added up) from a launched server's /metrics,
+    after `settle_s` (the stubs refresh them every ~0.5 s)."""
+    time.sleep(settle_s)
+    totals = {"steps:decode": 0, "step_seconds:decode": 0.0, "steps:prefill": 0, "step_seconds:prefill": 0.0}
+    for what, kind, value in _ENGINE_STEPS.findall(server.metrics()):
+        totals[f"{what}:{kind}"] += float(value)
+    return StepTimes(
+        int(totals["steps:decode"]),
+        totals["step_seconds:decode"],
+        int(totals["steps:prefill"]),
+        totals["step_seconds:prefill"],
+    )
+
+
+def step_means(before: StepTimes, after: StepTimes) -> dict[str, dict[str, float | None]]:
+    """Per step kind, the steps between two readings and their mean period in ms."""
+    means: dict[str, dict[str, float | None]] = {}
+    for kind in STEP_KINDS:
+        num_before, seconds_before = before.count_and_seconds(kind)
+        num_after, seconds_after = after.count_and_seconds(kind)
+        num_steps = num_after - num_before
+        mean_ms = 1e3 * (seconds_after - seconds_before) / num_steps if num_steps else None
+        means[kind] = {"num_steps": num_steps, "mean_ms": mean_ms}
+    return means
+
+
+def format_step_means(means: dict[str, dict[str, float | None]]) -> str:
+    return ", ".join(
+        f"{kind} {int(m['num_steps'] or 0)} x {m['mean_ms']:.3f} ms"
+        if m["mean_ms"] is not None
+        else f"{kind} none"
+        for kind, m in means.items()
+    )
 
 
 def _server_counters(server: Any) -> dict[str, float] | None:

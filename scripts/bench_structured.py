@@ -43,7 +43,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import offline_engine, read_llm_parameters, run_served
+from bench_serving import (
+    format_step_means,
+    offline_engine,
+    read_llm_parameters,
+    run_served,
+    server_step_times,
+    step_means,
+)
 from tqdm import tqdm
 
 from paged_llm.testing.bench_workload import (
@@ -267,18 +274,24 @@ def main() -> int:
     server = start_server(args.launch.resolve(), log_path, timeout_s=1800.0)
     url = server.grpc_url
     served: dict[str, list[dict[str, Any]]] = {}
+    last_steps: dict[str, dict[str, float | None]] = {}
 
     def serve(
         label: str, run_jobs: list[Job], concurrency: int, measured: set[int] | None = None
     ) -> list[Any]:
-        """The records of the measured jobs (all when `measured` is None)."""
+        """The records of the measured jobs (all when `measured` is None); the engine core's own step
+        periods over the whole run go to `last_steps`."""
+        steps_before = server_step_times(server, settle_s=0.0)
         records, _ = run_served(url, args.model, run_jobs, concurrency, args.client_processes)
+        last_steps.clear()
+        last_steps.update(step_means(steps_before, server_step_times(server)))
         every = summarize(records)
         assert every["num_errors"] == 0, (label, every["errors"])
         if measured is not None:
             records = [r for r in records if r.index in measured]
         summary = summarize(records)
         print(format_summary(f"served {label}", summary), flush=True)
+        print(f"   engine steps: {format_step_means(last_steps)}", flush=True)
         by_index = {job.index: job for job in run_jobs}
         short = [r for r in records if r.num_output_tokens < by_index[r.index].num_output_tokens]
         if short:  # a grammar that ended: fewer tokens than max_tokens, a TPOT over fewer steps
@@ -300,6 +313,7 @@ def main() -> int:
                 "round": round_index,
                 "summary": summarize(records),
                 "tpot_p50_ms": _tpot_p50(records, run_jobs, None),
+                "engine_steps": dict(last_steps),
             }
             if mode == "half":
                 entry["tpot_p50_free_half_ms"] = _tpot_p50(records, run_jobs, False)
@@ -311,6 +325,7 @@ def main() -> int:
                 records = serve(f"b1 {mode} #{round_index}", run_jobs, 1)
                 entry = {"round": round_index, "summary": summarize(records)}
                 entry["tpot_p50_ms"] = _tpot_p50(records, run_jobs, None)
+                entry["engine_steps"] = dict(last_steps)
                 served.setdefault(f"b1_{mode}", []).append(entry)
         big = megabyte_schema()
         results["megabyte_schema_bytes"] = len(json.dumps(big))
@@ -328,7 +343,9 @@ def main() -> int:
                 sender.join(600)
                 results["megabyte_request"] = sent
                 print(f"   the ~1 MB schema's request: {sent}", flush=True)
-            served.setdefault("cap", []).append({"label": label, "summary": summarize(records)})
+            served.setdefault("cap", []).append(
+                {"label": label, "summary": summarize(records), "engine_steps": dict(last_steps)}
+            )
     finally:
         server.stop()
     results["served"] = served
@@ -347,15 +364,19 @@ def main() -> int:
                             jobs(num + 2 * concurrency, input_len, "256"), concurrency
                         )
                     run_jobs = _with(run_jobs, mode, schema)
+                    steps_before = engine.stats.snapshot().engine_steps
                     records = run_offline(engine, run_jobs, concurrency)
+                    steps = step_means(steps_before, engine.stats.snapshot().engine_steps)
                     if measured is not None:
                         records = [r for r in records if r.index in measured]
                     summary = summarize(records)
                     offline[f"{name}_{mode}"] = {
                         "summary": summary,
                         "tpot_p50_ms": _tpot_p50(records, run_jobs, None),
+                        "engine_steps": steps,
                     }
                     print(format_summary(f"offline {name} {mode}", summary), flush=True)
+                    print(f"   engine steps: {format_step_means(steps)}", flush=True)
         finally:
             engine.shutdown()
         results["offline"] = offline

@@ -41,6 +41,9 @@ def test_metrics_after_a_known_workload(server):
     wait_idle(server)  # earlier tests' stragglers (e.g. perf_analyzer's last requests) must not count
     time.sleep(0.6)  # one more metrics refresh after the last of them finished
     before = read(server)
+    before_text = server.metrics()
+    decode_steps_before = value(before_text, "paged_llm_engine_steps_total", kind="decode")
+    decode_seconds_before = value(before_text, "paged_llm_engine_step_seconds_total", kind="decode")
     requests = [
         make_inputs(
             f"metrics prompt number {i} " * (i + 1),
@@ -103,6 +106,18 @@ def test_metrics_after_a_known_workload(server):
         "paged_llm_engine_gc_long_pauses_total",
     ):
         assert f"{counter}{{" in text
+
+    # The core's busy steps (their gauge-like refresh may come a tick after the token counters):
+    # this workload's decodes ran back to back, each a counted period.
+    def decode_steps() -> tuple[float, float]:
+        now = server.metrics()
+        return (
+            value(now, "paged_llm_engine_steps_total", kind="decode") - decode_steps_before,
+            value(now, "paged_llm_engine_step_seconds_total", kind="decode") - decode_seconds_before,
+        )
+
+    assert wait_for(lambda: decode_steps()[0] >= MAX_TOKENS - 2, timeout_s=10), decode_steps()
+    assert decode_steps()[1] > 0.0
 
 
 STRUCTURED_OUTPUT = {

@@ -175,3 +175,26 @@ def test_a_failed_step_also_fails_the_step_launched_after_it_then_serving_goes_o
     assert not engine.has_unfinished_requests()
     later = _run(engine, [(prompts[2], SamplingParams(temperature=0.0, max_tokens=8))])
     assert len(later["r0"][0].token_ids) == 8
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_the_core_counts_its_busy_steps_by_kind(tiny_model_dir, async_scheduling):
+    """A 40-token prompt in 16-token chunks, then 6 tokens: steps 2 and 3 are prefill periods (the
+    first has no step before it), the 5 decodes after them decode periods, in both loop modes."""
+    from tests.integration.conftest import make_engine
+
+    engine = make_engine(tiny_model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=16)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        results = _run(engine, [(list(range(100, 140)), params)])
+        assert len(results["r0"][0].token_ids) == 6
+        steps = engine.stats.snapshot().engine_steps
+        assert (steps.num_prefill_steps, steps.num_decode_steps) == (2, 5)
+        assert steps.prefill_seconds > 0.0 and steps.decode_seconds > 0.0
+        # A wait between requests is nobody's step: a second request's first step is not counted.
+        short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        _run(engine, [(list(range(200, 204)), short)])
+        steps = engine.stats.snapshot().engine_steps
+        assert (steps.num_prefill_steps, steps.num_decode_steps) == (2, 7)
+    finally:
+        engine.shutdown()

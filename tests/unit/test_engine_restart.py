@@ -10,6 +10,7 @@ from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats
 from paged_llm.engine.restart_policy import RestartPolicy
 from paged_llm.engine.stats import EngineStats
+from paged_llm.engine.step_times import StepTimes
 from paged_llm.gc_pauses import GcPauses
 
 
@@ -51,7 +52,9 @@ def test_a_lost_core_reads_zero_in_the_gauges_and_its_totals_carry_over_to_the_n
     stats = EngineStats()
     sessions = SessionStats(num_open=3, num_holding_kv=2, num_evicted_total=1, num_expired_total=0,
                             num_truncated_total=4, reused_tokens_total=100)  # fmt: skip
-    stats.update_scheduler(_scheduler_stats(5, 2, 40), 1, GcPauses(10, 0.5, 1, 0.1), sessions)
+    stats.update_scheduler(
+        _scheduler_stats(5, 2, 40), 1, GcPauses(10, 0.5, 1, 0.1), sessions, StepTimes(7, 0.07, 1, 0.02)
+    )
     stats.on_core_lost(counted_its_totals=True)
     down = stats.snapshot()
     assert not down.engine_up
@@ -60,15 +63,20 @@ def test_a_lost_core_reads_zero_in_the_gauges_and_its_totals_carry_over_to_the_n
     assert down.num_preemptions_total == 2 and down.prefix_cache_queried_tokens == 40
     assert down.prompt_tokens_computed == 7 and down.num_step_faults == 1
     assert down.engine_gc.num_collections == 10 and down.sessions.reused_tokens_total == 100
+    assert down.engine_steps == StepTimes(7, 0.07, 1, 0.02)
     stats.on_core_up(owns_core=True)
     fresh_sessions = SessionStats(1, 0, 0, 0, 1, 5)
-    stats.update_scheduler(_scheduler_stats(1, 1, 8), 0, GcPauses(2, 0.1, 0, 0.2), fresh_sessions)
+    stats.update_scheduler(
+        _scheduler_stats(1, 1, 8), 0, GcPauses(2, 0.1, 0, 0.2), fresh_sessions, StepTimes(3, 0.03, 0, 0.0)
+    )
     up = stats.snapshot()
     assert up.engine_up and up.num_running == 1 and up.kv_usage == 0.5 and up.sessions.num_open == 1
     assert up.num_preemptions_total == 3 and up.prefix_cache_queried_tokens == 48
     assert up.prefix_cache_hit_tokens == 24 and up.prompt_tokens_computed == 14
     assert up.engine_gc.num_collections == 12 and up.engine_gc.longest_pause_s == 0.2
     assert up.sessions.num_truncated_total == 5 and up.sessions.reused_tokens_total == 105
+    assert up.engine_steps.num_decode_steps == 10 and up.engine_steps.num_prefill_steps == 1
+    assert up.engine_steps.decode_seconds == pytest.approx(0.10)
 
 
 def test_a_stub_that_did_not_report_the_lost_core_keeps_no_base_of_its_totals():

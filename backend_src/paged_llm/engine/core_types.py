@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats, SessionTurn
+from paged_llm.engine.step_times import StepTimes
 from paged_llm.gc_pauses import GcPauses
 from paged_llm.sampling.token_logprobs import TokenLogprobs
 from paged_llm.sampling_params import SamplingParams
@@ -174,6 +175,7 @@ class EngineCoreOutputs:
     utility_results: dict[int, tuple[bool, object]] = field(default_factory=dict)  # call id -> (ok, value)
     num_steps: int = 0  # engine steps taken so far (the first step is 1)
     structured_output_stats: StructuredOutputStats | None = None
+    step_times: StepTimes | None = None  # the core's busy step periods, since start
 
     @property
     def num_rows(self) -> int:

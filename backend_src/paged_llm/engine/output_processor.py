@@ -229,7 +229,11 @@ class OutputProcessor:
                 touched.add(state.request_id)
         if outputs.scheduler_stats is not None:
             self.stats.update_scheduler(
-                outputs.scheduler_stats, outputs.num_step_faults, outputs.gc_pauses, outputs.session_stats
+                outputs.scheduler_stats,
+                outputs.num_step_faults,
+                outputs.gc_pauses,
+                outputs.session_stats,
+                engine_steps=outputs.step_times,
             )
         if outputs.structured_output_stats is not None:
             self.stats.update_structured_output(outputs.structured_output_stats)

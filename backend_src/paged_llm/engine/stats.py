@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats
 from paged_llm.engine.core_types import StructuredOutputStats
+from paged_llm.engine.step_times import StepTimes
 from paged_llm.gc_pauses import GcPauses
 
 
@@ -47,6 +48,7 @@ class StatsSnapshot:
     num_requests_by_outcome: dict[str, int]
     num_step_faults: int
     engine_gc: GcPauses  # the engine core process's garbage-collection pauses
+    engine_steps: StepTimes  # the engine core's busy step periods (engine/step_times.py)
     num_cancellation_checks: int  # is_cancelled() round trips to the server
     cancellation_check_seconds: float  # time they took
     prompt_tokens_computed: int = 0  # prompt tokens whose KV the engine computed (not reused)
@@ -90,6 +92,7 @@ class _CoreTotals:
     sessions: dict[str, int] = field(default_factory=dict)
     num_step_faults: int = 0
     engine_gc: GcPauses = field(default_factory=GcPauses)
+    engine_steps: StepTimes = field(default_factory=StepTimes)
     structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
 
 
@@ -129,6 +132,7 @@ class EngineStats:
         self.num_generation_tokens_total = 0
         self.num_step_faults = 0
         self.engine_gc = GcPauses()
+        self.engine_steps = StepTimes()
         self.requests_by_outcome: Counter[str] = Counter()
         self.scheduler: SchedulerStats | None = None  # as of the last core step seen
         self.sessions: SessionStats | None = None
@@ -161,6 +165,7 @@ class EngineStats:
                     },
                     num_step_faults=self._base.num_step_faults + self.num_step_faults,
                     engine_gc=_plus_gc(self._base.engine_gc, self.engine_gc),
+                    engine_steps=self._base.engine_steps.plus(self.engine_steps),
                     structured_output=_plus_structured_output(
                         self._base.structured_output, self.structured_output
                     ),
@@ -171,6 +176,7 @@ class EngineStats:
                 self.sessions = SessionStats(0, 0, *(0 for _ in _SESSION_TOTALS))
             self.num_step_faults = 0
             self.engine_gc = GcPauses()
+            self.engine_steps = StepTimes()
             self.structured_output = None
 
     def on_core_up(self, owns_core: bool) -> None:
@@ -189,6 +195,7 @@ class EngineStats:
         num_step_faults: int,
         engine_gc: GcPauses | None = None,
         session_stats: SessionStats | None = None,
+        engine_steps: StepTimes | None = None,
     ) -> None:
         with self._lock:
             self.scheduler = scheduler_stats
@@ -197,6 +204,8 @@ class EngineStats:
             self.num_step_faults = num_step_faults
             if engine_gc is not None:
                 self.engine_gc = engine_gc
+            if engine_steps is not None:
+                self.engine_steps = engine_steps
 
     def update_structured_output(self, stats: StructuredOutputStats) -> None:
         """The core's structured output counters (totals since it started) and the grammar compile
@@ -280,6 +289,7 @@ class EngineStats:
                 num_requests_by_outcome=dict(self.requests_by_outcome),
                 num_step_faults=base.num_step_faults + self.num_step_faults,
                 engine_gc=_plus_gc(base.engine_gc, self.engine_gc),
+                engine_steps=base.engine_steps.plus(self.engine_steps),
                 num_cancellation_checks=self.num_cancellation_checks,
                 cancellation_check_seconds=self.cancellation_check_seconds,
                 prompt_tokens_computed=total("prompt_tokens_computed"),

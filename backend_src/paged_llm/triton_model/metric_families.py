@@ -24,6 +24,8 @@ for how and when they are updated). Histograms are Triton histogram families (tr
 | paged_llm_engine_gc_collections_total | counter | garbage collections in the engine core process |
 | paged_llm_engine_gc_pause_seconds_total | counter | time they stopped the core |
 | paged_llm_engine_gc_long_pauses_total | counter | those of 5 ms or more (longer than a decode step) |
+| paged_llm_engine_steps_total{kind} | counter | busy core steps: `decode`, `prefill` (engine/step_times.py) |
+| paged_llm_engine_step_seconds_total{kind} | counter | their periods; / steps = the mean step |
 | paged_llm_prompt_tokens_total | counter | prompt tokens of requests whose prefill finished |
 | paged_llm_generation_tokens_total | counter | generated tokens |
 | paged_llm_request_outcomes_total{outcome} | counter | finished requests: stop, length, abort, error |
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paged_llm.engine.step_times import KINDS as STEP_KINDS
 from paged_llm.gc_pauses import LONG_PAUSE_S
 from paged_llm.structured_output_params import KINDS as STRUCTURED_OUTPUT_KINDS
 from paged_llm.triton_model.histograms import Histogram, buckets_1_2_5
@@ -256,6 +259,15 @@ class MetricFamilies:
             "paged_llm_engine_gc_long_pauses_total",
             f"Engine core garbage collections of {LONG_PAUSE_S * 1e3:g} ms or more",
             family.COUNTER,
+        )
+        self.engine_steps = per_label(
+            "paged_llm_engine_steps_total", "Engine core steps taken while busy", "kind", STEP_KINDS
+        )
+        self.engine_step_seconds = per_label(
+            "paged_llm_engine_step_seconds_total",
+            "Seconds of busy engine core steps, each from the end of the step before",
+            "kind",
+            STEP_KINDS,
         )
         self.prompt_tokens = metric(
             "paged_llm_prompt_tokens_total",

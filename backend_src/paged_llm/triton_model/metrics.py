@@ -29,6 +29,7 @@ import threading
 from typing import Any
 
 from paged_llm.engine.stats import EngineStats, StatsSnapshot
+from paged_llm.engine.step_times import KINDS as STEP_KINDS
 from paged_llm.triton_model.histogram_writer import HistogramWriter
 from paged_llm.triton_model.metric_families import MetricFamilies, _Gauge
 
@@ -121,6 +122,10 @@ class TritonMetrics:
         self._advance("gc_collections", self._metrics.gc_collections, engine_gc.num_collections)
         self._advance("gc_seconds", self._metrics.gc_seconds, engine_gc.pause_s_total)
         self._advance("gc_long_pauses", self._metrics.gc_long_pauses, engine_gc.num_long_pauses)
+        for kind in STEP_KINDS:
+            num_steps, seconds = snapshot.engine_steps.count_and_seconds(kind)
+            self._advance(f"steps:{kind}", self._metrics.engine_steps[kind], num_steps)
+            self._advance(f"step_seconds:{kind}", self._metrics.engine_step_seconds[kind], seconds)
         structured = snapshot.structured_output
         for kind, counter in self._metrics.structured_output_requests.items():
             self._advance(f"structured_output:{kind}", counter, structured.requests_by_kind.get(kind, 0))

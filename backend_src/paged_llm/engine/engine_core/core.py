@@ -37,6 +37,7 @@ from paged_llm.engine.engine_core.faults import StepFaults
 from paged_llm.engine.engine_core.model_setup import load_engine_model
 from paged_llm.engine.engine_core.request_table import CoreRequest, RequestTable
 from paged_llm.engine.engine_core.structured_outputs import StructuredOutputs
+from paged_llm.engine.step_times import StepClock
 from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses
@@ -89,6 +90,7 @@ class EngineCore:
         )
         self._seed_rng = random.Random(config.model.seed)
         self.num_steps = 0
+        self.step_clock = StepClock()
         mode = config.scheduler.async_scheduling
         # Launch a step before the previous one's tokens are on the host (step_pipelined).
         self.launch_ahead = mode == "on" or (mode == "auto" and self.device.is_accelerator)
@@ -303,6 +305,8 @@ class EngineCore:
         Launching ahead needs no token value of step N on the host: it is skipped (N finished first)
         when a sequence of N samples with penalties or bad words."""
         previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            self.step_clock.on_idle()  # nothing ran since the last turn: the loop may have waited
         outputs = None
         if previous is not None and not self._can_launch_ahead(previous):
             outputs = self.finish_step(previous)
@@ -398,6 +402,9 @@ class EngineCore:
                 if runner_output.spec_token_ids:
                     Speculator.on_verified(runner_output.spec_token_ids, self.scheduler.sequences)
                 self._publish_updates(updates, runner_output)
+                self.step_clock.on_step_finished(in_flight.scheduler_output)
+        if in_flight is None or not self.scheduler.has_unfinished_sequences():
+            self.step_clock.on_idle()  # the next step comes after a wait for work (any driver)
         return self.take_outputs()
 
     def take_outputs(self) -> EngineCoreOutputs:
@@ -408,6 +415,7 @@ class EngineCore:
         outputs.num_steps = self.num_steps
         outputs.num_step_faults = self.num_step_faults
         outputs.gc_pauses = process_gc_pauses()
+        outputs.step_times = self.step_clock.totals
         outputs.structured_output_stats = self.structured.take_stats()
         return outputs
 

@@ -73,6 +73,7 @@ def split_outputs(
                 num_step_faults=outputs.num_step_faults,
                 gc_pauses=outputs.gc_pauses,
                 num_steps=outputs.num_steps,
+                step_times=outputs.step_times,
             )
         return found
 
