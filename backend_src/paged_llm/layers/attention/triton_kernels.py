@@ -197,6 +197,88 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
 
 
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_decode_cores_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, k_scale, v_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """Decode (one new token a sequence) on CUDA cores: the head group's GROUP_P rows times a tile
+    of keys as broadcast products summed in float32, no tensor-core operand layouts. The cache's
+    values widen in the registers they were loaded into, so an FP8 cache takes no trip through
+    shared memory (the dot kernel's FP8 operands went through scalar shared loads and byte
+    permutes). Same outputs, splits and partials as _paged_attention_kernel with BLOCK_Q = 1."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a padding sequence of the graph
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, GROUP_P)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_valid = dims < HEAD_DIM
+    token = q_start.to(tl.int64)
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_ptrs = query_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if KV_FP8:  # the cache holds key / k_scale
+        scale_log2 = scale_log2 * k_scale
+    q = q.to(tl.float32) * scale_log2  # the scores come out in log2 units
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = seq_len
+    else:
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, MIN_SPLIT_KEYS)
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(seq_len, kv_lo + chunk)
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_ptrs = k_cache_ptr + kv_head * stride_ch + dims[None, :]
+    v_ptrs = v_cache_ptr + kv_head * stride_ch + dims[None, :]
+    for start in range(kv_lo, kv_hi, TILE_N):
+        pos = start + offs_n
+        pos_valid = pos < kv_hi
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        row_off = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None]
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, HEAD_DIM_P]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, TILE_N]
+        s = tl.where(pos_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    if KV_FP8:
+        acc = acc * v_scale
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        acc_ptrs = part_acc_ptr + token * stride_pt + head[:, None] * stride_ph + dims[None, :]
+        tl.store(acc_ptrs + split * stride_ps, acc, mask=q_mask & (kv_lo < kv_hi))
+        ml_off = token * stride_mt + head * stride_mh + split
+        tl.store(part_m_ptr + ml_off, m_i, mask=row_valid)
+        tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
+
+
 # num_seqs changes with every eager step: specializing on it (== 1, multiple of 16) would compile
 # new variants while serving.
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -310,6 +392,12 @@ def _max_shared_mem_bytes(device_index: int) -> int:
 
 # Keys a decode tile reads from an FP8 cache (head_dim <= 128): scripts/bench_attention.py --fp8-tile-n
 FP8_DECODE_TILE_N = 64
+# Which kernel decodes over a cache: "dot" (_paged_attention_kernel, tensor cores) or "cores"
+# (_paged_decode_cores_kernel); scripts/bench_attention.py --decode-kernels measures both.
+DECODE_KERNEL = {"fp8": "dot", "16-bit": "dot"}
+# The cores kernel's broadcast product holds GROUP_P x TILE_N x HEAD_DIM_P float32 values: about
+# this many, so that it fits the registers of 4 warps with the tiles around it.
+CORES_PRODUCT_ELEMENTS = 8192
 
 
 def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool = False) -> AttentionTiles:
@@ -359,20 +447,21 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    tiles = attention_tiles(max_query_len, group, head_dim, kv_fp8=k_cache.dtype == E4M3)
+    kv_fp8 = k_cache.dtype == E4M3
+    if max_query_len == 1 and DECODE_KERNEL["fp8" if kv_fp8 else "16-bit"] == "cores":
+        _decode_on_cores(
+            query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
+            k_scale, v_scale,
+        )  # fmt: skip
+        return out
+    tiles = attention_tiles(max_query_len, group, head_dim, kv_fp8=kv_fp8)
     block_m, block_q, tile_n = tiles.block_m, tiles.block_q, tiles.tile_n
     head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
     if query.is_cuda and not _INTERPRETED:
         limit = _max_shared_mem_bytes(query.device.index if query.device.index is not None else 0)
         tiles = fit_shared_memory(tiles, head_dim_p, query.element_size(), k_cache.element_size(), limit)
-    if num_splits > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=query.device
-        )
-        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-    else:  # never read: NUM_SPLITS == 1 removes those code paths at compile time
-        part_acc = part_m = part_l = out
+    parts = _split_partials(query, num_splits, head_dim_p, out)
+    part_acc, part_m, part_l = parts
     # fp32 inputs would run tl.dot in TF32 (10-bit mantissa) by default; keep them exact. The CPU
     # interpreter multiplies bf16 as raw uint16 bits (triton 3.6), so it gets fp32 dots instead.
     dot_fp32 = query.dtype == torch.float32 or (_INTERPRETED and query.dtype == torch.bfloat16)
@@ -398,11 +487,63 @@ def paged_attention(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_m, part_l, query_start_loc, num_seqs,
-            out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_m.stride(0), part_m.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
-            num_warps=1 if head_dim_p * num_splits <= 1024 else 4,
-        )  # fmt: skip
+        _reduce_splits(out, parts, query_start_loc, num_seqs, head_dim, head_dim_p, num_splits)
     return out
+
+
+def _split_partials(
+    query: torch.Tensor, num_splits: int, head_dim_p: int, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-KV partials (acc, max, sum); `out` stands in where there is no split (never read:
+    NUM_SPLITS == 1 removes those code paths at compile time)."""
+    if num_splits == 1:
+        return out, out, out
+    num_tokens, num_heads, _ = query.shape
+    device = query.device
+    shape = (num_tokens, num_heads, num_splits)
+    part_acc = torch.empty((*shape, head_dim_p), dtype=torch.float32, device=device)
+    part_m = torch.empty(shape, dtype=torch.float32, device=device)
+    return part_acc, part_m, torch.empty_like(part_m)
+
+
+def _reduce_splits(
+    out: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], query_start_loc: torch.Tensor,
+    num_seqs: int, head_dim: int, head_dim_p: int, num_splits: int,
+) -> None:  # fmt: skip
+    part_acc, part_m, part_l = parts
+    num_tokens, num_heads, _ = out.shape
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        out, part_acc, part_m, part_l, query_start_loc, num_seqs,
+        out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_m.stride(0), part_m.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
+        num_warps=1 if head_dim_p * num_splits <= 1024 else 4,
+    )  # fmt: skip
+
+
+def _decode_on_cores(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor,
+    k_scale: float, v_scale: float,
+) -> None:  # fmt: skip
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    group_p, head_dim_p = next_power_of_2(group), next_power_of_2(head_dim)
+    tile_n = max(16, CORES_PRODUCT_ELEMENTS // (group_p * head_dim_p))
+    parts = _split_partials(query, num_splits, head_dim_p, out)
+    part_acc, part_m, part_l = parts
+    _paged_decode_cores_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_acc, part_m, part_l,
+        query_start_loc, seq_lens, block_tables, scale * LOG2E, k_scale, v_scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_m.stride(0), part_m.stride(1),
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=tile_n,
+        KV_FP8=k_cache.dtype == E4M3, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_splits(out, parts, query_start_loc, num_seqs, head_dim, head_dim_p, num_splits)
