@@ -210,11 +210,17 @@ def _paged_decode_cores_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Decode (one new token a sequence) on CUDA cores: the head group's GROUP_P rows times a tile
-    of keys as broadcast products summed in float32, no tensor-core operand layouts. The cache's
-    values widen in the registers they were loaded into, so an FP8 cache takes no trip through
-    shared memory (the dot kernel's FP8 operands went through scalar shared loads and byte
-    permutes). Same outputs, splits and partials as _paged_attention_kernel with BLOCK_Q = 1."""
+    """Decode (one new token a sequence) on CUDA cores, without tensor-core operand layouts: the
+    cache's values widen in the registers they were loaded into (an FP8 cache takes no trip
+    through shared memory; the dot kernel's FP8 operands went through scalar shared loads).
+
+    Every 2-D tile is [GROUP_P * TILE_N, HEAD_DIM_P]: slot r = (head g = r // TILE_N, lane
+    n = r % TILE_N), each slot its own online softmax over keys n, n + TILE_N, n + 2 TILE_N, ...
+    (head g's query against one key a step). A slot's score is a sum along its own row (lanes of
+    a warp), its max, sum and accumulator row are its own: the loop has no reduction across rows
+    and no layout change. Each key is loaded once per head of the group (L1 serves the repeats).
+    The TILE_N slots of a head merge once, after the loop. Same outputs, splits and partials as
+    _paged_attention_kernel with BLOCK_Q = 1."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,15 +228,15 @@ def _paged_decode_cores_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a padding sequence of the graph
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, GROUP_P)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
+    slots = tl.arange(0, GROUP_P * TILE_N)
+    slot_head = kv_head * GROUP + slots // TILE_N
+    slot_valid = slots // TILE_N < GROUP
+    lane = slots % TILE_N
     dims = tl.arange(0, HEAD_DIM_P)
     dim_valid = dims < HEAD_DIM
     token = q_start.to(tl.int64)
-    q_mask = row_valid[:, None] & dim_valid[None, :]
-    q_ptrs = query_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q_ptrs = query_ptr + token * stride_qt + slot_head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=slot_valid[:, None] & dim_valid[None, :], other=0.0)
     if KV_FP8:  # the cache holds key / k_scale
         scale_log2 = scale_log2 * k_scale
     q = q.to(tl.float32) * scale_log2  # the scores come out in log2 units
@@ -241,42 +247,51 @@ def _paged_decode_cores_kernel(
         chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, MIN_SPLIT_KEYS)
         kv_lo = split * chunk
         kv_hi = tl.minimum(seq_len, kv_lo + chunk)
-    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
-    offs_n = tl.arange(0, TILE_N)
+    m_i = tl.full([GROUP_P * TILE_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P * TILE_N], tl.float32)
+    acc = tl.zeros([GROUP_P * TILE_N, HEAD_DIM_P], tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_ptrs = k_cache_ptr + kv_head * stride_ch + dims[None, :]
     v_ptrs = v_cache_ptr + kv_head * stride_ch + dims[None, :]
     for start in range(kv_lo, kv_hi, TILE_N):
-        pos = start + offs_n
+        pos = start + lane
         pos_valid = pos < kv_hi
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         row_off = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None]
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, HEAD_DIM_P]
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, TILE_N]
-        s = tl.where(pos_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        k = tl.load(k_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.where(pos_valid, tl.sum(q * k, axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p = tl.exp2(s - m_safe)
+        l_i = l_i * alpha + p
         v = tl.load(v_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + p[:, None] * v
         m_i = m_new
+    # The TILE_N slots of each head merge: weights exp2(m_slot - m_head), empty slots weigh 0.
+    m_slots = tl.reshape(m_i, [GROUP_P, TILE_N])
+    m_head = tl.max(m_slots, 1)
+    m_head_safe = tl.where(m_head == float("-inf"), 0.0, m_head)
+    weight = tl.exp2(m_slots - m_head_safe[:, None])
+    l_head = tl.sum(weight * tl.reshape(l_i, [GROUP_P, TILE_N]), 1)
+    acc_head = tl.sum(tl.reshape(acc, [GROUP_P, TILE_N, HEAD_DIM_P]) * weight[:, :, None], 1)
     if KV_FP8:
-        acc = acc * v_scale
+        acc_head = acc_head * v_scale
+    rows = tl.arange(0, GROUP_P)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    out_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc_head / tl.where(l_head == 0.0, 1.0, l_head)[:, None]
         out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         acc_ptrs = part_acc_ptr + token * stride_pt + head[:, None] * stride_ph + dims[None, :]
-        tl.store(acc_ptrs + split * stride_ps, acc, mask=q_mask & (kv_lo < kv_hi))
+        tl.store(acc_ptrs + split * stride_ps, acc_head, mask=out_mask & (kv_lo < kv_hi))
         ml_off = token * stride_mt + head * stride_mh + split
-        tl.store(part_m_ptr + ml_off, m_i, mask=row_valid)
-        tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
+        tl.store(part_m_ptr + ml_off, m_head, mask=row_valid)
+        tl.store(part_l_ptr + ml_off, l_head, mask=row_valid)
 
 
 # num_seqs changes with every eager step: specializing on it (== 1, multiple of 16) would compile
@@ -395,9 +410,9 @@ FP8_DECODE_TILE_N = 64
 # Which kernel decodes over a cache: "dot" (_paged_attention_kernel, tensor cores) or "cores"
 # (_paged_decode_cores_kernel); scripts/bench_attention.py --decode-kernels measures both.
 DECODE_KERNEL = {"fp8": "dot", "16-bit": "dot"}
-# The cores kernel's broadcast product holds GROUP_P x TILE_N x HEAD_DIM_P float32 values: about
-# this many, so that it fits the registers of 4 warps with the tiles around it.
-CORES_PRODUCT_ELEMENTS = 8192
+# The cores kernel's tiles hold GROUP_P x TILE_N x HEAD_DIM_P values (its accumulator in float32):
+# about this many, so that they fit the registers of 4 warps.
+CORES_PRODUCT_ELEMENTS = 4096
 
 
 def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool = False) -> AttentionTiles:
