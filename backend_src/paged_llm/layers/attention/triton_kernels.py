@@ -23,6 +23,7 @@ host ints that stay fixed for a captured CUDA graph.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -408,8 +409,23 @@ def _max_shared_mem_bytes(device_index: int) -> int:
 # Keys a decode tile reads from an FP8 cache (head_dim <= 128): scripts/bench_attention.py --fp8-tile-n
 FP8_DECODE_TILE_N = 64
 # Which kernel decodes over a cache: "dot" (_paged_attention_kernel, tensor cores) or "cores"
-# (_paged_decode_cores_kernel); scripts/bench_attention.py --decode-kernels measures both.
-DECODE_KERNEL = {"fp8": "dot", "16-bit": "dot"}
+# (_paged_decode_cores_kernel); scripts/bench_attention.py --decode-kernels measures both, and
+# PAGED_LLM_DECODE_KERNEL=dot|cores sets both kinds of cache (an engine A/B).
+DECODE_KERNEL_ENV = "PAGED_LLM_DECODE_KERNEL"
+DECODE_KERNELS = ("dot", "cores")
+
+
+def _decode_kernel_choice() -> dict[str, str]:
+    choice = {"fp8": "dot", "16-bit": "dot"}
+    forced = os.environ.get(DECODE_KERNEL_ENV, "")
+    if forced:
+        if forced not in DECODE_KERNELS:
+            raise ValueError(f"{DECODE_KERNEL_ENV} must be dot or cores, got {forced!r}")
+        choice = dict.fromkeys(choice, forced)
+    return choice
+
+
+DECODE_KERNEL = _decode_kernel_choice()
 # The cores kernel's tiles hold GROUP_P x TILE_N x HEAD_DIM_P values (its accumulator in float32):
 # about this many, so that they fit the registers of 4 warps.
 CORES_PRODUCT_ELEMENTS = 4096
