@@ -19,7 +19,7 @@ import torch
 from bench_decode import copy_bandwidth_gb_per_s
 from bench_gemv import time_us
 
-from paged_llm.layers.attention import triton_kernels
+from paged_llm.layers.attention import cores_decode, triton_backend, triton_kernels
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.triton_backend import TritonAttention
 from paged_llm.layers.fp8_format import E4M3
@@ -76,12 +76,12 @@ def main() -> None:
     parser.add_argument(
         "--decode-kernels",
         default="",
-        help="decode kernels to try, of dot,cores (default: the engine's; triton_kernels.DECODE_KERNEL)",
+        help="decode kernels to try, of dot,cores (default: the engine's; triton_backend.DECODE_KERNEL)",
     )
     parser.add_argument(
         "--cores-elements",
         default="",
-        help="the cores kernel's product sizes to try (triton_kernels.CORES_PRODUCT_ELEMENTS)",
+        help="the cores kernel's product sizes to try (cores_decode.CORES_PRODUCT_ELEMENTS)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -94,9 +94,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bandwidth:.0f} GB/s; {args.shape}: {heads}")
     print(f"context {args.context}")
     tile_ns = [int(t) for t in args.fp8_tile_n.split(",") if t] or [triton_kernels.FP8_DECODE_TILE_N]
-    kernels = [k for k in args.decode_kernels.split(",") if k] or [triton_kernels.DECODE_KERNEL["fp8"]]
+    kernels = [k for k in args.decode_kernels.split(",") if k] or [triton_backend.DECODE_KERNEL["fp8"]]
     cores_elements = [int(e) for e in args.cores_elements.split(",") if e] or [
-        triton_kernels.CORES_PRODUCT_ELEMENTS
+        cores_decode.CORES_PRODUCT_ELEMENTS
     ]
     backend = TritonAttention(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
     rows = []
@@ -115,11 +115,11 @@ def main() -> None:
         for name, (k_cache, v_cache), kernel, tile_n, elements in variants(
             caches, kernels, tile_ns, cores_elements
         ):
-            triton_kernels.DECODE_KERNEL = {"fp8": kernel, "16-bit": kernel}
+            triton_backend.DECODE_KERNEL = {"fp8": kernel, "16-bit": kernel}
             if tile_n is not None:
                 triton_kernels.FP8_DECODE_TILE_N = tile_n
             if elements is not None:
-                triton_kernels.CORES_PRODUCT_ELEMENTS = elements
+                cores_decode.CORES_PRODUCT_ELEMENTS = elements
             label = "/".join(str(part) for part in (name, kernel, tile_n, elements) if part is not None)
             # one copy: K and V of 64+ sequences at 1k tokens are far beyond L2 already
             us = time_us(

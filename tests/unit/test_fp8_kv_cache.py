@@ -82,14 +82,14 @@ def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(
     the FP8 grid (times a power-of-two scale) or beyond +-448 x scale (saturated): the Triton 3.6
     interpreter rounds a value just below a power of two down a binade (-1.999 -> -1.0) and flushes
     subnormals, where torch and the GPU's conversion round to nearest."""
-    from paged_llm.layers.attention import triton_kernels
+    from paged_llm.layers.attention import triton_backend
     from paged_llm.layers.attention.triton_backend import TritonAttention
     from tests.unit.test_triton_attention import DECODES, DEVICE, MIXED, context_slots
 
     chunks = MIXED
     if batch == "decodes on cores":
         chunks = DECODES
-        monkeypatch.setattr(triton_kernels, "DECODE_KERNEL", {"fp8": "cores", "16-bit": "dot"})
+        monkeypatch.setattr(triton_backend, "DECODE_KERNEL", {"fp8": "cores", "16-bit": "dot"})
     device = torch.device(DEVICE)
     metadata = build_metadata(chunks, BLOCK_SIZE, device)
     q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 16, BLOCK_SIZE, torch.float32, device)
@@ -126,11 +126,11 @@ def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(
 def test_a_bf16_model_reads_the_fp8_cache_through_float16_dots(splits, decode_kernel, monkeypatch):
     """bf16 queries over an FP8 cache (the dots in float16, where e4m3 widens in one instruction):
     within bf16's rounding of the float32 attention over the cache's values."""
-    from paged_llm.layers.attention import triton_kernels
+    from paged_llm.layers.attention import triton_backend
     from paged_llm.layers.attention.triton_backend import TritonAttention
     from tests.unit.test_triton_attention import DECODES, MIXED
 
-    monkeypatch.setattr(triton_kernels, "DECODE_KERNEL", {"fp8": decode_kernel, "16-bit": "dot"})
+    monkeypatch.setattr(triton_backend, "DECODE_KERNEL", {"fp8": decode_kernel, "16-bit": "dot"})
     device = torch.device("cuda")
     metadata = build_metadata(MIXED if decode_kernel == "dot" else DECODES, BLOCK_SIZE, device)
     q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 64, BLOCK_SIZE, torch.float32, device)

@@ -214,9 +214,9 @@ def test_split_prefill_with_mixed_graph_padding_leaves_real_rows_exact(nan_fille
 @pytest.fixture
 def cores_decode(monkeypatch):
     """Decode batches go to _paged_decode_cores_kernel (CUDA cores), whatever the cache dtype."""
-    from paged_llm.layers.attention import triton_kernels
+    from paged_llm.layers.attention import triton_backend
 
-    monkeypatch.setattr(triton_kernels, "DECODE_KERNEL", {"fp8": "cores", "16-bit": "cores"})
+    monkeypatch.setattr(triton_backend, "DECODE_KERNEL", {"fp8": "cores", "16-bit": "cores"})
 
 
 @pytest.mark.parametrize("heads_per_kv", [1, 3, 4])

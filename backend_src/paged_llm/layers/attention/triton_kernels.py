@@ -1,5 +1,6 @@
-r"""Triton kernels of the paged attention backend: cache write, unified (prefill + decode) attention
-with an optional split over the KV positions (flash-decoding), and the reduce of the splits.
+r"""Triton kernels of the paged attention backend: cache write and unified (prefill + decode)
+attention with an optional split over the KV positions (flash-decoding; the splits merge in
+split_kv.py). Decode may instead run on CUDA cores (cores_decode.py; triton_backend.py chooses).
 
 One program of the attention kernel owns one (sequence, kv head, query block[, split]). Its Q tile
 packs the query heads that share the kv head into the M dimension, so K/V are read once per group:
@@ -16,20 +17,20 @@ packs the query heads that share the kv head into the M dimension, so K/V are re
 
 With NUM_SPLITS > 1 the keys a query block sees, 0 .. kv_end-1, are cut into NUM_SPLITS chunks
 (multiples of TILE_N); every split writes an unnormalised partial (acc, max, sum) and
-`_reduce_splits_kernel` merges them. All loop bounds come from device tensors, all grid sizes from
+split_kv.py's reduce merges them. All loop bounds come from device tensors, all grid sizes from
 host ints that stay fixed for a captured CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from paged_llm.layers.attention.split_kv import reduce_splits, split_partials
 from paged_llm.layers.fp8_format import E4M3, E4M3_MAX
 from paged_llm.layers.powers_of_two import next_power_of_2
 
@@ -198,139 +199,6 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
-def _paged_decode_cores_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, k_scale, v_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """Decode (one new token a sequence) on CUDA cores, without tensor-core operand layouts: the
-    cache's values widen in the registers they were loaded into (an FP8 cache takes no trip
-    through shared memory; the dot kernel's FP8 operands went through scalar shared loads).
-
-    Every 2-D tile is [GROUP_P * TILE_N, HEAD_DIM_P]: slot r = (head g = r // TILE_N, lane
-    n = r % TILE_N), each slot its own online softmax over keys n, n + TILE_N, n + 2 TILE_N, ...
-    (head g's query against one key a step). A slot's score is a sum along its own row (lanes of
-    a warp), its max, sum and accumulator row are its own: the loop has no reduction across rows
-    and no layout change. Each key is loaded once per head of the group (L1 serves the repeats).
-    The TILE_N slots of a head merge once, after the loop. Same outputs, splits and partials as
-    _paged_attention_kernel with BLOCK_Q = 1."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a padding sequence of the graph
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    slots = tl.arange(0, GROUP_P * TILE_N)
-    slot_head = kv_head * GROUP + slots // TILE_N
-    slot_valid = slots // TILE_N < GROUP
-    lane = slots % TILE_N
-    dims = tl.arange(0, HEAD_DIM_P)
-    dim_valid = dims < HEAD_DIM
-    token = q_start.to(tl.int64)
-    q_ptrs = query_ptr + token * stride_qt + slot_head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=slot_valid[:, None] & dim_valid[None, :], other=0.0)
-    if KV_FP8:  # the cache holds key / k_scale
-        scale_log2 = scale_log2 * k_scale
-    q = q.to(tl.float32) * scale_log2  # the scores come out in log2 units
-    if NUM_SPLITS == 1:
-        kv_lo = 0
-        kv_hi = seq_len
-    else:
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, MIN_SPLIT_KEYS)
-        kv_lo = split * chunk
-        kv_hi = tl.minimum(seq_len, kv_lo + chunk)
-    m_i = tl.full([GROUP_P * TILE_N], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P * TILE_N], tl.float32)
-    acc = tl.zeros([GROUP_P * TILE_N, HEAD_DIM_P], tl.float32)
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_ptrs = k_cache_ptr + kv_head * stride_ch + dims[None, :]
-    v_ptrs = v_cache_ptr + kv_head * stride_ch + dims[None, :]
-    for start in range(kv_lo, kv_hi, TILE_N):
-        pos = start + lane
-        pos_valid = pos < kv_hi
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        row_off = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None]
-        kv_mask = pos_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(pos_valid, tl.sum(q * k, axis=1), float("-inf"))
-        m_new = tl.maximum(m_i, s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe)
-        l_i = l_i * alpha + p
-        v = tl.load(v_ptrs + row_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * v
-        m_i = m_new
-    # The TILE_N slots of each head merge: weights exp2(m_slot - m_head), empty slots weigh 0.
-    m_slots = tl.reshape(m_i, [GROUP_P, TILE_N])
-    m_head = tl.max(m_slots, 1)
-    m_head_safe = tl.where(m_head == float("-inf"), 0.0, m_head)
-    weight = tl.exp2(m_slots - m_head_safe[:, None])
-    l_head = tl.sum(weight * tl.reshape(l_i, [GROUP_P, TILE_N]), 1)
-    acc_head = tl.sum(tl.reshape(acc, [GROUP_P, TILE_N, HEAD_DIM_P]) * weight[:, :, None], 1)
-    if KV_FP8:
-        acc_head = acc_head * v_scale
-    rows = tl.arange(0, GROUP_P)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    out_mask = row_valid[:, None] & dim_valid[None, :]
-    if NUM_SPLITS == 1:
-        out = acc_head / tl.where(l_head == 0.0, 1.0, l_head)[:, None]
-        out_ptrs = out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        acc_ptrs = part_acc_ptr + token * stride_pt + head[:, None] * stride_ph + dims[None, :]
-        tl.store(acc_ptrs + split * stride_ps, acc_head, mask=out_mask & (kv_lo < kv_hi))
-        ml_off = token * stride_mt + head * stride_mh + split
-        tl.store(part_m_ptr + ml_off, m_head, mask=row_valid)
-        tl.store(part_l_ptr + ml_off, l_head, mask=row_valid)
-
-
-# num_seqs changes with every eager step: specializing on it (== 1, multiple of 16) would compile
-# new variants while serving.
-@triton.jit(do_not_specialize=["num_seqs"])
-def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr, num_seqs,
-    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """One program per (token, head): a long prefill chunk's tokens merge in parallel."""
-    tok64 = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    # Tokens past the last sequence's (a mixed-step graph's padding) belong to no sequence: the
-    # attention kernel wrote no partials for them.
-    if tok64 >= tl.load(query_start_loc_ptr + num_seqs):
-        return
-    splits = tl.arange(0, NUM_SPLITS)
-    dims = tl.arange(0, HEAD_DIM_P)
-    dim_valid = dims < HEAD_DIM
-    ml_off = tok64 * stride_mt + head * stride_mh + splits
-    m = tl.load(part_m_ptr + ml_off)
-    l_part = tl.load(part_l_ptr + ml_off)
-    m_max = tl.max(m, 0)
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
-    denom = tl.sum(weight * l_part, 0)
-    acc_ptrs = part_acc_ptr + tok64 * stride_pt + head * stride_ph
-    has_keys = m > float("-inf")  # an empty split wrote no acc (it may hold anything)
-    acc = tl.load(
-        acc_ptrs + splits[:, None] * stride_ps + dims[None, :],
-        mask=has_keys[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    out_ptrs = out_ptr + tok64 * stride_ot + head * stride_oh + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
-
-
 # ------------------------------------------------------------------------------------- launchers
 # TRITON_INTERPRET=1 at import time turns @triton.jit into the CPU interpreter's function type.
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
@@ -408,27 +276,6 @@ def _max_shared_mem_bytes(device_index: int) -> int:
 
 # Keys a decode tile reads from an FP8 cache (head_dim <= 128): scripts/bench_attention.py --fp8-tile-n
 FP8_DECODE_TILE_N = 64
-# Which kernel decodes over a cache: "dot" (_paged_attention_kernel, tensor cores) or "cores"
-# (_paged_decode_cores_kernel); scripts/bench_attention.py --decode-kernels measures both, and
-# PAGED_LLM_DECODE_KERNEL=dot|cores sets both kinds of cache (an engine A/B).
-DECODE_KERNEL_ENV = "PAGED_LLM_DECODE_KERNEL"
-DECODE_KERNELS = ("dot", "cores")
-
-
-def _decode_kernel_choice() -> dict[str, str]:
-    choice = {"fp8": "dot", "16-bit": "dot"}
-    forced = os.environ.get(DECODE_KERNEL_ENV, "")
-    if forced:
-        if forced not in DECODE_KERNELS:
-            raise ValueError(f"{DECODE_KERNEL_ENV} must be dot or cores, got {forced!r}")
-        choice = dict.fromkeys(choice, forced)
-    return choice
-
-
-DECODE_KERNEL = _decode_kernel_choice()
-# The cores kernel's tiles hold GROUP_P x TILE_N x HEAD_DIM_P values (its accumulator in float32):
-# about this many, so that they fit the registers of 4 warps.
-CORES_PRODUCT_ELEMENTS = 4096
 
 
 def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool = False) -> AttentionTiles:
@@ -479,19 +326,13 @@ def paged_attention(
         return out
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype == E4M3
-    if max_query_len == 1 and DECODE_KERNEL["fp8" if kv_fp8 else "16-bit"] == "cores":
-        _decode_on_cores(
-            query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-            k_scale, v_scale,
-        )  # fmt: skip
-        return out
     tiles = attention_tiles(max_query_len, group, head_dim, kv_fp8=kv_fp8)
     block_m, block_q, tile_n = tiles.block_m, tiles.block_q, tiles.tile_n
     head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot's K dim >= 16 (tiny models)
     if query.is_cuda and not _INTERPRETED:
         limit = _max_shared_mem_bytes(query.device.index if query.device.index is not None else 0)
         tiles = fit_shared_memory(tiles, head_dim_p, query.element_size(), k_cache.element_size(), limit)
-    parts = _split_partials(query, num_splits, head_dim_p, out)
+    parts = split_partials(query, num_splits, head_dim_p, out)
     part_acc, part_m, part_l = parts
     # fp32 inputs would run tl.dot in TF32 (10-bit mantissa) by default; keep them exact. The CPU
     # interpreter multiplies bf16 as raw uint16 bits (triton 3.6), so it gets fp32 dots instead.
@@ -518,63 +359,5 @@ def paged_attention(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _reduce_splits(out, parts, query_start_loc, num_seqs, head_dim, head_dim_p, num_splits)
+        reduce_splits(out, parts, query_start_loc, num_seqs, head_dim, head_dim_p, num_splits)
     return out
-
-
-def _split_partials(
-    query: torch.Tensor, num_splits: int, head_dim_p: int, out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The split-KV partials (acc, max, sum); `out` stands in where there is no split (never read:
-    NUM_SPLITS == 1 removes those code paths at compile time)."""
-    if num_splits == 1:
-        return out, out, out
-    num_tokens, num_heads, _ = query.shape
-    device = query.device
-    shape = (num_tokens, num_heads, num_splits)
-    part_acc = torch.empty((*shape, head_dim_p), dtype=torch.float32, device=device)
-    part_m = torch.empty(shape, dtype=torch.float32, device=device)
-    return part_acc, part_m, torch.empty_like(part_m)
-
-
-def _reduce_splits(
-    out: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], query_start_loc: torch.Tensor,
-    num_seqs: int, head_dim: int, head_dim_p: int, num_splits: int,
-) -> None:  # fmt: skip
-    part_acc, part_m, part_l = parts
-    num_tokens, num_heads, _ = out.shape
-    _reduce_splits_kernel[(num_tokens, num_heads)](
-        out, part_acc, part_m, part_l, query_start_loc, num_seqs,
-        out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_m.stride(0), part_m.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
-        num_warps=1 if head_dim_p * num_splits <= 1024 else 4,
-    )  # fmt: skip
-
-
-def _decode_on_cores(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor,
-    k_scale: float, v_scale: float,
-) -> None:  # fmt: skip
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = block_tables.shape[0]
-    group = num_heads // num_kv_heads
-    group_p, head_dim_p = next_power_of_2(group), next_power_of_2(head_dim)
-    tile_n = max(16, CORES_PRODUCT_ELEMENTS // (group_p * head_dim_p))
-    parts = _split_partials(query, num_splits, head_dim_p, out)
-    part_acc, part_m, part_l = parts
-    _paged_decode_cores_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables, scale * LOG2E, k_scale, v_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_m.stride(0), part_m.stride(1),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=tile_n,
-        KV_FP8=k_cache.dtype == E4M3, num_warps=4, num_stages=2,
-    )  # fmt: skip
-    if num_splits > 1:
-        _reduce_splits(out, parts, query_start_loc, num_seqs, head_dim, head_dim_p, num_splits)
