@@ -19,7 +19,7 @@ import torch
 from bench_decode import copy_bandwidth_gb_per_s
 from bench_gemv import time_us
 
-from paged_llm.layers.attention import cores_decode, triton_backend, triton_kernels
+from paged_llm.layers.attention import triton_kernels
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.triton_backend import TritonAttention
 from paged_llm.layers.fp8_format import E4M3
@@ -51,18 +51,6 @@ def decode_metadata(batch_size: int, context: int, device: torch.device) -> Atte
     )
 
 
-def variants(caches: dict, kernels: list[str], tile_ns: list[int], cores_elements: list[int]):
-    """(cache name, (k, v), kernel, FP8 dot tile or None, cores product size or None) to time."""
-    for name, pair in caches.items():
-        for kernel in kernels:
-            if kernel == "cores":
-                for elements in cores_elements:
-                    yield name, pair, kernel, None, elements
-            else:
-                for tile_n in tile_ns if name == "fp8" else [None]:
-                    yield name, pair, kernel, tile_n, None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,16 +60,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument(
         "--fp8-tile-n", default="", help="FP8 decode tile sizes to try (default: the engine's)"
-    )
-    parser.add_argument(
-        "--decode-kernels",
-        default="",
-        help="decode kernels to try, of dot,cores (default: the engine's; triton_backend.DECODE_KERNEL)",
-    )
-    parser.add_argument(
-        "--cores-elements",
-        default="",
-        help="the cores kernel's product sizes to try (cores_decode.CORES_PRODUCT_ELEMENTS)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -94,13 +72,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bandwidth:.0f} GB/s; {args.shape}: {heads}")
     print(f"context {args.context}")
     tile_ns = [int(t) for t in args.fp8_tile_n.split(",") if t] or [triton_kernels.FP8_DECODE_TILE_N]
-    kernels = [k for k in args.decode_kernels.split(",") if k] or [triton_backend.DECODE_KERNEL["fp8"]]
-    cores_elements = [int(e) for e in args.cores_elements.split(",") if e] or [
-        cores_decode.CORES_PRODUCT_ELEMENTS
-    ]
     backend = TritonAttention(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
     rows = []
-    print(f"{'batch':>6} {'cache/kernel':>18} {'us':>9} {'GB/s':>7} {'of copy':>8}")
+    print(f"{'batch':>6} {'cache':>10} {'us':>9} {'GB/s':>7} {'of copy':>8}")
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         metadata = decode_metadata(batch_size, args.context, device)
         num_blocks = int(metadata.block_tables.numel())
@@ -112,29 +86,27 @@ def main() -> None:
             torch.randn(shape, dtype=torch.bfloat16, device=device),
         )
         caches = {"bf16": bf16, "fp8": tuple(c.clamp(-448, 448).to(E4M3) for c in bf16)}
-        for name, (k_cache, v_cache), kernel, tile_n, elements in variants(
-            caches, kernels, tile_ns, cores_elements
-        ):
-            triton_backend.DECODE_KERNEL = {"fp8": kernel, "16-bit": kernel}
-            if tile_n is not None:
-                triton_kernels.FP8_DECODE_TILE_N = tile_n
-            if elements is not None:
-                cores_decode.CORES_PRODUCT_ELEMENTS = elements
-            label = "/".join(str(part) for part in (name, kernel, tile_n, elements) if part is not None)
-            # one copy: K and V of 64+ sequences at 1k tokens are far beyond L2 already
-            us = time_us(
-                lambda _copy, q=query, k=k_cache, v=v_cache, m=metadata: backend.attend(
-                    q, k, v, m, head_dim**-0.5
-                ),
-                num_copies=1,
-            )
-            kv_bytes = 2 * batch_size * (args.context + 1) * num_kv_heads * head_dim * k_cache.element_size()
-            gb_per_s = kv_bytes / us / 1e3
-            rows.append(dict(batch_size=batch_size, cache=label, us=us, gb_per_s=gb_per_s))
-            print(
-                f"{batch_size:>6} {label:>18} {us:>9.1f} {gb_per_s:>7.0f} {gb_per_s / bandwidth:>7.1%}",
-                flush=True,
-            )
+        for name, (k_cache, v_cache) in caches.items():
+            for tile_n in tile_ns if name == "fp8" else [None]:
+                if tile_n is not None:
+                    triton_kernels.FP8_DECODE_TILE_N = tile_n
+                label = name if tile_n is None else f"{name}/{tile_n}"
+                # one copy: K and V of 64+ sequences at 1k tokens are far beyond L2 already
+                us = time_us(
+                    lambda _copy, q=query, k=k_cache, v=v_cache, m=metadata: backend.attend(
+                        q, k, v, m, head_dim**-0.5
+                    ),
+                    num_copies=1,
+                )
+                kv_bytes = (
+                    2 * batch_size * (args.context + 1) * num_kv_heads * head_dim * k_cache.element_size()
+                )
+                gb_per_s = kv_bytes / us / 1e3
+                rows.append(dict(batch_size=batch_size, cache=label, us=us, gb_per_s=gb_per_s))
+                print(
+                    f"{batch_size:>6} {label:>10} {us:>9.1f} {gb_per_s:>7.0f} {gb_per_s / bandwidth:>7.1%}",
+                    flush=True,
+                )
     if args.json:
         args.json.write_text(json.dumps({"card": torch.cuda.get_device_name(device), "rows": rows}, indent=1))
 

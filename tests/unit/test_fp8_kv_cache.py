@@ -73,25 +73,17 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_one(tiny_model_dir):
 
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.25, 2.0)])
-@pytest.mark.parametrize("batch", ["mixed", "decodes on cores"])
-def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(
-    splits, k_scale, v_scale, batch, monkeypatch
-):
+def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(splits, k_scale, v_scale):
     """TritonAttention (compiled on CUDA, the interpreter on CPU) over an FP8 cache: the same cache
     bytes and, to 1e-4, the same attention as the portable path. The step's keys and values lie on
     the FP8 grid (times a power-of-two scale) or beyond +-448 x scale (saturated): the Triton 3.6
     interpreter rounds a value just below a power of two down a binade (-1.999 -> -1.0) and flushes
     subnormals, where torch and the GPU's conversion round to nearest."""
-    from paged_llm.layers.attention import triton_backend
     from paged_llm.layers.attention.triton_backend import TritonAttention
-    from tests.unit.test_triton_attention import DECODES, DEVICE, MIXED, context_slots
+    from tests.unit.test_triton_attention import DEVICE, MIXED, context_slots
 
-    chunks = MIXED
-    if batch == "decodes on cores":
-        chunks = DECODES
-        monkeypatch.setattr(triton_backend, "DECODE_KERNEL", {"fp8": "cores", "16-bit": "dot"})
     device = torch.device(DEVICE)
-    metadata = build_metadata(chunks, BLOCK_SIZE, device)
+    metadata = build_metadata(MIXED, BLOCK_SIZE, device)
     q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 16, BLOCK_SIZE, torch.float32, device)
 
     def away_from_zero(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -122,17 +114,14 @@ def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter has no 16-bit dots")
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("decode_kernel", ["dot", "cores"])
-def test_a_bf16_model_reads_the_fp8_cache_through_float16_dots(splits, decode_kernel, monkeypatch):
+def test_a_bf16_model_reads_the_fp8_cache_through_float16_dots(splits):
     """bf16 queries over an FP8 cache (the dots in float16, where e4m3 widens in one instruction):
     within bf16's rounding of the float32 attention over the cache's values."""
-    from paged_llm.layers.attention import triton_backend
     from paged_llm.layers.attention.triton_backend import TritonAttention
-    from tests.unit.test_triton_attention import DECODES, MIXED
+    from tests.unit.test_triton_attention import MIXED
 
-    monkeypatch.setattr(triton_backend, "DECODE_KERNEL", {"fp8": decode_kernel, "16-bit": "dot"})
     device = torch.device("cuda")
-    metadata = build_metadata(MIXED if decode_kernel == "dot" else DECODES, BLOCK_SIZE, device)
+    metadata = build_metadata(MIXED, BLOCK_SIZE, device)
     q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 64, BLOCK_SIZE, torch.float32, device)
     q, k, v = (x.bfloat16().float() for x in (q, k, v))  # both sides write the same values
     fp8_k, fp8_v = to_cache(k_cache, E4M3, 0.5), to_cache(v_cache, E4M3, 2.0)

@@ -211,29 +211,7 @@ def test_split_prefill_with_mixed_graph_padding_leaves_real_rows_exact(nan_fille
     assert_close(out[:num_tokens], real, atol=1e-5)
 
 
-@pytest.fixture
-def cores_decode(monkeypatch):
-    """Decode batches go to _paged_decode_cores_kernel (CUDA cores), whatever the cache dtype."""
-    from paged_llm.layers.attention import triton_backend
-
-    monkeypatch.setattr(triton_backend, "DECODE_KERNEL", {"fp8": "cores", "16-bit": "cores"})
-
-
-@pytest.mark.parametrize("heads_per_kv", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_the_cores_decode_kernel_matches_portable(
-    cores_decode, heads_per_kv, head_dim, splits, nan_filled_empty
-):
-    """Odd groups (3 heads padded to 4 rows), several key tiles (140 keys), empty splits."""
-    actual, expected = run_both(DECODES, heads=2 * heads_per_kv, kv_heads=2, head_dim=head_dim, splits=splits)
-    assert_close(actual, expected)
-
-
-@pytest.mark.parametrize("kernel", ["dot", "cores"])
-def test_padding_rows_leave_real_rows_exact(kernel, request):
-    if kernel == "cores":
-        request.getfixturevalue("cores_decode")
+def test_padding_rows_leave_real_rows_exact():
     block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
     device = torch.device(DEVICE)
     metadata = build_metadata(DECODES, block_size, device)

@@ -12,39 +12,15 @@ several programs (flash-decoding) and merge the partial softmaxes in a second sm
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from paged_llm.layers.attention.cores_decode import decode_on_cores
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.attention.triton_kernels import attention_tiles, paged_attention, write_kv_cache
-from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.powers_of_two import prev_power_of_2
 
 DEFAULT_NUM_SMS = 132  # H100 SXM; used when nobody said (tests through the CPU interpreter)
 MAX_SPLITS = 16  # the reduce kernel holds [splits, head_dim] partials in registers
 MIN_KEYS_PER_SPLIT = 256  # below this the partial writes + reduce cost more than the parallelism wins
-
-
-# Which kernel decodes over a cache: "dot" (triton_kernels.py, tensor cores) or "cores"
-# (cores_decode.py); scripts/bench_attention.py --decode-kernels measures both, and
-# PAGED_LLM_DECODE_KERNEL=dot|cores sets both kinds of cache (an engine A/B).
-DECODE_KERNEL_ENV = "PAGED_LLM_DECODE_KERNEL"
-DECODE_KERNELS = ("dot", "cores")
-
-
-def _decode_kernel_choice() -> dict[str, str]:
-    choice = {"fp8": "dot", "16-bit": "dot"}
-    forced = os.environ.get(DECODE_KERNEL_ENV, "")
-    if forced:
-        if forced not in DECODE_KERNELS:
-            raise ValueError(f"{DECODE_KERNEL_ENV} must be dot or cores, got {forced!r}")
-        choice = dict.fromkeys(choice, forced)
-    return choice
-
-
-DECODE_KERNEL = _decode_kernel_choice()
 
 
 def choose_num_splits(num_programs: int, max_seq_len_bound: int, num_sms: int) -> int:
@@ -132,13 +108,6 @@ class TritonAttention:
     ) -> torch.Tensor:
         """forward() without the cache write: the decoder's fused q/k-norm + RoPE kernel wrote the
         step's keys and values (FusedOps.qk_norm_rope_write_kv), one launch per layer fewer."""
-        num_splits = self.num_splits(query, k_cache, metadata)
-        cache_kind = "fp8" if k_cache.dtype == E4M3 else "16-bit"
-        if metadata.max_query_len == 1 and DECODE_KERNEL[cache_kind] == "cores":
-            return decode_on_cores(
-                query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                scale, num_splits, k_scale=k_scale, v_scale=v_scale,
-            )  # fmt: skip
         return paged_attention(
             query,
             k_cache,
@@ -148,7 +117,7 @@ class TritonAttention:
             metadata.block_tables,
             metadata.max_query_len,
             scale,
-            num_splits=num_splits,
+            num_splits=self.num_splits(query, k_cache, metadata),
             k_scale=k_scale,
             v_scale=v_scale,
         )

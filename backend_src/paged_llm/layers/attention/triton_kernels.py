@@ -1,6 +1,6 @@
 r"""Triton kernels of the paged attention backend: cache write and unified (prefill + decode)
 attention with an optional split over the KV positions (flash-decoding; the splits merge in
-split_kv.py). Decode may instead run on CUDA cores (cores_decode.py; triton_backend.py chooses).
+split_kv.py).
 
 One program of the attention kernel owns one (sequence, kv head, query block[, split]). Its Q tile
 packs the query heads that share the kv head into the M dimension, so K/V are read once per group:
