@@ -30,9 +30,10 @@ from paged_llm.sequence import PENDING_TOKEN, Sequence
 
 @dataclass
 class PendingTokens:
-    """The previous step's sampled tokens, still on the device: row `row_of[seq_id]` of `token_ids`."""
+    """Where the previous step's tokens will be (row `row_of[seq_id]` of its sampled token ids): a
+    step launched before they reach the host (maybe before they are even sampled) reads them on the
+    device, through `InputBuffers.fill_pending`."""
 
-    token_ids: torch.Tensor  # [S] int64 on the device
     row_of: dict[str, int]
 
 
@@ -47,6 +48,9 @@ class StepInputs:
     # logits rows of `sampled_seqs` among all S rows (None: no verification, row i is sampled_seqs[i]).
     verify_rows: VerifyRows | None = None
     sampled_rows: torch.Tensor | None = None
+    # input_ids rows that take the previous step's tokens, and their rows there (device tensors):
+    # InputBuffers.fill_pending copies them in
+    pending_copy: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -97,6 +101,9 @@ class InputBuffers:
         return target
 
     def prepare(self, scheduler_output: SchedulerOutput, pending: PendingTokens | None = None) -> StepInputs:
+        """The step's inputs, uploaded; rows whose token the previous step has not delivered yet
+        (`pending`) hold 0 until `fill_pending` copies the tokens in (enqueued after whatever
+        samples them: this host work need not wait for that)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's uploads have left the host buffers
         block_size = self.block_size_tokens
@@ -184,13 +191,14 @@ class InputBuffers:
             seq_lens_host=seq_lens,
         )
         input_ids = self._upload("input_ids", num_tokens)
+        pending_copy = None
         if pending_rows:
-            assert pending is not None
             self.host_np["pending_rows"][: len(pending_rows)] = pending_rows
             self.host_np["pending_sources"][: len(pending_sources)] = pending_sources
-            rows = self._upload("pending_rows", len(pending_rows))
-            sources = self._upload("pending_sources", len(pending_sources))
-            input_ids.index_copy_(0, rows, pending.token_ids.index_select(0, sources))
+            pending_copy = (
+                self._upload("pending_rows", len(pending_rows)),
+                self._upload("pending_sources", len(pending_sources)),
+            )
         positions = self._upload("positions", num_tokens)
         sample_indices = self._upload("sample_indices", len(sample_rows))
         sampled_rows = None
@@ -208,4 +216,16 @@ class InputBuffers:
             sampled_seqs=sampled_seqs,
             verify_rows=verify,
             sampled_rows=sampled_rows,
+            pending_copy=pending_copy,
         )
+
+    @staticmethod
+    def fill_pending(inputs: StepInputs, token_ids: torch.Tensor | None) -> None:
+        """Copies the previous step's tokens (`token_ids`, its sampled ids on the device) into the
+        rows `prepare` left pending."""
+        if inputs.pending_copy is None:
+            return
+        assert token_ids is not None, "pending input tokens without the step that samples them"
+        rows, sources = inputs.pending_copy
+        inputs.input_ids.index_copy_(0, rows, token_ids.index_select(0, sources))
+        inputs.pending_copy = None

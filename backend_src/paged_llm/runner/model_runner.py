@@ -356,10 +356,14 @@ class ModelRunner:
 
     def _launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         assert self.model is not None, "load() first"
-        if previous is not None and previous.needs_sampling:
-            self.sample_deferred(previous)  # this step's inputs are its tokens
         pending = previous.pending_tokens() if previous is not None else None
+        # The host half of the inputs first: with `previous`'s sampling deferred, its grammar
+        # masks are still being filled on the fill thread meanwhile.
         inputs = self.buffers.prepare(scheduler_output, pending)
+        if previous is not None:
+            if previous.needs_sampling:
+                self.sample_deferred(previous)  # this step's inputs are its tokens
+            self.buffers.fill_pending(inputs, previous.sampled_token_ids())
         model_inputs = (inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
         if self.workers is None:
             logits = self.forward_step(*model_inputs)

@@ -38,12 +38,14 @@ class LaunchedStep:
     unsampled_logits: Any = None
     pending_bitmask: Any = None  # the rows' bitmask being filled (StepBitmask.start), if begun
 
-    def pending_tokens(self) -> PendingTokens | None:
-        """This step's sampled tokens on the device, for a step launched before its result()."""
+    def pending_tokens(self) -> PendingTokens:
+        """Where this step's tokens will be, for a step launched before its result()."""
+        return PendingTokens({s.seq_id: r for r, s in enumerate(self.seqs)})
+
+    def sampled_token_ids(self) -> Any:
+        """This step's sampled tokens on the device (None: it sampled none)."""
         assert not self.needs_sampling, "a step launched on one whose sampling is deferred"
-        if self.sampled is None:
-            return None
-        return PendingTokens(self.sampled.sampled_token_ids, {s.seq_id: r for r, s in enumerate(self.seqs)})
+        return None if self.sampled is None else self.sampled.sampled_token_ids
 
     def result(self) -> ModelRunnerOutput:
         if self.needs_sampling:
