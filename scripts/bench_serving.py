@@ -460,42 +460,82 @@ def _histogram_lag(server: Any, before: dict[str, float] | None, limit_s: float 
 _ENGINE_STEPS = re.compile(
     r'^paged_llm_engine_(steps|step_seconds)_total\{[^}]*kind="(\w+)"[^}]*\}\s+(\S+)$', re.M
 )
+_GRAMMAR_MASKS = re.compile(
+    r"^paged_llm_grammar_mask_(fills|fill_seconds|wait_seconds)_total(?:\{[^}]*\})?\s+(\S+)$", re.M
+)
 
 
-def server_step_times(server: Any, settle_s: float = 1.0) -> StepTimes:
-    """The engine core's busy step periods (all series added up) from a launched server's /metrics,
-    after `settle_s` (the stubs refresh them every ~0.5 s)."""
+@dataclass(frozen=True)
+class EngineFigures:
+    """The engine core's busy step periods and its grammar mask fills (totals since start)."""
+
+    steps: StepTimes
+    mask_fills: float = 0.0
+    mask_fill_s: float = 0.0
+    mask_wait_s: float = 0.0
+
+
+def server_engine_figures(server: Any, settle_s: float = 1.0) -> EngineFigures:
+    """EngineFigures from a launched server's /metrics (all series added up), after `settle_s`
+    (the stubs refresh them every ~0.5 s)."""
     time.sleep(settle_s)
+    text = server.metrics()
     totals = {"steps:decode": 0, "step_seconds:decode": 0.0, "steps:prefill": 0, "step_seconds:prefill": 0.0}
-    for what, kind, value in _ENGINE_STEPS.findall(server.metrics()):
+    for what, kind, value in _ENGINE_STEPS.findall(text):
         totals[f"{what}:{kind}"] += float(value)
-    return StepTimes(
+    masks = {"fills": 0.0, "fill_seconds": 0.0, "wait_seconds": 0.0}
+    for what, value in _GRAMMAR_MASKS.findall(text):
+        masks[what] += float(value)
+    steps = StepTimes(
         int(totals["steps:decode"]),
         totals["step_seconds:decode"],
         int(totals["steps:prefill"]),
         totals["step_seconds:prefill"],
     )
+    return EngineFigures(steps, masks["fills"], masks["fill_seconds"], masks["wait_seconds"])
 
 
-def step_means(before: StepTimes, after: StepTimes) -> dict[str, dict[str, float | None]]:
-    """Per step kind, the steps between two readings and their mean period in ms."""
+def engine_figures(engine: Any) -> EngineFigures:
+    """The same from an in-process LLMEngine's stats."""
+    snapshot = engine.stats.snapshot()
+    masks = snapshot.structured_output
+    return EngineFigures(
+        snapshot.engine_steps, masks.num_mask_fills, masks.mask_fill_seconds, masks.mask_wait_seconds
+    )
+
+
+def step_means(before: EngineFigures, after: EngineFigures) -> dict[str, dict[str, float | None]]:
+    """Per step kind, the steps between two readings and their mean period in ms; the grammar mask
+    fills between them, with the mean fill and the engine thread's mean wait a fill, in ms."""
     means: dict[str, dict[str, float | None]] = {}
     for kind in STEP_KINDS:
-        num_before, seconds_before = before.count_and_seconds(kind)
-        num_after, seconds_after = after.count_and_seconds(kind)
+        num_before, seconds_before = before.steps.count_and_seconds(kind)
+        num_after, seconds_after = after.steps.count_and_seconds(kind)
         num_steps = num_after - num_before
         mean_ms = 1e3 * (seconds_after - seconds_before) / num_steps if num_steps else None
         means[kind] = {"num_steps": num_steps, "mean_ms": mean_ms}
+    fills = after.mask_fills - before.mask_fills
+    means["mask"] = {
+        "num_fills": fills,
+        "fill_ms": 1e3 * (after.mask_fill_s - before.mask_fill_s) / fills if fills else None,
+        "wait_ms": 1e3 * (after.mask_wait_s - before.mask_wait_s) / fills if fills else None,
+    }
     return means
 
 
 def format_step_means(means: dict[str, dict[str, float | None]]) -> str:
-    return ", ".join(
-        f"{kind} {int(m['num_steps'] or 0)} x {m['mean_ms']:.3f} ms"
-        if m["mean_ms"] is not None
-        else f"{kind} none"
-        for kind, m in means.items()
-    )
+    parts = []
+    for kind in STEP_KINDS:
+        m = means[kind]
+        parts.append(
+            f"{kind} {int(m['num_steps'] or 0)} x {m['mean_ms']:.3f} ms" if m["mean_ms"] else f"{kind} none"
+        )
+    mask = means.get("mask")
+    if mask and mask["num_fills"]:
+        parts.append(
+            f"masks {int(mask['num_fills'])}: fill {mask['fill_ms']:.3f} ms, waited {mask['wait_ms']:.3f} ms"
+        )
+    return ", ".join(parts)
 
 
 def _server_counters(server: Any) -> dict[str, float] | None:

@@ -44,11 +44,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import (
+    engine_figures,
     format_step_means,
     offline_engine,
     read_llm_parameters,
     run_served,
-    server_step_times,
+    server_engine_figures,
     step_means,
 )
 from tqdm import tqdm
@@ -281,10 +282,10 @@ def main() -> int:
     ) -> list[Any]:
         """The records of the measured jobs (all when `measured` is None); the engine core's own step
         periods over the whole run go to `last_steps`."""
-        steps_before = server_step_times(server, settle_s=0.0)
+        steps_before = server_engine_figures(server, settle_s=0.0)
         records, _ = run_served(url, args.model, run_jobs, concurrency, args.client_processes)
         last_steps.clear()
-        last_steps.update(step_means(steps_before, server_step_times(server)))
+        last_steps.update(step_means(steps_before, server_engine_figures(server)))
         every = summarize(records)
         assert every["num_errors"] == 0, (label, every["errors"])
         if measured is not None:
@@ -364,9 +365,9 @@ def main() -> int:
                             jobs(num + 2 * concurrency, input_len, "256"), concurrency
                         )
                     run_jobs = _with(run_jobs, mode, schema)
-                    steps_before = engine.stats.snapshot().engine_steps
+                    steps_before = engine_figures(engine)
                     records = run_offline(engine, run_jobs, concurrency)
-                    steps = step_means(steps_before, engine.stats.snapshot().engine_steps)
+                    steps = step_means(steps_before, engine_figures(engine))
                     if measured is not None:
                         records = [r for r in records if r.index in measured]
                     summary = summarize(records)

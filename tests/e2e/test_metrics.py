@@ -138,7 +138,15 @@ def test_structured_output_counters_and_the_grammar_compile_histogram(server):
         text = server.metrics()
         return {key: value(text, name, **labels) for key, (name, labels) in STRUCTURED_OUTPUT.items()}
 
+    def mask_fills() -> tuple[float, float]:
+        text = server.metrics()
+        return (
+            value(text, "paged_llm_grammar_mask_fills_total"),
+            value(text, "paged_llm_grammar_mask_fill_seconds_total"),
+        )
+
     before = read_structured()
+    fills_before, fill_seconds_before = mask_fills()
     regex = f"metrics-{uuid.uuid4().hex[:8]}-[0-9]{{6}}"  # longer than the 3 tokens of the second request
     for max_tokens in (64, 3):
         params = {"temperature": 0, "max_tokens": max_tokens, "structured_outputs": {"regex": regex}}
@@ -155,6 +163,9 @@ def test_structured_output_counters_and_the_grammar_compile_histogram(server):
         return {key: now[key] - before[key] for key in expected}
 
     assert wait_for(lambda: deltas() == expected, timeout_s=10), (deltas(), expected)
+    # every token of the two constrained requests came from a step with a mask (the 3-token one alone: 3)
+    assert wait_for(lambda: mask_fills()[0] - fills_before >= 4, timeout_s=10), mask_fills()
+    assert mask_fills()[1] > fill_seconds_before
     text = server.metrics()
     assert value(text, "paged_llm_grammar_compile_seconds_sum") > 0
     wanted = {("le", "30"), ("model", "llm"), ("version", "1")}

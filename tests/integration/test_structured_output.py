@@ -161,6 +161,9 @@ def sync_engine(module_engines) -> LLMEngine:
 def test_json_schema_outputs_validate_with_asynchronous_scheduling(async_engine, prompts, schemas):
     check_schema_batch(async_engine, schemas, prompts)
     assert async_engine.core.num_steps_launched_ahead > 0
+    # the masks' fills reach the stub's figures (paged_llm_grammar_mask_* on /metrics)
+    figures = async_engine.stats.snapshot().structured_output
+    assert figures.num_mask_fills > 0 and figures.mask_fill_seconds > 0.0
 
 
 @given(schemas=SCHEMA_BATCHES)

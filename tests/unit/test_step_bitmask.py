@@ -124,3 +124,21 @@ def test_grammars_take_a_steps_tokens_in_one_call_as_one_by_one(compiled):
     assert batched == one_by_one and True in batched and False in batched
     after = _alone([Row(grammar) for grammar, _ in pairs])
     assert torch.equal(after, _alone([Row(twin) for _, twin in pairs]))
+
+
+def test_fills_and_the_engine_threads_waits_are_counted(compiled):
+    """BitmaskTimes: a fill on either thread counts once; only a wait for the fill thread adds to
+    wait_seconds; steps without a constrained row to fill count nothing."""
+    rows = _rows(compiled, 12, seed=3)
+    bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    try:
+        bitmask.fill(rows)  # on this thread
+        assert bitmask.times.num_fills == 1 and bitmask.times.fill_seconds > 0.0
+        assert bitmask.times.wait_seconds == 0.0
+        bitmask.finish(bitmask.start(rows))  # on the fill thread; finish waits for it
+        assert bitmask.times.num_fills == 2 and bitmask.times.wait_seconds > 0.0
+        bitmask.finish(bitmask.start([Row(None)] * 3))
+        bitmask.finish(bitmask.start([rows[1]]))  # its grammar ended: nothing to fill
+        assert bitmask.times.num_fills == 2
+    finally:
+        bitmask.close()

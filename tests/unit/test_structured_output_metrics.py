@@ -27,6 +27,9 @@ def _core_stats(
         num_compile_timeouts=1,
         num_cache_hits=3,
         num_length_in_grammar=1,
+        num_mask_fills=10,
+        mask_fill_seconds=0.25,
+        mask_wait_seconds=0.125,
         compile_seconds=list(seconds),
     )
 
@@ -62,6 +65,7 @@ def test_totals_carry_over_a_core_restart_and_compile_times_respect_the_cap(monk
     assert up.requests_by_kind == {"json": 3, "regex": 1, "choice": 4}
     assert (up.num_compiles, up.num_compile_errors, up.num_compile_timeouts) == (3, 2, 2)
     assert (up.num_cache_hits, up.num_length_in_grammar) == (6, 2)
+    assert (up.num_mask_fills, up.mask_fill_seconds, up.mask_wait_seconds) == (20, 0.5, 0.25)
     assert stats.drain_observations().grammar_compile_s == [0.01, 0.02, 0.03]
     assert stats.snapshot().num_observations_dropped == 1
 
@@ -137,9 +141,12 @@ def test_the_owner_stub_exports_the_counters_and_the_compile_time_histogram():
             "paged_llm_grammar_compile_errors_total",
             "paged_llm_grammar_compile_timeouts_total",
             "paged_llm_structured_output_length_in_grammar_total",
+            "paged_llm_grammar_mask_fills_total",
+            "paged_llm_grammar_mask_fill_seconds_total",
+            "paged_llm_grammar_mask_wait_seconds_total",
         )
     }
-    assert list(counters.values()) == [2, 3, 1, 1, 1]
+    assert list(counters.values()) == [2, 3, 1, 1, 1, 10, 0.25, 0.125]
     histogram = pb_utils.series("paged_llm_grammar_compile_seconds", model="llm", version="1")
     assert histogram.kind == "histogram" and histogram.observed == [0.004, 1.5]
     assert histogram.buckets[0] <= 0.001 and histogram.buckets[-1] >= 30.0

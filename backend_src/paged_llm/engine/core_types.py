@@ -147,6 +147,9 @@ class StructuredOutputStats:
     num_compile_timeouts: int = 0  # compiles that overran grammar_compile_timeout_s
     num_cache_hits: int = 0  # constrained requests whose grammar was compiled already
     num_length_in_grammar: int = 0  # constrained sequences ended by max_tokens / max_model_len mid-grammar
+    num_mask_fills: int = 0  # steps whose grammar bitmask was filled
+    mask_fill_seconds: float = 0.0  # the time of those fills (on the fill thread or the engine's)
+    mask_wait_seconds: float = 0.0  # the engine thread's waits for a fill on the fill thread
     compile_seconds: list[float] = field(default_factory=list)  # each compile's time, since the last publish
 
 

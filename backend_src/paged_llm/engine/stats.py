@@ -81,6 +81,9 @@ _STRUCTURED_OUTPUT_TOTALS = (
     "num_compile_timeouts",
     "num_cache_hits",
     "num_length_in_grammar",
+    "num_mask_fills",
+    "mask_fill_seconds",
+    "mask_wait_seconds",
 )
 
 

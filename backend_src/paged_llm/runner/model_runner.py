@@ -9,6 +9,7 @@ scheduling) does not delay it. Such a step reads this one's tokens on the device
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata,
 from paged_llm.sampling.token_bitmask import masked_argmax
 from paged_llm.sampling.verify import VerifyOutput, verify
 from paged_llm.sequence import Sequence
-from paged_llm.structured_output.grammar import StepBitmask
+from paged_llm.structured_output.grammar import BitmaskTimes, StepBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,10 @@ class ModelRunner:
         step.unsampled_logits = None
         step.needs_sampling = False
         self._copy_to_host(step)
+
+    def bitmask_times(self) -> BitmaskTimes | None:
+        """The grammar bitmask's fill totals (None before the first constrained step)."""
+        return None if self.bitmask is None else copy.copy(self.bitmask.times)
 
     def _step_bitmask(self) -> StepBitmask:
         if self.bitmask is None:

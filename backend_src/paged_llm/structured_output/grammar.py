@@ -6,8 +6,10 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence as Rows
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import xgrammar
@@ -75,6 +77,16 @@ MAX_INLINE_FILL_ROWS = 2
 FILL_SWITCH_INTERVAL_S = 0.0002
 
 
+@dataclass
+class BitmaskTimes:
+    """Totals since start: the steps' mask fills (on whichever thread filled) and how long the
+    engine's thread waited for a fill it had started on the fill thread."""
+
+    num_fills: int = 0
+    fill_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
 class StepBitmask:
     """Fills the bitmask of one step's sampled rows on the host (bit t of row r: token t allowed)
     and hands it to the sampler on the device. Rows without a grammar allow everything.
@@ -109,6 +121,7 @@ class StepBitmask:
         self._filler: ThreadPoolExecutor | None = None
         # xgrammar BatchGrammarMatchers by max_threads, one set per calling thread
         self._batch_matchers = threading.local()
+        self.times = BitmaskTimes()
 
     def fill(self, seqs: Rows[Sequence]) -> torch.Tensor | None:
         """The [len(seqs), words] int32 bitmask on the device, or None when no row is constrained."""
@@ -144,7 +157,11 @@ class StepBitmask:
     def finish(self, pending: PendingBitmask) -> torch.Tensor | None:
         """`start`'s bitmask on the device (None: no row constrained); raises what a fill raised."""
         if pending.future is not None:
-            pending.future.result()
+            waited_from = time.perf_counter()
+            try:
+                pending.future.result()
+            finally:
+                self.times.wait_seconds += time.perf_counter() - waited_from
         return None if pending.host is None else self._to_device(pending.host)
 
     def close(self) -> None:
@@ -175,6 +192,15 @@ class StepBitmask:
     def _fill_rows(self, host: torch.Tensor, rows: list[tuple[int, object]]) -> None:
         if not rows:
             return
+        started = time.perf_counter()
+        try:
+            self._fill_with_xgrammar(host, rows)
+        finally:
+            # one writer at a time: the fill thread, or the engine's thread while none is pending
+            self.times.num_fills += 1
+            self.times.fill_seconds += time.perf_counter() - started
+
+    def _fill_with_xgrammar(self, host: torch.Tensor, rows: list[tuple[int, object]]) -> None:
         num_threads = max(1, min(MAX_XGRAMMAR_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
         matchers = getattr(self._batch_matchers, "by_threads", None)
         if matchers is None:

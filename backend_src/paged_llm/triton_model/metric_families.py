@@ -45,6 +45,9 @@ for how and when they are updated). Histograms are Triton histogram families (tr
 | paged_llm_grammar_compile_timeouts_total | counter | compiles that overran grammar_compile_timeout_s |
 | paged_llm_grammar_compile_seconds | histogram | time of each compile (failed ones included) |
 | paged_llm_structured_output_length_in_grammar_total | counter | constrained sequences cut short by length |
+| paged_llm_grammar_mask_fills_total | counter | engine steps whose grammar bitmask was filled |
+| paged_llm_grammar_mask_fill_seconds_total | counter | the time of those fills |
+| paged_llm_grammar_mask_wait_seconds_total | counter | the engine thread's waits for a fill beside it |
 
 The same quantities also go out under vllm_backend's names (its `src/utils/metrics.py` at r24.12), with
 its `model`/`version` labels and histogram buckets, so dashboards built for vllm_backend work:
@@ -326,6 +329,12 @@ class MetricFamilies:
                  "Grammar compiles that overran grammar_compile_timeout_s"),
                 ("num_length_in_grammar", "paged_llm_structured_output_length_in_grammar_total",
                  "Constrained sequences ended by max_tokens or max_model_len before their grammar ended"),
+                ("num_mask_fills", "paged_llm_grammar_mask_fills_total",
+                 "Engine steps whose grammar token bitmask was filled"),
+                ("mask_fill_seconds", "paged_llm_grammar_mask_fill_seconds_total",
+                 "Time of those fills"),
+                ("mask_wait_seconds", "paged_llm_grammar_mask_wait_seconds_total",
+                 "Time the engine thread waited for a fill running beside it"),
             )
         }  # fmt: skip
         self.grammar_compile = histogram(

@@ -416,7 +416,7 @@ class EngineCore:
         outputs.num_step_faults = self.num_step_faults
         outputs.gc_pauses = process_gc_pauses()
         outputs.step_times = self.step_clock.totals
-        outputs.structured_output_stats = self.structured.take_stats()
+        outputs.structured_output_stats = self.structured.take_stats(self.runner.bitmask_times())
         return outputs
 
     def _publish_updates(self, updates: list[SequenceUpdate], runner_output: ModelRunnerOutput) -> None:

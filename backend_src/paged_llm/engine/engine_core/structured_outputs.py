@@ -19,7 +19,7 @@ from paged_llm.engine.core_types import CoreError, EngineCoreInfo, StructuredOut
 from paged_llm.engine.engine_core.request_table import CoreRequest
 from paged_llm.sequence import Sequence, SequenceStatus
 from paged_llm.structured_output.compiler import GrammarCompiler, GrammarKey
-from paged_llm.structured_output.grammar import SequenceGrammar
+from paged_llm.structured_output.grammar import BitmaskTimes, SequenceGrammar
 from paged_llm.structured_output.tokenizer_info import build_tokenizer_info
 from paged_llm.structured_output_params import FIELD, StructuredOutputParams
 
@@ -128,12 +128,17 @@ class StructuredOutputs:
         ):
             self._stats.num_length_in_grammar += 1
 
-    def take_stats(self) -> StructuredOutputStats | None:
-        """The counters (None while no constrained request came); compile times since the last call."""
+    def take_stats(self, mask_times: BitmaskTimes | None = None) -> StructuredOutputStats | None:
+        """The counters (None while no constrained request came); compile times since the last call.
+        `mask_times`: the runner's bitmask fill totals (None before its first constrained step)."""
         if self._compiler is None:
             return None
         stats = copy.copy(self._stats)
         stats.requests_by_kind = dict(self._stats.requests_by_kind)
+        if mask_times is not None:
+            stats.num_mask_fills = mask_times.num_fills
+            stats.mask_fill_seconds = mask_times.fill_seconds
+            stats.mask_wait_seconds = mask_times.wait_seconds
         self._stats.compile_seconds = []
         return stats
 
