@@ -4,8 +4,9 @@ bandwidth. The kernel and split-KV choice are the engine's (TritonAttention).
 
     python scripts/bench_attention.py --shape qwen3-0.6b --batch-sizes 64,256 --context 1024 \\
         --json attention.json
-    # the FP8 decode tile's keys (layers/attention/triton_kernels.py FP8_DECODE_TILE_N), A/B:
-    python scripts/bench_attention.py --fp8-tile-n 64,128
+    # the FP8 decode tile's keys and rows (layers/attention/triton_kernels.py FP8_DECODE_TILE_N,
+    # FP8_DECODE_BLOCK_M), A/B:
+    python scripts/bench_attention.py --fp8-tile-n 64,128 --fp8-block-m 16,64
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def main() -> None:
     parser.add_argument(
         "--fp8-tile-n", default="", help="FP8 decode tile sizes to try (default: the engine's)"
     )
+    parser.add_argument(
+        "--fp8-block-m", default="", help="FP8 decode tile rows to try, of 16,64 (default: the engine's)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda", 0)
@@ -72,6 +76,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bandwidth:.0f} GB/s; {args.shape}: {heads}")
     print(f"context {args.context}")
     tile_ns = [int(t) for t in args.fp8_tile_n.split(",") if t] or [triton_kernels.FP8_DECODE_TILE_N]
+    block_ms = [int(m) for m in args.fp8_block_m.split(",") if m] or [triton_kernels.FP8_DECODE_BLOCK_M]
+    fp8_tiles = [(tile_n, block_m) for block_m in block_ms for tile_n in tile_ns]
     backend = TritonAttention(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
     rows = []
     print(f"{'batch':>6} {'cache':>10} {'us':>9} {'GB/s':>7} {'of copy':>8}")
@@ -87,10 +93,11 @@ def main() -> None:
         )
         caches = {"bf16": bf16, "fp8": tuple(c.clamp(-448, 448).to(E4M3) for c in bf16)}
         for name, (k_cache, v_cache) in caches.items():
-            for tile_n in tile_ns if name == "fp8" else [None]:
+            for tile_n, block_m in fp8_tiles if name == "fp8" else [(None, None)]:
                 if tile_n is not None:
                     triton_kernels.FP8_DECODE_TILE_N = tile_n
-                label = name if tile_n is None else f"{name}/{tile_n}"
+                    triton_kernels.FP8_DECODE_BLOCK_M = block_m
+                label = name if tile_n is None else f"{name}/{tile_n}x{block_m}"
                 # one copy: K and V of 64+ sequences at 1k tokens are far beyond L2 already
                 us = time_us(
                     lambda _copy, q=query, k=k_cache, v=v_cache, m=metadata: backend.attend(

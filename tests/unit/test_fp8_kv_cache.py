@@ -73,17 +73,25 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_one(tiny_model_dir):
 
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.25, 2.0)])
-def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(splits, k_scale, v_scale):
+@pytest.mark.parametrize("batch", ["mixed", "decodes in 64-row tiles"])
+def test_the_triton_kernels_read_and_write_fp8_as_the_portable_path(
+    splits, k_scale, v_scale, batch, monkeypatch
+):
     """TritonAttention (compiled on CUDA, the interpreter on CPU) over an FP8 cache: the same cache
     bytes and, to 1e-4, the same attention as the portable path. The step's keys and values lie on
     the FP8 grid (times a power-of-two scale) or beyond +-448 x scale (saturated): the Triton 3.6
     interpreter rounds a value just below a power of two down a binade (-1.999 -> -1.0) and flushes
     subnormals, where torch and the GPU's conversion round to nearest."""
+    from paged_llm.layers.attention import triton_kernels
     from paged_llm.layers.attention.triton_backend import TritonAttention
-    from tests.unit.test_triton_attention import DEVICE, MIXED, context_slots
+    from tests.unit.test_triton_attention import DECODES, DEVICE, MIXED, context_slots
 
+    chunks = MIXED
+    if batch == "decodes in 64-row tiles":  # FP8_DECODE_BLOCK_M: the prompt tile's dots for decodes
+        chunks = DECODES
+        monkeypatch.setattr(triton_kernels, "FP8_DECODE_BLOCK_M", 64)
     device = torch.device(DEVICE)
-    metadata = build_metadata(MIXED, BLOCK_SIZE, device)
+    metadata = build_metadata(chunks, BLOCK_SIZE, device)
     q, k, v, k_cache, v_cache = make_inputs(metadata, 4, 2, 16, BLOCK_SIZE, torch.float32, device)
 
     def away_from_zero(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -276,6 +276,16 @@ def _max_shared_mem_bytes(device_index: int) -> int:
 
 # Keys a decode tile reads from an FP8 cache (head_dim <= 128): scripts/bench_attention.py --fp8-tile-n
 FP8_DECODE_TILE_N = 64
+# Rows of a decode tile over an FP8 cache (scripts/bench_attention.py --fp8-block-m). With 64 rows
+# the sm90 compile takes the prompt path's wgmma dots, whose FP8 operands come through `ldmatrix`
+# (16 of them, 16 shared loads in the PTX); the 16-row tile's mma dots take them through ~120 scalar
+# shared loads. The extra rows are padding (a decode token has only its head group).
+FP8_DECODE_BLOCK_M = 16
+
+
+def is_decode_like(max_query_len: int, group: int) -> bool:
+    """One token (or a few) per sequence: the head group's rows fit one 16-row tile."""
+    return max_query_len * next_power_of_2(group) <= 16
 
 
 def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool = False) -> AttentionTiles:
@@ -288,10 +298,11 @@ def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool 
     """
     group_p = next_power_of_2(group)
     tile_n = 64 if head_dim <= 128 else 32  # keeps K/V tiles + scores within the register file
-    if max_query_len * group_p <= 16:
+    if is_decode_like(max_query_len, group):
         block_m = max(16, group_p)
         if kv_fp8 and head_dim <= 128:
             tile_n = FP8_DECODE_TILE_N
+            block_m = max(block_m, FP8_DECODE_BLOCK_M)
         return AttentionTiles(block_m, block_m // group_p, tile_n, num_warps=4, num_stages=3)
     # 3 stages with the block ids prefetched: an H200 kernel-only A/B against 2 stages without
     # (41 -> 33 us a layer for 201 tokens over 4,400 cached, 9.5 -> 8.0 without history, 367 -> 348
@@ -340,9 +351,10 @@ def paged_attention(
     # A query block of a prompt chunk over a short context does its keys alone (H100, 201 new tokens
     # over no history, one layer: 14.8 us single pass, 44.5 us split 4 ways into 64-key pieces).
     # Decode splits stay as fine as TILE_N: one row per program has little to set up.
-    min_split_keys = tile_n if block_m <= 16 else max(tile_n, PREFILL_MIN_SPLIT_KEYS)
+    decode_like = is_decode_like(max_query_len, group)
+    min_split_keys = tile_n if decode_like else max(tile_n, PREFILL_MIN_SPLIT_KEYS)
     # Decode prefetches only when split: a split grid is one the SMs could not fill by itself.
-    prefetch_blocks = block_m > 16 or num_splits > 1
+    prefetch_blocks = not decode_like or num_splits > 1
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
