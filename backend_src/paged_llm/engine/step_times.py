@@ -49,7 +49,10 @@ class StepTimes:
 
 def computes_prompt_tokens(scheduler_output: SchedulerOutput) -> bool:
     """Some row computes more tokens than a decode row does (its token and proposals)."""
-    return any(s.num_new_tokens > 1 + len(s.draft_token_ids) for s in scheduler_output.scheduled)
+    scheduled = scheduler_output.scheduled
+    if scheduler_output.num_batched_tokens == len(scheduled):  # one token a row: no per-row look
+        return False
+    return any(s.num_new_tokens > 1 + len(s.draft_token_ids) for s in scheduled)
 
 
 class StepClock:
