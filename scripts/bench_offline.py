@@ -38,6 +38,12 @@ from paged_llm.sampling_params import SamplingParams
 from paged_llm.testing.bench_workload import random_workload
 from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import engine_figures, format_step_means, step_means
+
+# Upper ends of the batch-size buckets the time profile adds up (running sequences after a step).
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 1 << 30)
+
 
 @dataclass
 class RunResult:
@@ -45,6 +51,9 @@ class RunResult:
     num_requests: int
     num_output_tokens: int
     elapsed_s: float
+    # Per batch-size bucket ("<=64"): [steps, seconds, output tokens]; the engine run only.
+    batch_profile: dict[str, list[float]] | None = None
+    step_means: dict[str, dict[str, float | None]] | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -62,18 +71,49 @@ def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_pr
         engine.add_request(f"bench-{index}", prompt, params)
     total = sum(n for _, n in workload)
     produced = 0
+    running = engine.core.scheduler.running
+    profile = {_bucket_name(upper): [0, 0.0, 0] for upper in BATCH_BUCKETS}
+    figures_before = engine_figures(engine)
     engine.core.device.synchronize()
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     with tqdm(total=total, desc="paged_llm", unit="tok", disable=not show_progress) as bar:
         while engine.has_unfinished_requests():
+            new = 0
             for output in engine.step():
-                new = sum(len(s.token_ids) for s in output.sequences)
-                produced += new
-                bar.update(new)
+                new += sum(len(s.token_ids) for s in output.sequences)
+            # The step just returned ran with about this many rows (the next one is in flight).
+            now = time.perf_counter()
+            entry = profile[_bucket_name(next(u for u in BATCH_BUCKETS if len(running) <= u))]
+            entry[0] += 1
+            entry[1] += now - last
+            entry[2] += new
+            last = now
+            produced += new
+            bar.update(new)
     engine.core.device.synchronize()
     elapsed = time.perf_counter() - start
     assert produced == total, f"engine produced {produced} tokens, expected {total}"
-    return RunResult("paged_llm", len(workload), produced, elapsed)
+    means = step_means(figures_before, engine_figures(engine))
+    profile = {name: entry for name, entry in profile.items() if entry[0]}
+    return RunResult("paged_llm", len(workload), produced, elapsed, profile, means)
+
+
+def _bucket_name(upper: int) -> str:
+    return "any" if upper >= 1 << 30 else f"<={upper}"
+
+
+def print_batch_profile(result: RunResult) -> None:
+    """Where the run's time went by batch size: what a faster decode at that size could win."""
+    if not result.batch_profile:
+        return
+    print(f"time by running sequences ({result.name}):")
+    print(f"{'batch':>8}{'steps':>8}{'seconds':>9}{'share':>8}{'tokens':>9}{'tok/s':>10}")
+    for name, (num_steps, seconds, num_tokens) in result.batch_profile.items():
+        share = seconds / result.elapsed_s
+        rate = num_tokens / seconds if seconds else 0.0
+        print(f"{name:>8}{int(num_steps):>8}{seconds:>9.2f}{share:>8.1%}{int(num_tokens):>9}{rate:>10.0f}")
+    if result.step_means:
+        print(f"engine steps: {format_step_means(result.step_means)}")
 
 
 def run_hf(
@@ -257,6 +297,7 @@ def main() -> None:
             f"{result.name:<24}{result.num_requests:>10}{result.num_output_tokens:>12}"
             f"{result.elapsed_s:>10.2f}{result.output_tokens_per_s:>12.1f}"
         )
+    print_batch_profile(ours)
     if len(results) == 2:
         ratio = ours.output_tokens_per_s / results[1].output_tokens_per_s
         print(f"ratio paged_llm / {results[1].name}: {ratio:.2f}x")
