@@ -142,6 +142,40 @@ def test_prompts_joining_running_decodes_take_the_mixed_graphs_and_match_hf(
     assert engine.scheduler_stats().kv_usage == 0.0
 
 
+def test_prompts_joining_a_wide_batch_replay_a_mixed_graph_with_the_eager_tokens(model_dir, prompts):
+    """New prompts joining 48 running decodes (more than the 32 slots the mixed-step graphs had):
+    the steps that admit them replay a mixed graph (flat attention grid, padding slots) and every
+    request gets the tokens of an engine that runs those steps eagerly."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    wide = [prompts[i % len(prompts)][: 8 + i % 5] for i in range(48)]
+    joining = [p for p in prompts if len(p) > 16][:4]
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        for index, prompt in enumerate(wide):
+            engine.add_request(f"w{index}", prompt, greedy)
+        waiting = list(enumerate(joining))
+        step = 0
+        while engine.has_unfinished_requests() or waiting:
+            if waiting and step >= 3:  # the wide batch decodes by now
+                index, prompt = waiting.pop(0)
+                engine.add_request(f"j{index}", prompt, greedy)
+            for output in engine.step():
+                got.setdefault(output.request_id, []).extend(t for s in output.sequences for t in s.token_ids)
+            step += 1
+        assert engine.scheduler_stats().kv_usage == 0.0
+        return got
+
+    graphed = cuda_engine(model_dir, max_num_seqs=64)
+    graphs = graphed.core.runner.mixed_graphs
+    assert graphs is not None and graphs.bucket(48 + 40, num_seqs=49) is not None
+    got = run(graphed)
+    assert graphs.num_replays >= len(joining)
+    eager = cuda_engine(model_dir, max_num_seqs=64)
+    eager.core.runner.mixed_graphs = None
+    assert got == run(eager)
+
+
 def test_gpu_preemption_and_chunked_prefill_still_match(model_dir, prompts):
     expected = hf_greedy(model_dir, prompts)
     engine = cuda_engine(model_dir, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)

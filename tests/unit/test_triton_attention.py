@@ -246,6 +246,54 @@ def test_padding_rows_leave_real_rows_exact():
         assert_close(out[: metadata.num_tokens], real, atol=1e-6)
 
 
+# New requests joining running decodes: one long prompt chunk among short queries, and padding
+# sequence slots (query length 0) at the end, as in a mixed-step graph.
+JOINING = [(20, 1), (0, 45), (7, 1), (66, 2), (130, 1), (0, 9), (3, 1)]
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("pad_seqs", [0, 5])
+def test_flat_grid_equals_grid_by_sequence(splits, pad_seqs, nan_filled_empty):
+    """Both grids give the same output for every real token (exactly: the same programs' work, only
+    numbered differently), with padding slots of length 0 past the last real sequence."""
+    from paged_llm.layers.attention.triton_kernels import paged_attention
+
+    block_size, heads, kv_heads, head_dim = 4, 6, 2, 16  # group 3: 4 rows a token, 16 tokens a block
+    device = torch.device(DEVICE)
+    metadata = build_metadata(JOINING, block_size, device)
+    q, k, v, k_cache, v_cache = make_inputs(
+        metadata, heads, kv_heads, head_dim, block_size, torch.float32, device
+    )
+    TritonAttention(num_splits=1).forward(q, k, v, k_cache, v_cache, metadata, 0.25)  # cache the new keys
+    num_tokens = metadata.num_tokens
+    query_start_loc = torch.cat(
+        [metadata.query_start_loc, torch.full((pad_seqs,), num_tokens, dtype=torch.int32, device=device)]
+    )
+    seq_lens = torch.cat([metadata.seq_lens, torch.zeros(pad_seqs, dtype=torch.int32, device=device)])
+    tables = torch.cat(
+        [metadata.block_tables, torch.zeros(pad_seqs, metadata.block_tables.shape[1], device=device).int()]
+    )
+    args = (q, k_cache, v_cache, query_start_loc, seq_lens, tables, metadata.max_query_len, 0.25)
+    by_sequence = paged_attention(*args, num_splits=splits, flat_grid=False)
+    flat = paged_attention(*args, num_splits=splits, flat_grid=True)
+    assert not flat.isnan().any()
+    torch.testing.assert_close(flat, by_sequence, atol=1e-6, rtol=1e-6)
+    expected = PortableAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, 0.25)
+    assert_close(flat, expected)
+
+
+def test_flat_grid_where_it_launches_fewer_programs():
+    from paged_llm.layers.attention.triton_kernels import uses_flat_grid
+
+    # 64 decodes + one 512-token prompt, 32-token query blocks: 16 + 65 programs a kv head, not 65 x 16.
+    assert uses_flat_grid(num_tokens=576, num_seqs=65, max_query_len=512, block_q=32)
+    # A mixed-step graph of 256 slots on its 2048-token bucket: 64 + 256, not 256 x 64.
+    assert uses_flat_grid(num_tokens=2048, num_seqs=256, max_query_len=2048, block_q=32)
+    assert not uses_flat_grid(num_tokens=64, num_seqs=64, max_query_len=1, block_q=8)  # decodes
+    assert not uses_flat_grid(num_tokens=500, num_seqs=1, max_query_len=500, block_q=32)  # one prompt
+    assert not uses_flat_grid(num_tokens=512, num_seqs=4, max_query_len=128, block_q=32)  # equal prompts
+
+
 def test_split_heuristic():
     # 1 sequence x 8 kv heads on 132 SMs with a 4096-token table: split as far as allowed.
     assert choose_num_splits(1 * 8, 4096, 132) == 16

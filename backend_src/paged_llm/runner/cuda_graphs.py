@@ -167,16 +167,20 @@ def mixed_step_token_buckets(max_num_batched_tokens: int, largest: int = 2048) -
     return [s for s in sizes if s <= min(largest, max_num_batched_tokens)]
 
 
-MAX_MIXED_GRAPH_SEQS = 32  # sequence slots of a mixed-step graph (padding slots cost one early exit)
+# Sequence slots of the mixed-step graphs, at most (a bucket of T tokens has min(T, this), and at
+# most max_num_seqs): a step of new requests joining up to this many running ones replays a graph.
+# A padding slot costs one early-exiting attention program a kv head (the flat grid: a slot does
+# not multiply the bucket's query blocks) and a few bytes of copies.
+MAX_MIXED_GRAPH_SEQS = 256
 
 
 class MixedStepGraphs:
-    """CUDA graphs for small steps that are not decode-only: a lone new request's prefill, or a few
-    new prompts next to running decodes (the step that gives new requests their first token at low
-    and medium load). Run eagerly, such a step spends 10-25 ms launching ~15 kernels per layer from
-    Python (an H100: 2 x 128 prompt tokens took 16.6 ms eagerly, 1.5 ms of it on the GPU). One graph
-    per token bucket, each with MAX_MIXED_GRAPH_SEQS sequence slots; a step of T tokens in S
-    sequences runs the smallest bucket >= T, padded:
+    """CUDA graphs for steps up to 2048 tokens that are not decode-only: a lone new request's
+    prefill, or new prompts next to running decodes (the step that gives new requests their first
+    token, at any load). Run eagerly, such a step spends 10-25 ms launching ~15 kernels per layer
+    from Python (an H100: 2 x 128 prompt tokens took 16.6 ms eagerly, 1.5 ms of it on the GPU). One
+    graph per token bucket, the bucket of T tokens with min(T, num_slots) sequence slots; a step of
+    T tokens in S sequences runs the smallest bucket >= T, padded:
 
         tokens:        0 .. T-1 (the step's)           T .. bucket-1 (padding)
         input_ids      the step's tokens               0
@@ -188,8 +192,11 @@ class MixedStepGraphs:
         block_tables     the step's tables             stale rows, never read
         sample_rows      the rows to sample            0    (their logits are dropped)
 
-    max_query_len is the bucket, so the attention kernel's launch shape never changes under replay;
-    rows of padding tokens belong to no sequence and reach no real row.
+    max_query_len is the bucket, so the attention kernel's launch shape never changes under replay
+    (its flat grid: bucket / query block + slots programs a kv head); rows of padding tokens belong
+    to no sequence and reach no real row. A graph's output is the hidden state of its sampled rows:
+    the logits of the step's own rows are computed after the replay, so no graph keeps a
+    [rows, vocab] output and padding rows cost no lm_head.
     """
 
     def __init__(
@@ -205,8 +212,8 @@ class MixedStepGraphs:
         rows_per_seq: int = 1,
     ) -> None:
         """`model_forward(input_ids, positions, metadata) -> hidden`, `logits_of(rows) -> logits`.
-        `rows_per_seq`: logits rows a sequence may need (1 + proposals it verifies); a bucket of B
-        tokens computes min(B, max_num_seqs * rows_per_seq) rows."""
+        `max_num_seqs`: the slots of the largest buckets. `rows_per_seq`: sampled rows a sequence
+        may need (1 + proposals it verifies); a bucket of B tokens keeps min(B, slots * rows_per_seq)."""
         self.model_forward = model_forward
         self.logits_of = logits_of
         self.buckets = buckets
@@ -220,21 +227,22 @@ class MixedStepGraphs:
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.max_sample_rows = max_num_seqs * rows_per_seq
-        self.sample_rows = torch.zeros(self.max_sample_rows, dtype=torch.int64, device=device)
+        self.rows_per_seq = rows_per_seq
+        self.sample_rows = torch.zeros(max_num_seqs * rows_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output: its sampled rows' hidden states
         self.pool = pool
         self.num_replays = 0
 
     def _metadata(self, bucket: int) -> AttentionMetadata:
+        slots = self.slots(bucket)
         return AttentionMetadata(
             num_tokens=bucket,
-            num_seqs=self.num_slots,
+            num_seqs=slots,
             slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
+            query_start_loc=self.query_start_loc[: slots + 1],
+            seq_lens=self.seq_lens[:slots],
+            block_tables=self.block_tables[:slots],
             max_query_len=bucket,
             max_seq_len=self.max_model_len,
             query_lens_host=[],
@@ -243,10 +251,15 @@ class MixedStepGraphs:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         hidden = self.model_forward(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
-        return self.logits_of(hidden.index_select(0, self.sample_rows[: self._num_rows(bucket)]))
+        return hidden.index_select(0, self.sample_rows[: self.num_rows(bucket)])
 
-    def _num_rows(self, bucket: int) -> int:
-        return min(bucket, self.max_sample_rows)
+    def slots(self, bucket: int) -> int:
+        """Sequence slots of the bucket's graph (a sequence has at least one token in the step)."""
+        return min(bucket, self.num_slots)
+
+    def num_rows(self, bucket: int) -> int:
+        """Sampled rows the bucket's graph keeps."""
+        return min(bucket, self.slots(bucket) * self.rows_per_seq)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -263,15 +276,20 @@ class MixedStepGraphs:
             self.sample_rows[0] = bucket - 1
             return functools.partial(self._forward, bucket)
 
-        self.graphs, self.logits, self.pool = capture_buckets(self.buckets, run_for, self.pool, self.device)
+        self.graphs, self.hidden, self.pool = capture_buckets(self.buckets, run_for, self.pool, self.device)
         logger.info(
             "captured mixed-step CUDA graphs for %s tokens, up to %d sequences", self.buckets, self.num_slots
         )
 
     def bucket(self, num_tokens: int, num_seqs: int = 1, num_sampled: int = 1) -> int | None:
-        if num_seqs > self.num_slots or num_sampled > self.max_sample_rows:
-            return None
-        return next((size for size in self.buckets if size >= num_tokens), None)
+        return next(
+            (
+                size
+                for size in self.buckets
+                if size >= num_tokens and self.slots(size) >= num_seqs and self.num_rows(size) >= num_sampled
+            ),
+            None,
+        )
 
     def run(
         self,
@@ -292,14 +310,15 @@ class MixedStepGraphs:
             self.input_ids[num_tokens:bucket].zero_()
             self.positions[num_tokens:bucket].zero_()
             self.slot_mapping[num_tokens:bucket].fill_(-1)
+        slots = self.slots(bucket)
         self.query_start_loc[: num_seqs + 1].copy_(metadata.query_start_loc)
-        self.query_start_loc[num_seqs + 1 :].fill_(num_tokens)
+        self.query_start_loc[num_seqs + 1 : slots + 1].fill_(num_tokens)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
-        self.seq_lens[num_seqs:].zero_()
+        self.seq_lens[num_seqs:slots].zero_()
         width = metadata.block_tables.shape[1]
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
         self.sample_rows[:num_sampled].copy_(sample_indices)
-        self.sample_rows[num_sampled : self._num_rows(bucket)].zero_()
+        self.sample_rows[num_sampled : self.num_rows(bucket)].zero_()
         self.graphs[bucket].replay()
         self.num_replays += 1
-        return self.logits[bucket][:num_sampled]
+        return self.logits_of(self.hidden[bucket][:num_sampled])

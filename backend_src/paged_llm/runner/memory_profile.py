@@ -15,7 +15,7 @@ from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.parallel import ShardPlan
 from paged_llm.models.decoder import CausalLM
 from paged_llm.models.hf_config import ModelSpec
-from paged_llm.runner.cuda_graphs import MAX_MIXED_GRAPH_SEQS, graph_batch_sizes, mixed_step_token_buckets
+from paged_llm.runner.cuda_graphs import graph_batch_sizes, mixed_step_token_buckets
 from paged_llm.runner.device import Device
 
 logger = logging.getLogger(__name__)
@@ -39,15 +39,19 @@ class ProfiledRunner(Protocol):
 
 
 def graph_pool_bytes(runner: ProfiledRunner, step_peak_bytes: int) -> int:
-    """Estimated private memory of the CUDA graphs captured after the KV pool: the logits that every
-    graph keeps as its output (one row per decode batch slot, MAX_MIXED_GRAPH_SEQS rows per mixed-step
-    bucket), plus the largest graph's transient activations, taken as the worst step's peak scaled
-    to that graph's tokens (the graphs share one pool, so smaller graphs reuse those blocks), plus a
-    margin. The runner measures the real figure after capture and logs both."""
+    """Estimated private memory of the CUDA graphs captured after the KV pool: the outputs every
+    graph keeps (a decode graph: a logits row per batch slot; a mixed-step graph: a hidden-state row
+    per sampled row, cuda_graphs.MixedStepGraphs.num_rows), plus the largest graph's transient
+    activations, taken as the worst step's peak scaled to that graph's tokens (the graphs share one
+    pool, so smaller graphs reuse those blocks), plus a margin. The runner measures the real figure
+    after capture and logs both."""
     element_bytes = torch.finfo(runner.dtype).bits // 8
     buckets = mixed_step_token_buckets(runner.max_num_batched_tokens)
-    logits_rows = sum(graph_batch_sizes(runner.max_num_seqs)) + len(buckets) * MAX_MIXED_GRAPH_SEQS
-    outputs_bytes = logits_rows * runner.spec.vocab_size * element_bytes
+    hidden_rows = sum(buckets)  # a bucket keeps at most a row a token
+    logits_rows = sum(graph_batch_sizes(runner.max_num_seqs))
+    outputs_bytes = element_bytes * (
+        logits_rows * runner.spec.vocab_size + hidden_rows * runner.spec.hidden_size
+    )
     largest_graph_tokens = max([runner.max_num_seqs, *buckets])
     share = min(1.0, largest_graph_tokens / runner.max_num_batched_tokens)
     return outputs_bytes + int(step_peak_bytes * share) + GRAPH_POOL_MARGIN_BYTES

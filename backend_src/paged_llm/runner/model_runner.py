@@ -29,7 +29,12 @@ from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup, all_ranks_
 from paged_llm.models.decoder import AttentionBackend, CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
-from paged_llm.runner.cuda_graphs import DecodeGraphs, MixedStepGraphs, mixed_step_token_buckets
+from paged_llm.runner.cuda_graphs import (
+    MAX_MIXED_GRAPH_SEQS,
+    DecodeGraphs,
+    MixedStepGraphs,
+    mixed_step_token_buckets,
+)
 from paged_llm.runner.decode_compile import OpaqueToCompiler, compile_decode_forward
 from paged_llm.runner.device import Device
 from paged_llm.runner.input_buffers import InputBuffers
@@ -273,6 +278,7 @@ class ModelRunner:
                 self.max_model_len,
                 device,
                 pool=self.graphs.pool,
+                max_num_seqs=min(self.max_num_seqs, MAX_MIXED_GRAPH_SEQS),
                 rows_per_seq=1 + self.num_speculative_tokens,
             )
             self.mixed_graphs.capture()

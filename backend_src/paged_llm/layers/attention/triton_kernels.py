@@ -15,6 +15,18 @@ packs the query heads that share the kv head into the M dimension, so K/V are re
         [ blk 7 | blk 2 | blk 9 ]     (BLOCK_SIZE 16) j = 0..15 in blk 7, 16..31 in blk 2, ...
           \_ TILE_N keys per loop step, any multiple or fraction of BLOCK_SIZE
 
+Grids. By sequence, (num_seqs, kv heads, query blocks of the longest query x splits), suits
+decodes and lone prompts. A step that mixes one long prompt chunk with many short queries (new
+requests joining running decodes) would leave most of such a grid empty, and a mixed-step CUDA
+graph, whose longest query is its token bucket, would launch num_seqs x bucket / BLOCK_Q programs.
+Such steps take the flat grid (FLAT_GRID): dimension 0 enumerates query blocks of all sequences,
+
+    sequence s owns programs  query_start_loc[s] // BLOCK_Q + s  ..  query_start_loc[s+1] // BLOCK_Q + s
+                              (at least its ceil(query_len / BLOCK_Q) blocks, at most one more)
+
+so there are num_tokens // BLOCK_Q + num_seqs of them, and a program finds its sequence by a
+binary search over query_start_loc (log2(num_seqs) loads).
+
 With NUM_SPLITS > 1 the keys a query block sees, 0 .. kv_end-1, are cut into NUM_SPLITS chunks
 (multiples of TILE_N); every split writes an unnormalised partial (acc, max, sum) and
 split_kv.py's reduce merges them. All loop bounds come from device tensors, all grid sizes from
@@ -69,12 +81,13 @@ def _write_kv_kernel(
 
 # The block-table row stride is the widest table of the step in an eager batch (any number) but a
 # multiple of 16 in the captured graphs: specializing on it would compile another variant at the
-# first eager step of a fresh server (1.0-1.3 s added to that burst's TTFT on an H100).
-@triton.jit(do_not_specialize=["stride_bt"])
+# first eager step of a fresh server (1.0-1.3 s added to that burst's TTFT on an H100). num_seqs
+# changes with every eager step likewise.
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs,
     scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
@@ -83,15 +96,31 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_FP8: tl.constexpr,
+    FLAT_GRID: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
-
-    q_start = tl.load(query_start_loc_ptr + seq)
+    if FLAT_GRID:
+        flat_block = tl.program_id(0)
+        # The last sequence whose first program is <= flat_block (sequence 0's is program 0).
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= flat_block:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_block = flat_block - (q_start // BLOCK_Q + seq)
+        split = tl.program_id(2)
+    else:
+        seq = tl.program_id(0)
+        q_block = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+        q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= query_len:  # the grid is sized for the longest query of the batch
+    if q_block * BLOCK_Q >= query_len:  # the grid is sized for the longest query (or, flat, one more)
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len  # keys cached before this step's tokens
@@ -311,6 +340,12 @@ def attention_tiles(max_query_len: int, group: int, head_dim: int, kv_fp8: bool 
     return AttentionTiles(block_m, block_m // group_p, tile_n, num_warps=4, num_stages=3)
 
 
+def uses_flat_grid(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> bool:
+    """The flat grid where it launches fewer programs than the grid by sequence: steps that mix a
+    long query with other sequences (host ints only, fixed for a captured graph)."""
+    return num_tokens // block_q + num_seqs < num_seqs * triton.cdiv(max_query_len, block_q)
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -324,6 +359,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,  # an FP8 cache's: it holds key / k_scale
     v_scale: float = 1.0,
+    flat_grid: bool | None = None,  # None: uses_flat_grid decides (tests force either)
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cache (which already holds it)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -355,10 +391,15 @@ def paged_attention(
     min_split_keys = tile_n if decode_like else max(tile_n, PREFILL_MIN_SPLIT_KEYS)
     # Decode prefetches only when split: a split grid is one the SMs could not fill by itself.
     prefetch_blocks = not decode_like or num_splits > 1
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * num_splits)
+    if flat_grid is None:
+        flat_grid = uses_flat_grid(num_tokens, num_seqs, max_query_len, block_q)
+    if flat_grid:
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    else:
+        grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
-        query_start_loc, seq_lens, block_tables, scale * LOG2E, k_scale, v_scale,
+        query_start_loc, seq_lens, block_tables, num_seqs, scale * LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
@@ -367,7 +408,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32", PREFETCH_BLOCKS=prefetch_blocks,
-        KV_FP8=k_cache.dtype == E4M3,
+        KV_FP8=k_cache.dtype == E4M3, FLAT_GRID=flat_grid,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
