@@ -45,6 +45,7 @@ from tqdm import tqdm
 from paged_llm.engine.step_times import KINDS as STEP_KINDS
 from paged_llm.engine.step_times import StepTimes
 from paged_llm.gc_pauses import LONG_PAUSE_S, process_gc_pauses
+from paged_llm.testing import prometheus
 from paged_llm.testing.bench_workload import (
     Job,
     RequestRecord,
@@ -378,28 +379,14 @@ def _profile_stub(server: Any, path: Path | None) -> Any:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-_COUNTER = re.compile(
-    r"^(paged_llm_(?:cancellation_check(?:s|_seconds)|engine_gc_(?:collections|pause_seconds|long_pauses))_total)"
-    r"(?:\{[^}]*\})?\s+(\S+)$",
-    re.M,
-)
-
-
-_SERVER_TTFT = re.compile(
-    r"^paged_llm_time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?\s+(\S+)$",
-    re.M,
-)
-
-
 def _server_ttft(server: Any) -> tuple[float, float] | None:
     """(sum of seconds, count) of the stubs' time-to-first-token histogram: from a request's
     arrival in a stub's execute() to its first token processed there (all series added up)."""
     if server is None:
         return None
-    totals = {"sum": 0.0, "count": 0.0}
-    for kind, value in _SERVER_TTFT.findall(server.metrics()):
-        totals[kind] += float(value)
-    return totals["sum"], totals["count"]
+    samples = prometheus.parse(server.metrics())
+    name = "paged_llm_time_to_first_token_seconds"
+    return prometheus.total(samples, f"{name}_sum"), prometheus.total(samples, f"{name}_count")
 
 
 def _server_ttft_mean_ms(server: Any, before: tuple[float, float] | None) -> float | None:
@@ -413,20 +400,19 @@ def _server_ttft_mean_ms(server: Any, before: tuple[float, float] | None) -> flo
     return 1e3 * (after[0] - before[0]) / num_firsts if num_firsts > 0 else None
 
 
-_HISTOGRAM_TOTALS = re.compile(
-    r"^(paged_llm_(?:generation_tokens_total|histogram_observations_dropped_total"
-    r"|time_to_first_token_seconds_count|inter_token_latency_seconds_count))(?:\{[^}]*\})?\s+(\S+)$",
-    re.M,
+_HISTOGRAM_TOTALS = (
+    "paged_llm_generation_tokens_total",
+    "paged_llm_histogram_observations_dropped_total",
+    "paged_llm_time_to_first_token_seconds_count",
+    "paged_llm_inter_token_latency_seconds_count",
 )
 
 
 def _histogram_totals(server: Any) -> dict[str, float] | None:
     if server is None:
         return None
-    totals: dict[str, float] = {}
-    for name, value in _HISTOGRAM_TOTALS.findall(server.metrics()):
-        totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
+    samples = prometheus.parse(server.metrics())
+    return {name: prometheus.total(samples, name) for name in _HISTOGRAM_TOTALS}
 
 
 def _total_delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -457,14 +443,6 @@ def _histogram_lag(server: Any, before: dict[str, float] | None, limit_s: float 
         time.sleep(0.05)
 
 
-_ENGINE_STEPS = re.compile(
-    r'^paged_llm_engine_(steps|step_seconds)_total\{[^}]*kind="(\w+)"[^}]*\}\s+(\S+)$', re.M
-)
-_GRAMMAR_MASKS = re.compile(
-    r"^paged_llm_grammar_mask_(fills|fill_seconds|wait_seconds)_total(?:\{[^}]*\})?\s+(\S+)$", re.M
-)
-
-
 @dataclass(frozen=True)
 class EngineFigures:
     """The engine core's busy step periods and its grammar mask fills (totals since start)."""
@@ -479,20 +457,25 @@ def server_engine_figures(server: Any, settle_s: float = 1.0) -> EngineFigures:
     """EngineFigures from a launched server's /metrics (all series added up), after `settle_s`
     (the stubs refresh them every ~0.5 s)."""
     time.sleep(settle_s)
-    text = server.metrics()
-    totals = {"steps:decode": 0, "step_seconds:decode": 0.0, "steps:prefill": 0, "step_seconds:prefill": 0.0}
-    for what, kind, value in _ENGINE_STEPS.findall(text):
-        totals[f"{what}:{kind}"] += float(value)
-    masks = {"fills": 0.0, "fill_seconds": 0.0, "wait_seconds": 0.0}
-    for what, value in _GRAMMAR_MASKS.findall(text):
-        masks[what] += float(value)
-    steps = StepTimes(
-        int(totals["steps:decode"]),
-        totals["step_seconds:decode"],
-        int(totals["steps:prefill"]),
-        totals["step_seconds:prefill"],
+    samples = prometheus.parse(server.metrics())
+
+    def steps(what: str, kind: str) -> float:
+        return prometheus.total(samples, f"paged_llm_engine_{what}_total", kind=kind)
+
+    def masks(what: str) -> float:
+        return prometheus.total(samples, f"paged_llm_grammar_mask_{what}_total")
+
+    return EngineFigures(
+        StepTimes(
+            int(steps("steps", "decode")),
+            steps("step_seconds", "decode"),
+            int(steps("steps", "prefill")),
+            steps("step_seconds", "prefill"),
+        ),
+        masks("fills"),
+        masks("fill_seconds"),
+        masks("wait_seconds"),
     )
-    return EngineFigures(steps, masks["fills"], masks["fill_seconds"], masks["wait_seconds"])
 
 
 def engine_figures(engine: Any) -> EngineFigures:
@@ -538,12 +521,25 @@ def format_step_means(means: dict[str, dict[str, float | None]]) -> str:
     return ", ".join(parts)
 
 
+_SERVER_COUNTERS = tuple(
+    f"paged_llm_{name}_total"
+    for name in (
+        "cancellation_checks",
+        "cancellation_check_seconds",
+        "engine_gc_collections",
+        "engine_gc_pause_seconds",
+        "engine_gc_long_pauses",
+    )
+)
+
+
 def _server_counters(server: Any) -> dict[str, float] | None:
     """The stub's cancellation-polling and the engine core's GC counters from a launched server's
     /metrics (and `now`), else None."""
     if server is None:
         return None
-    values = {name: float(value) for name, value in _COUNTER.findall(server.metrics())}
+    samples = prometheus.parse(server.metrics())
+    values = {name: prometheus.total(samples, name) for name in _SERVER_COUNTERS}
     values["now"] = time.monotonic()
     return values
 

@@ -26,19 +26,10 @@ import psutil
 
 from paged_llm.launcher.launch import perf_analyzer_env, perf_analyzer_path
 from paged_llm.paths import repo_root
+from paged_llm.testing.prometheus import value as metric
 from paged_llm.testing.server_process import RunningServer, start_server
 
 FAILURE_CODES = ("cancelled", "invalid_arg", "unavailable", "internal")
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def server_rss_bytes(server: RunningServer) -> int:

@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eEinfaN]+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
+from paged_llm.testing.prometheus import parse, value
 
-
-def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    samples = {}
-    for line in text.splitlines():
-        match = _LINE.match(line.strip())
-        if match:
-            name, labels, value = match.groups()
-            samples[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
-    return samples
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (0 when there is none)."""
-    wanted = set(labels.items())
-    return sum(v for (n, ls), v in parse(text).items() if n == name and wanted <= set(ls))
+__all__ = ["parse", "value", "wait_for", "wait_idle"]
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:
