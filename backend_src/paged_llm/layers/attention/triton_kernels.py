@@ -102,8 +102,8 @@ def _paged_attention_kernel(
     if FLAT_GRID:
         flat_block = tl.program_id(0)
         # The last sequence whose first program is <= flat_block (sequence 0's is program 0).
-        lo = 0
-        hi = num_seqs
+        lo = tl.full([], 0, tl.int32)  # loop-carried: int32 from the start
+        hi = lo + num_seqs
         while lo < hi:
             mid = (lo + hi) // 2
             if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= flat_block:
