@@ -185,6 +185,10 @@ class StructuredOutputConfig:
     # A compile that takes longer fails its request (INVALID_ARG); the others are not held up.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_entries: int = 512  # compiled grammars kept (least recently used dropped)
+    # xgrammar threads that fill a step's token bitmask, off the engine's thread (0: one per 4 usable
+    # cores, up to 4). On a host whose cores the server's other processes keep busy, fewer threads
+    # leave the engine's thread its core.
+    grammar_fill_threads: int = 0
     # JSON between tokens, where a request does not say (structured_outputs.disable_any_whitespace):
     # compact = the standard separators and no other whitespace (a model cannot wander in
     # whitespace); any = whatever whitespace the model writes.
@@ -205,6 +209,8 @@ class StructuredOutputConfig:
             raise ConfigError(
                 f"grammar_compile_threads must be in [1, 256], got {self.grammar_compile_threads}"
             )
+        if not 0 <= self.grammar_fill_threads <= 64:
+            raise ConfigError(f"grammar_fill_threads must be in [0, 64], got {self.grammar_fill_threads}")
         if self.grammar_cache_entries < 1:
             raise ConfigError(f"grammar_cache_entries must be >= 1, got {self.grammar_cache_entries}")
         if self.structured_output_whitespace not in ("compact", "any"):

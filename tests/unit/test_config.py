@@ -40,11 +40,18 @@ def test_parameters_from_config_pbtxt():
         ({"block_size_tokens": "abc"}, "block_size_tokens"),
         ({"admission_policy": "drop"}, "admission_policy must be queue or reject, got 'drop'"),
         ({"queue_max_wait_s": "-1"}, "queue_max_wait_s must be >= 0"),
+        ({"grammar_fill_threads": "-1"}, r"grammar_fill_threads must be in \[0, 64\], got -1"),
     ],
 )
 def test_bad_parameters_fail_loading_with_a_clear_message(parameters, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_parameters(parameters)
+
+
+def test_grammar_fill_threads_from_config_pbtxt():
+    assert EngineConfig.from_parameters({}).structured_output.grammar_fill_threads == 0  # the rule
+    config = EngineConfig.from_parameters({"grammar_fill_threads": "2"})
+    assert config.structured_output.grammar_fill_threads == 2
 
 
 def test_speculative_parameters_from_config_pbtxt_and_serve_flags():

@@ -59,13 +59,13 @@ def _alone(rows: list[Row]) -> torch.Tensor:
     return expected
 
 
+@pytest.mark.parametrize("max_threads", [1, 2])  # grammar_fill_threads
 @pytest.mark.parametrize("num_rows", [2, 6, 40])
-def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows):
-    monkeypatch.setattr(grammar_module, "MAX_XGRAMMAR_THREADS", 2)
+def test_started_fill_is_each_matchers_own(compiled, monkeypatch, num_rows, max_threads):
     monkeypatch.setattr(grammar_module, "MIN_ROWS_PER_THREAD", 4)
     rows = _rows(compiled, num_rows, seed=num_rows)
     expected = _alone(rows)
-    bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False, max_threads=max_threads)
     try:
         for _ in range(3):  # both host buffers, and one of them again (stale rows overwritten)
             started = bitmask.finish(bitmask.start(rows))

@@ -47,7 +47,7 @@ from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata,
 from paged_llm.sampling.token_bitmask import masked_argmax
 from paged_llm.sampling.verify import VerifyOutput, verify
 from paged_llm.sequence import Sequence
-from paged_llm.structured_output.grammar import BitmaskTimes, StepBitmask
+from paged_llm.structured_output.grammar import MAX_XGRAMMAR_THREADS, BitmaskTimes, StepBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,12 @@ class ModelRunner:
         fp8_kv_cache: bool = False,
         all_reduce: str = "auto",
         torch_compile: str = "",
+        grammar_fill_threads: int = 0,
     ) -> None:
         """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks' workers
         (runner/tensor_parallel.py) in load(). `parallel`: set by a worker, its rank in the group.
-        `all_reduce`: auto (one-shot over symmetric memory for small tensors on CUDA) or nccl."""
+        `all_reduce`: auto (one-shot over symmetric memory for small tensors on CUDA) or nccl.
+        `grammar_fill_threads`: xgrammar's threads for a step's bitmask (0: StepBitmask's rule)."""
         # What a worker needs to build its own runner (rank_device() moves it to its device).
         self._worker_kwargs = dict(
             spec=spec,
@@ -167,6 +169,7 @@ class ModelRunner:
         self.graph_pool_reserve_bytes: int | None = None  # set aside by the memory profile
         self.graph_pool_bytes = 0  # what the captured graphs hold, measured
         self.bitmask: StepBitmask | None = None  # structured output; made for the first constrained step
+        self.grammar_fill_threads = grammar_fill_threads
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -342,7 +345,11 @@ class ModelRunner:
     def _step_bitmask(self) -> StepBitmask:
         if self.bitmask is None:
             self.bitmask = StepBitmask(
-                self.max_num_seqs, self.spec.vocab_size, self.device.torch_device, self.device.pin_memory
+                self.max_num_seqs,
+                self.spec.vocab_size,
+                self.device.torch_device,
+                self.device.pin_memory,
+                max_threads=self.grammar_fill_threads or MAX_XGRAMMAR_THREADS,
             )
         return self.bitmask
 

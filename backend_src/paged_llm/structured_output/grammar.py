@@ -98,12 +98,21 @@ class StepBitmask:
     The rows are filled by one call of xgrammar's batch fill, which lets go of the GIL for all of
     them (a Python loop over the rows takes the GIL back after each one, and on a thread beside the
     engine's busy thread each take can wait) and spreads them over xgrammar's own threads
-    (MAX_XGRAMMAR_THREADS). `start` makes that call on a fill thread, so that a step launched ahead
-    has its mask filled while the engine's thread publishes the step before and schedules the next
-    one (a row or two it fills at once: MAX_INLINE_FILL_ROWS); `finish` waits for it."""
+    (`max_threads`: MAX_XGRAMMAR_THREADS unless configured). `start` makes that call on a fill
+    thread, so that a step launched ahead has its mask filled while the engine's thread publishes
+    the step before and schedules the next one (a row or two it fills at once:
+    MAX_INLINE_FILL_ROWS); `finish` waits for it."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        max_rows: int,
+        vocab_size: int,
+        device: torch.device,
+        pin_memory: bool,
+        max_threads: int = MAX_XGRAMMAR_THREADS,
+    ) -> None:
         self.device = device
+        self.max_threads = max_threads
         shape = xgrammar.get_bitmask_shape(max_rows, vocab_size)
         self._host = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory) for _ in range(2)]
         # numpy views of the same memory, for setting the unconstrained rows: one numpy assignment on
@@ -201,7 +210,7 @@ class StepBitmask:
             self.times.fill_seconds += time.perf_counter() - started
 
     def _fill_with_xgrammar(self, host: torch.Tensor, rows: list[tuple[int, object]]) -> None:
-        num_threads = max(1, min(MAX_XGRAMMAR_THREADS, len(rows) // MIN_ROWS_PER_THREAD))
+        num_threads = max(1, min(self.max_threads, len(rows) // MIN_ROWS_PER_THREAD))
         matchers = getattr(self._batch_matchers, "by_threads", None)
         if matchers is None:
             matchers = self._batch_matchers.by_threads = {}

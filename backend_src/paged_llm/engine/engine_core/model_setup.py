@@ -59,6 +59,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         fp8_kv_cache=config.cache.is_fp8,
         all_reduce=config.device.all_reduce,
         torch_compile=config.device.torch_compile,
+        grammar_fill_threads=config.structured_output.grammar_fill_threads,
     )
     try:
         runner.load(show_progress=show_progress)
