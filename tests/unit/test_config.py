@@ -55,7 +55,7 @@ def test_grammar_fill_threads_from_config_pbtxt():
 
 
 def test_speculative_parameters_from_config_pbtxt_and_serve_flags():
-    from paged_llm.cli.serve import build_parser, engine_parameters
+    from paged_llm.cli.arguments import build_parser, engine_parameters
 
     config = EngineConfig.from_parameters(
         {"num_speculative_tokens": "4", "prompt_lookup_max": "3", "speculative_pause_below": "0"}
@@ -77,7 +77,7 @@ def test_speculative_parameters_from_config_pbtxt_and_serve_flags():
 
 
 def test_tensor_parallel_and_load_format_from_config_pbtxt_and_serve_flags():
-    from paged_llm.cli.serve import build_parser, engine_parameters
+    from paged_llm.cli.arguments import build_parser, engine_parameters
 
     config = EngineConfig.from_parameters({"tensor_parallel_size": "4", "load_format": "dummy"})
     assert (config.device.tensor_parallel_size, config.model.load_format) == (4, "dummy")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from paged_llm.cli.serve import build_parser
+from paged_llm.cli.arguments import build_parser
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 ENTRYPOINT = DOCKER / "entrypoint.sh"

@@ -398,7 +398,8 @@ def test_llama3_json_reads_every_call_written(tag, calls, cuts):
 
 # ----------------------------------------------------------------------------------- the flags
 def test_serve_hands_the_chat_flags_to_the_openai_server(tmp_path):
-    from paged_llm.cli.serve import build_parser, chat_flags, main
+    from paged_llm.cli.arguments import build_parser, chat_flags
+    from paged_llm.cli.serve import main
 
     template = tmp_path / "tools.jinja"
     template.write_text("{{ messages }}")
