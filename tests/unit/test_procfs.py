@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from paged_llm.launcher.launch import ServerPorts
-from paged_llm.launcher.procfs import descendants, process_group_members, processes
+from paged_llm.launcher.procfs import descendants, kill_hard, process_group_members, processes
 from paged_llm.testing.server_process import RunningServer
 
 
@@ -61,3 +61,12 @@ def test_process_group_members_outlive_the_leader_and_stop_waits_for_them_then_k
         except ProcessLookupError:
             pass
         leader.wait(timeout=30)
+
+
+def test_kill_hard_kills_each_and_skips_the_gone():
+
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    kill_hard([gone.pid, *(p.pid for p in sleepers)])  # gone first: the others still die
+    assert [p.wait(timeout=10) for p in sleepers] == [-signal.SIGKILL] * 2

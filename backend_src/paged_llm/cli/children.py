@@ -3,7 +3,6 @@ for them to be ready, watching them, restarting tritonserver, stopping them all.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 
 from paged_llm.launcher.guard_process import stop_guard
 from paged_llm.launcher.launch import port_bind_error
-from paged_llm.launcher.procfs import descendants
+from paged_llm.launcher.procfs import descendants, kill_hard
 from paged_llm.launcher.shm_regions import remove_unused_regions, stub_regions
 from paged_llm.launcher.stub_watch import StubWatch
 from paged_llm.launcher.supervise import (
@@ -80,11 +79,7 @@ def stop_all(children: Children, signum: int) -> None:
             process.wait(timeout=max(0.1, kill_at - time.monotonic()))
         except subprocess.TimeoutExpired:
             print(f"paged-llm: pid {process.pid} did not exit in time: killing it", file=sys.stderr)
-            for pid in [process.pid, *descendants(process.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_hard([process.pid, *descendants(process.pid)])
             process.wait()
     stop_guard(children.guard)
     remove_unused_regions(children.regions)
@@ -175,11 +170,7 @@ def stop_server(children: Children) -> None:
                 file=sys.stderr,
             )
             stragglers = [server.pid, *descendants(server.pid)]
-    for pid in stragglers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_hard(stragglers)
     server.wait()
     remove_unused_regions(children.regions)
     children.regions.clear()

@@ -1,9 +1,11 @@
-"""Reading the process table from /proc (Linux; empty results where /proc is missing)."""
+"""Reading the process table from /proc (Linux; empty results where /proc is missing), and killing
+what it finds."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -64,3 +66,12 @@ def process_group_members(group_id: int) -> list[int]:
 def live_processes_running(command_part: bytes) -> list[int]:
     """The live processes whose command line contains `command_part` (e.g. a `-m` module name)."""
     return [p.pid for p in processes() if p.is_alive and command_part in (read_proc(p.pid, "cmdline") or b"")]
+
+
+def kill_hard(pids: Iterable[int]) -> None:
+    """SIGKILL each of `pids`; one that is gone already is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -21,7 +21,6 @@ exits with a model it never finished unloading (launcher/shm_regions.py).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from paged_llm.launcher.procfs import descendants
+from paged_llm.launcher.procfs import descendants, kill_hard
 from paged_llm.launcher.shm_regions import remove_unused_regions, stub_regions
 from paged_llm.launcher.stub_watch import StubWatch
 
@@ -139,10 +138,6 @@ def _run_supervised(
         file=sys.stderr,
         flush=True,
     )
-    for pid in stuck:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_hard(stuck)
     returncode = process.wait()
     return DEAD_STUB_EXIT_STATUS if dead_stub else exit_status(returncode)
