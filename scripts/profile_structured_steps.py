@@ -111,9 +111,9 @@ def install(timer: PhaseTimer, engine: Any) -> None:
     timer.wrap(EngineCore, "launch_step", "launch")
     timer.wrap(LaunchedStep, "result", "wait")
     timer.wrap(type(engine.client.core.scheduler), "update_from_output", "update")
-    timer.wrap(SequenceGrammar, "accept_tokens", "accept")  # the update's xgrammar call
+    timer.wrap(SequenceGrammar, "accept_tokens", "accept")  # on the fill thread when deferred
     timer.wrap(ModelRunner, "sample_deferred", "sample_deferred")
-    timer.wrap(StepBitmask, "_fill_rows", "fill")  # on the fill thread when started ahead
+    timer.wrap(StepBitmask, "_take_and_fill", "fill")  # accept + fill; on the fill thread when started ahead
     timer.wrap(StepBitmask, "finish", "fill_wait")
     timer.wrap(SamplingMetadata, "build", "metadata")
     timer.wrap(type(engine), "_absorb", "absorb")

@@ -69,6 +69,35 @@ class GrammarState(Protocol):
         ...
 
 
+@dataclass
+class GrammarTokens:
+    """Tokens that constrained sequences sampled and their grammars have not taken yet, one per
+    grammar: a step's, handed to the thread that fills the next step's bitmask (`take_all`)."""
+
+    grammars: list[GrammarState] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def take_all(self) -> None:
+        """Advances each grammar by its token, in one call; raises GrammarRejectedToken if a grammar
+        did not allow its token (its sampler masked the ones it does not allow: a bug)."""
+        if not self.grammars:
+            return
+        accepted = type(self.grammars[0]).accept_tokens(self.grammars, self.token_ids)
+        rejected = [token for token, ok in zip(self.token_ids, accepted, strict=True) if not ok]
+        if rejected:
+            raise GrammarRejectedToken(
+                f"{len(rejected)} of {len(self.token_ids)} grammars did not allow the token sampled under "
+                f"their mask (token ids {rejected[:8]})"
+            )
+
+
+class GrammarRejectedToken(RuntimeError):
+    pass
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: str  # unique within the engine

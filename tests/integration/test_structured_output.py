@@ -288,6 +288,58 @@ def test_regex_and_choice_outputs_match_exactly(module_engines, prompts, engine_
                 assert re.fullmatch(pattern, completion.text), completion.text
 
 
+def test_launched_ahead_steps_leave_their_tokens_to_the_fill_thread_and_give_the_same_tokens(
+    module_engines, prompts, monkeypatch
+):
+    """With asynchronous scheduling the grammars take a step's tokens on the bitmask's fill thread,
+    just before it fills the next step's mask (the stop rules tell an ended grammar by its EOS):
+    greedy and seeded sampled outputs equal the synchronous engine's token for token, ends included
+    (grammars that end by themselves, and one cut by max_tokens)."""
+    from paged_llm.structured_output.grammar import SequenceGrammar
+
+    original = SequenceGrammar.accept_tokens
+    threads: list[str] = []
+
+    def recording(grammars, token_ids):
+        threads.append(threading.current_thread().name)
+        return original(grammars, token_ids)
+
+    monkeypatch.setattr(SequenceGrammar, "accept_tokens", staticmethod(recording))
+    constraints = [
+        ({"regex": r"[a-z]{2,5}-[0-9]{1,3}"}, 0.0, 64),
+        ({"regex": r"(red|green|blue)( (red|green|blue)){0,4}"}, 1.0, 64),
+        ({"choice": ["yes", "no", "maybe not"]}, 1.0, 64),
+        ({"regex": "[a-z]{40}"}, 0.0, 6),
+    ]
+    params = [
+        SamplingParams.from_mapping(
+            {
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "seed": 11,
+                "n": 3,
+                "ignore_eos": True,  # a grammar's end ends it all the same
+                "structured_outputs": c,
+            }
+        )
+        for c, temperature, max_tokens in constraints
+    ]
+    outputs = {}
+    for name, mode in (("sync", "off"), ("async", "on")):
+        threads.clear()
+        engine = module_engines(name, async_scheduling=mode)
+        results = run_to_completion(engine, prompts[:4], params)
+        outputs[name] = [[(c.token_ids, c.finish_reason) for c in completions] for completions in results]
+        on_fill_thread = sum(thread.startswith("grammar-bitmask") for thread in threads)
+        if name == "sync":
+            assert on_fill_thread == 0, threads
+        else:
+            assert on_fill_thread > 0 and engine.core.num_steps_launched_ahead > 0, threads
+    assert outputs["async"] == outputs["sync"]
+    reasons = [[reason for _, reason in completions] for completions in outputs["async"]]
+    assert reasons == [["stop"] * 3] * 3 + [["length"] * 3]
+
+
 def test_a_grammar_cut_by_max_tokens_ends_with_length(sync_engine, prompts):
     params = SamplingParams.from_mapping(
         {"max_tokens": 5, "temperature": 0, "structured_outputs": {"regex": "[a-z]{40}"}}
@@ -498,17 +550,17 @@ def test_a_bitmask_fill_that_raises_fails_its_steps_requests_and_the_engine_goes
     keeps serving."""
     from paged_llm.structured_output.grammar import StepBitmask
 
-    original = StepBitmask._fill_rows
+    original = StepBitmask._take_and_fill
     calls = {"n": 0}
 
-    def failing_once(self, host, rows):
+    def failing_once(self, host, rows, grammar_tokens):
         calls["n"] += 1
         if calls["n"] == 3:
             calls["thread"] = threading.current_thread().name
             raise RuntimeError("injected fill failure")
-        return original(self, host, rows)
+        return original(self, host, rows, grammar_tokens)
 
-    monkeypatch.setattr(StepBitmask, "_fill_rows", failing_once)
+    monkeypatch.setattr(StepBitmask, "_take_and_fill", failing_once)
     params = SamplingParams.from_mapping(
         {"max_tokens": 12, "temperature": 0, "structured_outputs": {"regex": "[a-z]{40}"}}
     )
@@ -523,7 +575,7 @@ def test_a_bitmask_fill_that_raises_fails_its_steps_requests_and_the_engine_goes
     assert finished == constrained | {"free"}
     assert constrained <= set(errors) <= constrained | {"free"}
     assert all("injected fill failure" in str(error) for error in errors.values())
-    monkeypatch.setattr(StepBitmask, "_fill_rows", original)
+    monkeypatch.setattr(StepBitmask, "_take_and_fill", original)
     async_engine.check_integrity()
     assert async_engine.scheduler_stats().kv_usage == 0.0
     [[after]] = run_to_completion(async_engine, prompts[5:6], params)

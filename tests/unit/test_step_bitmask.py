@@ -1,6 +1,6 @@
 """StepBitmask: the rows it fills on its fill thread (over several of xgrammar's threads, as on a
-large host) are the rows each matcher fills alone; rows without a grammar, or whose grammar ended,
-allow everything."""
+large host) are the rows each matcher fills alone; rows without a grammar, or whose grammar or
+sequence ended, allow everything; the step before's tokens, handed to the fill, are taken first."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 import xgrammar
 
+from paged_llm.sequence import GrammarRejectedToken, GrammarTokens
 from paged_llm.structured_output import grammar as grammar_module
 from paged_llm.structured_output.grammar import SequenceGrammar, StepBitmask
 from paged_llm.structured_output.tokenizer_info import build_tokenizer_info
@@ -24,6 +25,7 @@ EOS = 151645
 @dataclass
 class Row:
     grammar: SequenceGrammar | None
+    is_finished: bool = False
 
 
 @pytest.fixture(scope="module")
@@ -140,5 +142,51 @@ def test_fills_and_the_engine_threads_waits_are_counted(compiled):
         bitmask.finish(bitmask.start([Row(None)] * 3))
         bitmask.finish(bitmask.start([rows[1]]))  # its grammar ended: nothing to fill
         assert bitmask.times.num_fills == 2
+    finally:
+        bitmask.close()
+
+
+def _allowed_tokens(grammars: list[SequenceGrammar], rng: random.Random) -> list[int]:
+    masks = _alone([Row(grammar) for grammar in grammars])
+    tokens = []
+    for index in range(len(grammars)):
+        choices = [t for t in allowed_token_ids(masks[index : index + 1], VOCAB_SIZE) if t != EOS]
+        tokens.append(rng.choice(choices))
+    return tokens
+
+
+@pytest.mark.parametrize("num_rows", [2, 9])  # taken and filled inline; on the fill thread
+def test_a_fill_takes_the_tokens_handed_to_it_first(tiny_model_dir, num_rows):
+    """start(seqs, grammar_tokens): the grammars take the step before's tokens (the engine's
+    thread left them to the fill), then the rows are filled: the mask each twin fills after taking
+    its token alone. A sequence that ended needs no mask (its grammar may not have taken its last
+    token). A token a grammar does not allow fails the fill (finish raises)."""
+    info = build_tokenizer_info(tiny_model_dir, VOCAB_SIZE, [EOS])
+    compiled = xgrammar.GrammarCompiler(info).compile_regex("(ab|cd)+")  # never only EOS
+    rng = random.Random(num_rows)
+    rows = [Row(SequenceGrammar(compiled)) for _ in range(num_rows)]
+    twins = [Row(SequenceGrammar(compiled)) for _ in range(num_rows)]
+    for row, twin in zip(rows, twins):  # assorted depths, each twin where its row is
+        for _ in range(rng.randint(0, 6)):
+            [token] = _allowed_tokens([row.grammar], rng)
+            assert row.grammar.accept_token(token) and twin.grammar.accept_token(token)
+    tokens = _allowed_tokens([row.grammar for row in rows], rng)
+    for twin, token in zip(twins, tokens):
+        assert twin.grammar.accept_token(token)
+    finished = Row(SequenceGrammar(compiled), is_finished=True)
+    bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    try:
+        handed = GrammarTokens([row.grammar for row in rows], tokens)
+        pending = bitmask.start([*rows, finished], handed)
+        assert (pending.future is not None) == (num_rows > grammar_module.MAX_INLINE_FILL_ROWS)
+        mask = bitmask.finish(pending)
+        assert torch.equal(mask[:-1], _alone(twins)) and bool((mask[-1] == -1).all())
+        [token] = _allowed_tokens([rows[0].grammar], rng)
+        bitmask.finish(bitmask.start([], GrammarTokens([rows[0].grammar], [token])))  # taken, none filled
+        assert twins[0].grammar.accept_token(token)
+        assert torch.equal(_alone(rows[:1]), _alone(twins[:1]))
+        bad = GrammarTokens([row.grammar for row in rows], [0] * len(rows))  # "!" never fits
+        with pytest.raises(GrammarRejectedToken, match="did not allow"):
+            bitmask.finish(bitmask.start(rows, bad))
     finally:
         bitmask.close()

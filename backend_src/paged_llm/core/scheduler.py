@@ -42,7 +42,7 @@ from paged_llm.core.stop_rules import (
     check_stop,
     reaches_length_limit,
 )
-from paged_llm.sequence import Sequence, SequenceStatus
+from paged_llm.sequence import GrammarTokens, Sequence, SequenceStatus
 
 
 @dataclass
@@ -80,6 +80,8 @@ class SequenceUpdate:
     new_token_id: int | None  # the sampled token; None for a prefill chunk that sampled nothing
     # With speculative decoding: every token the step emitted, in order (new_token_id is the last).
     new_token_ids: list[int] | None = None
+    # update_from_output(defer_grammar_tokens=True): the grammar has not taken new_token_id yet
+    grammar_deferred: bool = False
 
 
 @dataclass
@@ -388,16 +390,27 @@ class Scheduler:
         output: SchedulerOutput,
         sampled_token_ids: Mapping[str, int],
         spec_token_ids: Mapping[str, list[int]] | None = None,
+        defer_grammar_tokens: bool = False,
     ) -> list[SequenceUpdate]:
         """Applies a finished step: one update per scheduled sequence still live. `spec_token_ids`:
         for each sequence that verified proposals, the tokens the verification emitted.
+        `defer_grammar_tokens`: the constrained sequences that sampled one token leave it for their
+        grammars to take later (updates marked `grammar_deferred`; deferred_grammar_tokens), before
+        anything reads those grammars again.
 
         Sequences that finished here (EOS, stop token, max_tokens, max_model_len: core/stop_rules.py)
         are already freed.
         """
         if not output.launched:
             self.on_launched(output)
-        grammar_accepted = _accept_sampled_grammar_tokens(output, sampled_token_ids)
+        grammar_seqs = _sampled_grammar_seqs(output)
+        if defer_grammar_tokens:
+            deferred_ids = {seq.seq_id for seq in grammar_seqs}
+            grammar_accepted: dict[str, bool] = {}
+        else:
+            deferred_ids = set()
+            tokens = [sampled_token_ids[seq.seq_id] for seq in grammar_seqs]
+            grammar_accepted = accept_grammar_tokens(grammar_seqs, tokens)
         updates: list[SequenceUpdate] = []
         for scheduled in output.scheduled:
             seq = scheduled.seq
@@ -422,13 +435,18 @@ class Scheduler:
                 token_id = sampled_token_ids[seq.seq_id]
                 num_output_tokens = seq.resolve_pending_token(token_id) + 1
                 status = check_stop(
-                    seq, token_id, num_output_tokens, self.max_model_len, grammar_accepted.get(seq.seq_id)
+                    seq,
+                    token_id,
+                    num_output_tokens,
+                    self.max_model_len,
+                    grammar_accepted.get(seq.seq_id),
+                    grammar_deferred=seq.seq_id in deferred_ids,
                 )
             self.kv_cache.cache_computed_blocks(seq)
             if status is not None:
                 # Running, or preempted while this step ran (asynchronous scheduling): it ends either way.
                 self.finish_sequences([seq.seq_id], status)
-            updates.append(SequenceUpdate(seq, token_id, new_token_ids))
+            updates.append(SequenceUpdate(seq, token_id, new_token_ids, seq.seq_id in deferred_ids))
         return updates
 
     # ------------------------------------------------------------------------------------- state
@@ -468,12 +486,10 @@ class Scheduler:
             assert seq.num_computed_tokens == 0
 
 
-def _accept_sampled_grammar_tokens(
-    output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
-) -> dict[str, bool]:
-    """The step's constrained sequences that sampled one token (no proposals) take it into their
-    grammars in one call (core/stop_rules.py accept_grammar_tokens)."""
-    seqs = [
+def _sampled_grammar_seqs(output: SchedulerOutput) -> list[Sequence]:
+    """The step's constrained sequences that sampled one token (no proposals: those take theirs in
+    apply_verified), whose grammars take it in one call (core/stop_rules.py accept_grammar_tokens)."""
+    return [
         scheduled.seq
         for scheduled in output.scheduled
         if scheduled.seq.grammar is not None
@@ -481,4 +497,15 @@ def _accept_sampled_grammar_tokens(
         and not scheduled.draft_token_ids
         and not scheduled.seq.is_finished
     ]
-    return accept_grammar_tokens(seqs, [sampled_token_ids[seq.seq_id] for seq in seqs])
+
+
+def deferred_grammar_tokens(updates: Iterable[SequenceUpdate]) -> GrammarTokens:
+    """The tokens update_from_output(defer_grammar_tokens=True) left for the grammars of sequences
+    still running (one that ended samples nothing more: its grammar is not read again)."""
+    tokens = GrammarTokens()
+    for update in updates:
+        if update.grammar_deferred and not update.seq.is_finished:
+            assert update.seq.grammar is not None and update.new_token_id is not None
+            tokens.grammars.append(update.seq.grammar)
+            tokens.token_ids.append(update.new_token_id)
+    return tokens

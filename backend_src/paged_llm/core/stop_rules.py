@@ -41,20 +41,26 @@ def check_stop(
     num_output_tokens: int,
     max_model_len: int,
     grammar_accepted: bool | None = None,
+    grammar_deferred: bool = False,
 ) -> SequenceStatus | None:
     """Whether output token number `num_output_tokens` (1-based), `token_id`, ends the sequence.
     A constrained sequence's grammar takes the token first: a grammar that ended ends the sequence
     (EOS closes it, whatever min_tokens or ignore_eos say: nothing may follow), and a token it does
     not allow (a bug: the sampler masks those) ends it with an error. `grammar_accepted`: the
-    grammar took the token already (accept_grammar_tokens), with this result."""
+    grammar took the token already (accept_grammar_tokens), with this result. `grammar_deferred`:
+    the grammar takes the token later (GrammarTokens.take_all); the token was sampled under its
+    mask, which allows an EOS only where the grammar may end, so an EOS is what ends it."""
     params = seq.sampling_params
     grammar = seq.grammar
     if grammar is not None:
-        if grammar_accepted is None:
+        if grammar_deferred:
+            grammar_accepted = True
+        elif grammar_accepted is None:
             grammar_accepted = grammar.accept_token(token_id)
         if not grammar_accepted:
             return SequenceStatus.FINISHED_ERROR
-        if grammar.is_terminated():
+        ended = token_id in seq.eos_token_ids if grammar_deferred else grammar.is_terminated()
+        if ended:
             seq.stop_reason = token_id if token_id in seq.eos_token_ids else None
             return SequenceStatus.FINISHED_STOPPED
     # Stop tokens count from index min_tokens on (the sampler suppresses them before that).

@@ -46,7 +46,7 @@ from paged_llm.sampling.bad_words import banned_token_ids
 from paged_llm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from paged_llm.sampling.token_bitmask import masked_argmax
 from paged_llm.sampling.verify import VerifyOutput, verify
-from paged_llm.sequence import Sequence
+from paged_llm.sequence import GrammarTokens, Sequence
 from paged_llm.structured_output.grammar import MAX_XGRAMMAR_THREADS, BitmaskTimes, StepBitmask
 
 logger = logging.getLogger(__name__)
@@ -317,12 +317,16 @@ class ModelRunner:
         self._copy_to_host(step)
         return step
 
-    def start_deferred_sampling(self, step: LaunchedStep) -> None:
-        """A step launched with `needs_sampling` whose grammars took the previous step's tokens:
-        starts filling its bitmask on the fill thread (StepBitmask.start; a row or two it fills
-        now). Until `sample_deferred` ran, nothing may advance or read these sequences' grammars."""
-        if step.needs_sampling and step.pending_bitmask is None:
-            step.pending_bitmask = self._step_bitmask().start(step.seqs)
+    def start_deferred_sampling(
+        self, step: LaunchedStep, grammar_tokens: GrammarTokens | None = None
+    ) -> None:
+        """A step launched with `needs_sampling` whose previous step's tokens are on the host:
+        starts filling its bitmask on the fill thread, after the grammars took `grammar_tokens`
+        (those tokens, if the engine's thread left them to it: StepBitmask.start; a row or two it
+        does now). Until `sample_deferred` ran, nothing may advance or read these sequences'
+        grammars, nor those in `grammar_tokens`."""
+        assert step.needs_sampling and step.pending_bitmask is None, "one start a launched step"
+        step.pending_bitmask = self._step_bitmask().start(step.seqs, grammar_tokens)
 
     @torch.inference_mode()
     def sample_deferred(self, step: LaunchedStep) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
-from paged_llm.sequence import Sequence
+from paged_llm.sequence import GrammarTokens, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ FILL_SWITCH_INTERVAL_S = 0.0002
 
 @dataclass
 class BitmaskTimes:
-    """Totals since start: the steps' mask fills (on whichever thread filled) and how long the
+    """Totals since start: the steps' mask fills (on whichever thread filled; with the grammars'
+    taking of the step before's tokens where the fill thread did that first) and how long the
     engine's thread waited for a fill it had started on the fill thread."""
 
     num_fills: int = 0
@@ -138,19 +139,18 @@ class StepBitmask:
         if plan is None:
             return None
         host, rows = plan
-        self._fill_rows(host, rows)
+        self._take_and_fill(host, rows, None)
         return self._to_device(host)
 
-    def start(self, seqs: Rows[Sequence]) -> PendingBitmask:
-        """Starts filling `seqs`' rows on the fill thread (a row or two: fills them now, and raises
-        what that fill raised). The caller must not advance or read these sequences' grammars until
-        `finish` returned."""
+    def start(self, seqs: Rows[Sequence], grammar_tokens: GrammarTokens | None = None) -> PendingBitmask:
+        """Starts filling `seqs`' rows on the fill thread, after their grammars took
+        `grammar_tokens` (the step before's tokens, which the engine's thread left to this job);
+        a row or two: does it all now, and raises what that raised. The caller must not advance or
+        read these sequences' grammars (nor those in `grammar_tokens`) until `finish` returned."""
         plan = self._plan(seqs)
-        if plan is None:
-            return PendingBitmask(None, None)
-        host, rows = plan
-        if len(rows) <= MAX_INLINE_FILL_ROWS:  # nothing (every grammar ended), or a row or two
-            self._fill_rows(host, rows)
+        host, rows = plan if plan is not None else (None, [])
+        if len(rows) <= MAX_INLINE_FILL_ROWS and len(grammar_tokens or ()) <= MAX_INLINE_FILL_ROWS:
+            self._take_and_fill(host, rows, grammar_tokens)  # little to do: not worth a hand-off
             return PendingBitmask(host, None)
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
@@ -161,7 +161,7 @@ class StepBitmask:
                     FILL_SWITCH_INTERVAL_S * 1e3,
                 )
                 sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
-        return PendingBitmask(host, self._filler.submit(self._fill_rows, host, rows))
+        return PendingBitmask(host, self._filler.submit(self._take_and_fill, host, rows, grammar_tokens))
 
     def finish(self, pending: PendingBitmask) -> torch.Tensor | None:
         """`start`'s bitmask on the device (None: no row constrained); raises what a fill raised."""
@@ -180,7 +180,8 @@ class StepBitmask:
 
     def _plan(self, seqs: Rows[Sequence]) -> tuple[torch.Tensor, list[tuple[int, object]]] | None:
         """The host buffer for this step, with the rows that allow everything already set, and the
-        (row, matcher) pairs left to fill; None when no row has a grammar."""
+        (row, matcher) pairs left to fill; None when no row has a grammar. A sequence that ended
+        (its row's token is dropped) needs no mask: its grammar may not have taken its last token."""
         grammars = [seq.grammar for seq in seqs]
         if all(grammar is None for grammar in grammars):
             return None
@@ -189,8 +190,8 @@ class StepBitmask:
         self._turn ^= 1
         rows: list[tuple[int, object]] = []
         free_rows: list[int] = []
-        for row, grammar in enumerate(grammars):
-            if grammar is None or grammar.is_terminated():  # ended: its row's token is dropped
+        for row, (seq, grammar) in enumerate(zip(seqs, grammars, strict=True)):
+            if grammar is None or seq.is_finished or grammar.is_terminated():
                 free_rows.append(row)
             else:
                 rows.append((row, grammar.matcher))  # type: ignore[attr-defined]
@@ -198,12 +199,18 @@ class StepBitmask:
             host_array[free_rows] = -1
         return host, rows
 
-    def _fill_rows(self, host: torch.Tensor, rows: list[tuple[int, object]]) -> None:
-        if not rows:
+    def _take_and_fill(
+        self, host: torch.Tensor | None, rows: list[tuple[int, object]], grammar_tokens: GrammarTokens | None
+    ) -> None:
+        if not rows and not grammar_tokens:
             return
         started = time.perf_counter()
         try:
-            self._fill_with_xgrammar(host, rows)
+            if grammar_tokens:
+                grammar_tokens.take_all()
+            if rows:
+                assert host is not None
+                self._fill_with_xgrammar(host, rows)
         finally:
             # one writer at a time: the fill thread, or the engine's thread while none is pending
             self.times.num_fills += 1

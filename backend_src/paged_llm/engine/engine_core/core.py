@@ -16,13 +16,20 @@ The same class runs in the engine core process (engine/engine_core/process.py), 
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from paged_llm.config import EngineConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, SequenceUpdate
+from paged_llm.core.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+    SequenceUpdate,
+    deferred_grammar_tokens,
+)
 from paged_llm.core.sessions import SessionManager
 from paged_llm.engine.core_types import (
     AbortRequest,
@@ -42,10 +49,12 @@ from paged_llm.engine.validation import validate_params, validate_prompt
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError, TensorParallelError
 from paged_llm.gc_pauses import process_gc_pauses
 from paged_llm.runner.step_types import LaunchedStep, ModelRunnerOutput
-from paged_llm.sequence import Sequence, SequenceStatus
+from paged_llm.sequence import GrammarRejectedToken, GrammarTokens, Sequence, SequenceStatus
 from paged_llm.spec_decode.draft_model import DraftModelProposer
 from paged_llm.spec_decode.proposer import make_proposer
 from paged_llm.spec_decode.speculator import Speculator
+
+logger = logging.getLogger(__name__)
 
 _UINT64_MASK = (1 << 64) - 1
 
@@ -278,22 +287,37 @@ class EngineCore:
         in_flight = self.launch_step()
         return self.finish_step(in_flight)
 
-    def _start_deferred_sampling(self) -> None:
-        """The running step was launched ahead with constrained rows: its grammars took the previous
-        step's tokens just now, so its bitmask can be filled, on the fill thread while this thread
-        publishes and schedules (StepBitmask.start). The next launch, or finish_step, samples it
-        (sample_deferred). A fill that raises fails this step's requests when it filled at once (a
-        row or two), else the next step's: the launch that samples this step has scheduled the next
-        one already (new requests included; failing only this step's would need a way back out of
-        schedule())."""
+    def _defers_grammar_tokens(self) -> bool:
+        """The running step was launched ahead with constrained rows: the grammars take the tokens
+        of the step finishing now on its bitmask's fill thread (_start_deferred_sampling), not on
+        this one (a sampled token is one its mask allowed, so the stop rules need no grammar to tell
+        that an EOS ended it)."""
+        return self._in_flight is not None and self._in_flight.launched.needs_sampling
+
+    def _start_deferred_sampling(self, grammar_tokens: GrammarTokens) -> None:
+        """The running step was launched ahead with constrained rows: the previous step's tokens
+        are in, so its bitmask can be filled, on the fill thread while this thread publishes and
+        schedules, after the grammars took `grammar_tokens` (StepBitmask.start). The next launch,
+        or finish_step, samples it (sample_deferred). A fill that raises fails this step's requests
+        when it filled at once (a row or two), else the next step's: the launch that samples this
+        step has scheduled the next one already (new requests included; failing only this step's
+        would need a way back out of schedule()). With no such step to carry them (a fault took
+        it), the grammars take their tokens here."""
         in_flight = self._in_flight
         if in_flight is None or not in_flight.launched.needs_sampling:
+            self._take_grammar_tokens_now(grammar_tokens)
             return
         try:
-            self.runner.start_deferred_sampling(in_flight.launched)
+            self.runner.start_deferred_sampling(in_flight.launched, grammar_tokens)
         except Exception as error:  # as a fault in launch_step: the step's requests fail, not the core
             self._in_flight = None
             self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
+
+    def _take_grammar_tokens_now(self, grammar_tokens: GrammarTokens) -> None:
+        try:
+            grammar_tokens.take_all()
+        except GrammarRejectedToken as error:  # a bug (the masks allow only what a grammar takes)
+            logger.error("structured output: %s", error)
 
     def step_pipelined(self) -> EngineCoreOutputs:
         """One turn of the loop on an accelerator: launch step N+1, then finish step N (launched by
@@ -317,14 +341,16 @@ class EngineCore:
                 self.num_steps_launched_ahead += 1
         if previous is not None:
             num_faults = self.num_step_faults
-            outputs = self.finish_step(previous)
+            grammar_tokens = GrammarTokens()
+            outputs = self.finish_step(previous, grammar_tokens if self._defers_grammar_tokens() else None)
             if self.num_step_faults > num_faults and self._in_flight is not None:
                 failed = self._in_flight
                 self.faults.fail_launched_after_fault(
                     failed.launched, failed.scheduler_output.scheduled, failed.step_number
                 )
                 self._in_flight = None
-            self._start_deferred_sampling()
+            if self._defers_grammar_tokens() or grammar_tokens:
+                self._start_deferred_sampling(grammar_tokens)
         return outputs if outputs is not None else self.take_outputs()
 
     def finish_in_flight(self) -> EngineCoreOutputs:
@@ -386,8 +412,12 @@ class EngineCore:
             else:
                 self.requests.start_parked(record)
 
-    def finish_step(self, in_flight: InFlightStep | None) -> EngineCoreOutputs:
-        """The second half of step(): wait for the device, apply the sampled tokens, publish."""
+    def finish_step(
+        self, in_flight: InFlightStep | None, grammar_tokens_out: GrammarTokens | None = None
+    ) -> EngineCoreOutputs:
+        """The second half of step(): wait for the device, apply the sampled tokens, publish.
+        `grammar_tokens_out`: the constrained sequences' grammars do not take their tokens here;
+        they go into this (for the caller to hand to the next step's bitmask fill)."""
         if in_flight is not None:
             try:
                 if in_flight.launched.needs_sampling:  # not launched on: sampled here
@@ -397,8 +427,15 @@ class EngineCore:
                 self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
             else:
                 updates = self.scheduler.update_from_output(
-                    in_flight.scheduler_output, runner_output.sampled_token_ids, runner_output.spec_token_ids
+                    in_flight.scheduler_output,
+                    runner_output.sampled_token_ids,
+                    runner_output.spec_token_ids,
+                    defer_grammar_tokens=grammar_tokens_out is not None,
                 )
+                if grammar_tokens_out is not None:
+                    deferred = deferred_grammar_tokens(updates)
+                    grammar_tokens_out.grammars.extend(deferred.grammars)
+                    grammar_tokens_out.token_ids.extend(deferred.token_ids)
                 if runner_output.spec_token_ids:
                     Speculator.on_verified(runner_output.spec_token_ids, self.scheduler.sequences)
                 self._publish_updates(updates, runner_output)
