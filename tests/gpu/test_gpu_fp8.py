@@ -80,8 +80,9 @@ def test_kept_fp8_projections_agree_with_hf_over_the_dequantized_weights(
 
 
 def test_fp8_block_checkpoint_agrees_with_hf_fine_grained_fp8(tmp_path, prompts):
-    """An fp8-block checkpoint (Qwen3-*-FP8's layout; dequantized at load here) against HF
-    transformers' own fine-grained FP8 layers (W8A8 per 128-column group), where they load."""
+    """An fp8-block checkpoint (Qwen3-*-FP8's layout: kept in FP8 where cuBLASLt's block-scaled
+    GEMM takes tiny-llama's widths, else dequantized at load) against HF transformers' own
+    fine-grained FP8 layers (W8A8 per 128-column group), where they load."""
     from transformers import AutoModelForCausalLM
 
     model_dir = write_random_model(
@@ -107,3 +108,37 @@ def test_fp8_block_checkpoint_agrees_with_hf_fine_grained_fp8(tmp_path, prompts)
     finally:
         engine.shutdown()
     assert_reference_agrees(hf, prompts, outputs)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 64, 257])
+def test_block_scaled_gemm_equals_its_dequantized_product(num_rows):
+    """block_scaled_linear on CUDA (cuBLASLt's block-scaled FP8 GEMM, Qwen3-0.6B's MLP widths)
+    against float32 over the same quantized activations and the dequantized weight."""
+    from paged_llm.layers.fp8_linear import (
+        GROUP_COLUMNS,
+        _block_scaled_mm,
+        block_scaled_linear,
+        block_scaled_mm_takes,
+        group_dequantized_weight,
+        new_group_scales,
+        quantize_groups,
+    )
+    from paged_llm.models import fp8
+
+    device = torch.device("cuda")
+    n, k = 1024, 3072
+    if not block_scaled_mm_takes(device, k):
+        pytest.skip(f"no block-scaled FP8 GEMM on this card / cuBLASLt (torch {torch.__version__})")
+    print(f"block-scaled GEMM: {_block_scaled_mm(device)}")
+    generator = torch.Generator(device=device).manual_seed(num_rows)
+    values = torch.randn(n, k, device=device, generator=generator) * 0.05
+    weight, scale = fp8.quantize(values, fp8.KEPT_BLOCK_LAYOUT)
+    kept = new_group_scales(n, k, device)
+    kept.copy_(fp8.group_scales(scale.cpu(), fp8.KEPT_BLOCK_LAYOUT, None, None, (n, k)))
+    x = (torch.randn(num_rows, k, device=device, generator=generator) * 3).to(torch.bfloat16)
+    got = block_scaled_linear(x, weight, kept).float()
+    quantized, scales = quantize_groups(x)
+    activations = quantized.float() * scales.repeat_interleave(GROUP_COLUMNS, dim=1)
+    expected = activations @ group_dequantized_weight(weight, kept, torch.float32).t()
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error < 1e-2, f"relative error {error:.2e}"

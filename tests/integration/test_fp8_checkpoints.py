@@ -132,11 +132,11 @@ def test_each_layout_gives_the_tokens_of_its_dequantized_weights(fp8_models, lay
     assert _engine_greedy(model_dir, chosen) == expected
 
 
-@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-tensor", "online"])
+@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-tensor", "online", "fp8-block"])
 def test_weights_kept_in_fp8_give_the_dequantized_tokens(fp8_models, layout, prompts, tmp_path, monkeypatch):
-    """Projections kept in FP8 with a scale a row (what CUDA sm90 does; forced here, where the
-    layer dequantizes for each call) give the tokens of the weights dequantized at load, and
-    hold FP8 bytes and float32 row scales."""
+    """Projections kept in FP8 with a scale a row, or a scale a row and 128 columns for 128 x 128
+    blocks (what CUDA sm90 does; forced here, where the layer dequantizes for each call) give the
+    tokens of the weights dequantized at load, and hold FP8 bytes and float32 scales."""
     from paged_llm.models.decoder import projections
 
     if layout == "online":
@@ -155,17 +155,21 @@ def test_weights_kept_in_fp8_give_the_dequantized_tokens(fp8_models, layout, pro
         for _, linear in kept:
             assert linear.weight.dtype == torch.float8_e4m3fn
             assert linear.weight_scale.dtype == torch.float32
-            assert linear.weight_scale.shape == (linear.weight.shape[0],)
+            rows, columns = linear.weight.shape
+            expected = (rows, (columns + 127) // 128) if layout == "fp8-block" else (rows,)
+            assert linear.weight_scale.shape == expected
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         assert [r[0].token_ids for r in run_to_completion(engine, chosen, params)] == dequantized
     finally:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-tensor"])
+@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-tensor", "fp8-block"])
 def test_weights_kept_in_fp8_split_over_two_ranks(fp8_models, layout, prompts, monkeypatch):
     """Tensor parallelism with kept FP8 projections: each rank holds its rows of q/k/v and gate/up
-    with their row scales, and all rows (its columns) of o and down: the tokens of one rank."""
+    with their row scales, and all rows (its columns) of o and down: the tokens of one rank.
+    128 x 128 blocks whose columns the ranks split inside a block (tiny-llama's o_proj splits at
+    64) are dequantized at load instead."""
     from paged_llm.models.decoder import projections
 
     chosen = prompts[:3]
@@ -175,7 +179,11 @@ def test_weights_kept_in_fp8_split_over_two_ranks(fp8_models, layout, prompts, m
     try:
         model = engine.core.runner.model  # rank 0's share
         _, qkv = next(projections(model))
-        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.weight.shape[0],)
+        if layout == "fp8-block":
+            assert qkv.weight.dtype != torch.float8_e4m3fn and "weight_scale" not in qkv._buffers
+        else:
+            assert qkv.weight.dtype == torch.float8_e4m3fn
+            assert qkv.weight_scale.shape == (qkv.weight.shape[0],)
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         assert [r[0].token_ids for r in run_to_completion(engine, chosen, params)] == one_rank
     finally:

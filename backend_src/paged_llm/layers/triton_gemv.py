@@ -116,11 +116,15 @@ def _gemv_applies(
     x: torch.Tensor, weight: torch.Tensor, k: int, block_k: int, weight_scale: torch.Tensor | None = None
 ) -> bool:
     """One contiguous row of a 16-bit dtype, K a multiple of the block, a weight of the row's dtype
-    (or FP8 with its row scales): where the GEMVs beat cuBLAS."""
+    (or FP8 with its row scales; block-scaled FP8 goes to fp8_linear): where the GEMVs beat cuBLAS."""
     return (
         x.shape[0] == 1
         and x.dtype in (torch.float16, torch.bfloat16)
-        and (weight.dtype == x.dtype if weight_scale is None else weight.dtype == E4M3)
+        and (
+            weight.dtype == x.dtype
+            if weight_scale is None
+            else weight.dtype == E4M3 and weight_scale.dim() == 1
+        )
         and k % block_k == 0
         and x.is_contiguous()
         and weight.is_contiguous()

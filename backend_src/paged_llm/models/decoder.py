@@ -21,6 +21,7 @@ from torch import nn
 
 from paged_llm.layers.attention.metadata import AttentionMetadata
 from paged_llm.layers.fp8_format import E4M3
+from paged_llm.layers.fp8_linear import new_group_scales
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
 from paged_llm.models.hf_config import ModelSpec, RopeSpec
@@ -292,15 +293,18 @@ def projections(model: CausalLM) -> Iterator[tuple[str, nn.Linear]]:
         yield f"layers.{index}.mlp.down_proj", layer.mlp.down_proj
 
 
-def keep_fp8_projections(model: CausalLM) -> None:
+def keep_fp8_projections(model: CausalLM, block_scaled: bool = False) -> None:
     """Gives every projection an FP8 weight and a float32 `weight_scale` buffer [out] (one scale a
-    row: layers/fp8_linear.py), on the model's device and uninitialised (the loader fills both).
-    After any dtype cast of the model: a cast would turn the FP8 weights into the model dtype."""
+    row), or with `block_scaled` [out, ceil(in / 128)] (a scale a row and 128 columns), as
+    layers/fp8_linear.py reads them, on the model's device and uninitialised (the loader fills
+    both). After any dtype cast of the model: a cast would turn the FP8 weights into the model dtype."""
     for _, linear in projections(model):
         weight = linear.weight
         linear.weight = nn.Parameter(
             torch.empty(weight.shape, dtype=E4M3, device=weight.device), requires_grad=False
         )
-        linear.register_buffer(
-            "weight_scale", torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-        )
+        if block_scaled:
+            scale = new_group_scales(weight.shape[0], weight.shape[1], weight.device)
+        else:
+            scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        linear.register_buffer("weight_scale", scale)

@@ -50,9 +50,11 @@ KV_SCALE_SUFFIXES = {
     "self_attn.kv_scale": "kv",  # one scale for both (deprecated)
 }
 LAYOUTS = ("fp8-block", "fp8-channel", "fp8-tensor")
-# The layouts whose weights can stay FP8 with one scale per output row (layers/fp8_linear.py);
-# fp8-block's 128 x 128 blocks are dequantized at load.
+# The layouts whose weights can stay FP8 with one scale per output row (layers/fp8_linear.py).
 ROW_SCALED_LAYOUTS = ("fp8-channel", "fp8-tensor")
+# fp8-block weights stay FP8 with these blocks (Qwen3-*-FP8's, DeepSeek's), a scale per row and
+# 128 columns (layers/fp8_linear.py block_scaled_linear); other block sizes are dequantized at load.
+KEPT_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Fp8Layout:
 
 
 ONLINE_LAYOUT = Fp8Layout("fp8-channel", "online", "weight_scale")
+KEPT_BLOCK_LAYOUT = Fp8Layout("fp8-block", "hf-fp8", "weight_scale_inv", KEPT_BLOCK)
 
 
 def detect_fp8_layout(config: dict[str, Any], quantization: str = "") -> Fp8Layout | None:
@@ -229,6 +232,33 @@ def row_scales(
         return values.reshape(()).expand(num_rows).contiguous()
     start = rows[0] if rows is not None else 0
     return values.reshape(-1)[start : start + num_rows].contiguous()
+
+
+def keeps_blocks(layout: Fp8Layout | None) -> bool:
+    """A block-scaled layout whose weights can stay FP8 (KEPT_BLOCK)."""
+    return layout is not None and layout.kind == "fp8-block" and layout.block == KEPT_BLOCK
+
+
+def group_scales(
+    scale: torch.Tensor,
+    layout: Fp8Layout,
+    rows: tuple[int, int] | None,
+    columns: tuple[int, int] | None,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """float32 [rows, ceil(columns / 128)]: the scale of each row and 128 columns of a block-scaled
+    weight of `shape` (rows [rows) and columns [columns) of the full one: tensor parallelism), its
+    block's scale repeated for the block's rows. A column slice must start on a block."""
+    assert keeps_blocks(layout) and layout.block is not None
+    block_rows, block_columns = layout.block
+    num_rows, num_columns = shape
+    row_start = rows[0] if rows is not None else 0
+    column_start = columns[0] if columns is not None else 0
+    assert column_start % block_columns == 0, f"a column slice from {column_start} splits a block"
+    first_group = column_start // block_columns
+    groups = torch.arange(first_group, first_group + math.ceil(num_columns / block_columns))
+    row_blocks = torch.arange(row_start, row_start + num_rows) // block_rows
+    return scale.to(torch.float32)[row_blocks][:, groups].contiguous()
 
 
 def quantize(

@@ -119,7 +119,7 @@ def _iter_tensors(
             scale = _checked_scale(name, handle, by_name, layout)
             assert layout is not None
             if keep_fp8:
-                row_scales = fp8.row_scales(scale, layout, rows, tensor.shape[0])
+                row_scales = _kept_scales(scale, layout, rows, columns, tensor)
             else:
                 tensor = fp8.dequantize(tensor, scale, layout, rows, columns)
         elif layout is not None and f"{name.removesuffix('.weight')}.{layout.scale_suffix}" in scales:
@@ -131,14 +131,39 @@ def _iter_tensors(
             # quantization fp8; or a projection an FP8 checkpoint left unquantized, where every
             # projection is kept FP8: per channel, as online
             full = handle.get_tensor(name) if split is not None else tensor
-            weight, scale = fp8.quantize(full, fp8.ONLINE_LAYOUT)
+            quantized_as = layout if keep_fp8 and fp8.keeps_blocks(layout) else fp8.ONLINE_LAYOUT
+            weight, scale = fp8.quantize(full, quantized_as)
             if keep_fp8:
                 tensor = _take(weight, rows, columns)
-                row_scales = fp8.row_scales(scale, fp8.ONLINE_LAYOUT, rows, tensor.shape[0])
+                row_scales = _kept_scales(scale, quantized_as, rows, columns, tensor)
             else:
                 dequantized = fp8.dequantize(weight, scale, fp8.ONLINE_LAYOUT)
                 tensor = dequantized if split is None else _take(dequantized, rows, columns)
         yield name, tensor, row_scales
+
+
+def _kept_scales(
+    scale: torch.Tensor,
+    layout: fp8.Fp8Layout,
+    rows: tuple[int, int] | None,
+    columns: tuple[int, int] | None,
+    tensor: torch.Tensor,
+) -> torch.Tensor:
+    """The scales an FP8 weight (slice) kept in FP8 holds: one a row, or one a row and 128 columns."""
+    if fp8.keeps_blocks(layout):
+        return fp8.group_scales(scale, layout, rows, columns, (tensor.shape[0], tensor.shape[1]))
+    return fp8.row_scales(scale, layout, rows, tensor.shape[0])
+
+
+def _splits_keep_blocks(model: CausalLM) -> bool:
+    """Each rank's columns of o_proj and down_proj (split by tensor parallelism) start on a block,
+    as a weight kept block-scaled needs (else its FP8 weights are dequantized at load)."""
+    shard = model.shard
+    if shard.world_size == 1:
+        return True
+    block_columns = fp8.KEPT_BLOCK[1]  # every rank's share alike: each rank decides the same
+    q_columns = shard.num_heads * model.spec.head_dim
+    return q_columns % block_columns == 0 and shard.intermediate_size % block_columns == 0
 
 
 def _is_projection(hf_name: str) -> bool:
@@ -234,18 +259,25 @@ def load_model(
     stay FP8 (layers/fp8_linear.py); None: where the FP8 kernels run (fp8_weights_stay_fp8), else
     they are dequantized into `dtype`."""
     layout = fp8.detect_fp8_layout(_read_config(Path(model_dir)), quantization)
-    keep_fp8 = layout is not None and layout.kind in fp8.ROW_SCALED_LAYOUTS
-    keep_fp8 = keep_fp8 and (fp8_weights_stay_fp8(device) if keep_fp8_weights is None else keep_fp8_weights)
     with torch.device("meta"):
         model = CausalLM(spec, backend, max_positions, ops, parallel)
+    keep_blocks = fp8.keeps_blocks(layout) and _splits_keep_blocks(model)
+    keep_fp8 = layout is not None and (layout.kind in fp8.ROW_SCALED_LAYOUTS or keep_blocks)
+    if keep_fp8 and keep_fp8_weights is None:
+        in_features = {linear.in_features for _, linear in projections(model)} if keep_blocks else None
+        keep_fp8 = fp8_weights_stay_fp8(device, in_features)
+    elif keep_fp8:
+        keep_fp8 = keep_fp8_weights
     model = model.to(dtype)  # dtype first: no fp32 copy on the device
     if keep_fp8:
-        keep_fp8_projections(model)
+        keep_fp8_projections(model, block_scaled=keep_blocks)
     model = model.to_empty(device=device)
     shard = model.shard
     if layout is not None and shard.rank == 0:
         what = "FP8 checkpoint" if layout.source != "online" else "quantization fp8 (per channel, at load)"
-        if keep_fp8:
+        if keep_fp8 and keep_blocks:
+            action = "projections kept in FP8 with a scale a row and 128 columns (block-scaled W8A8 GEMMs)"
+        elif keep_fp8:
             action = "projections kept in FP8 with a scale a row (FP8 GEMV at one row, W8A8 GEMMs above)"
         else:
             action = f"dequantized at load to {dtype}"
@@ -366,11 +398,18 @@ def _fill_random(model: CausalLM, seed: int, std: float = 0.02) -> None:
         else:
             param.normal_(0.0, std, generator=split)
     for _, linear in projections(model):
-        if linear.weight.dtype == E4M3:  # N(0, std) weights quantized a row at a time, as online
+        if linear.weight.dtype == E4M3:  # N(0, std) weights quantized as the layer keeps them
             values = torch.empty(linear.weight.shape, dtype=torch.bfloat16, device=device)
-            weight, scale = fp8.quantize(values.normal_(0.0, std, generator=split), fp8.ONLINE_LAYOUT)
+            values.normal_(0.0, std, generator=split)
+            if linear.weight_scale.dim() == 2:  # by 128 x 128 blocks
+                weight, scale = fp8.quantize(values, fp8.KEPT_BLOCK_LAYOUT)
+                linear.weight_scale.copy_(
+                    fp8.group_scales(scale.cpu(), fp8.KEPT_BLOCK_LAYOUT, None, None, values.shape)
+                )
+            else:  # a row at a time, as online
+                weight, scale = fp8.quantize(values, fp8.ONLINE_LAYOUT)
+                linear.weight_scale.copy_(scale.view(-1))
             linear.weight.data.copy_(weight)
-            linear.weight_scale.copy_(scale.view(-1))
 
 
 def _map_name(spec: ModelSpec, shard: ShardPlan, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:

@@ -1,0 +1,103 @@
+"""Block-scaled FP8 weights kept in FP8 (layers/fp8_linear.py block_scaled_linear): the scales a
+weight (slice) keeps, a scale a row and 128 columns, give the values fp8.dequantize gives for the
+same slice; the activations' groups quantize within FP8's rounding; off CUDA the layer is F.linear
+over the dequantized weight, and nothing claims the block-scaled GEMM runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged_llm.layers.fp8_format import E4M3, E4M3_MAX
+from paged_llm.layers.fp8_linear import (
+    GROUP_COLUMNS,
+    block_scaled_linear,
+    block_scaled_mm_takes,
+    fp8_linear,
+    fp8_weights_stay_fp8,
+    group_dequantized_weight,
+    new_group_scales,
+    quantize_groups,
+)
+from paged_llm.models import fp8
+
+
+def _block_weight(rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8-block weight with 128 x 128 blocks whose scales differ block by block."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, columns, generator=generator)
+    values *= torch.rand(rows, 1, generator=generator) * 10 + 0.01  # rows of unlike range
+    return fp8.quantize(values, fp8.KEPT_BLOCK_LAYOUT)
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows", "columns"),
+    [
+        ((300, 520), None, None),  # partial blocks at both ends
+        ((300, 520), (64, 200), None),  # a rank's rows, starting inside a block
+        ((300, 520), None, (256, 520)),  # a rank's columns, starting on a block
+        ((256, 384), (128, 256), (128, 384)),
+    ],
+)
+def test_kept_group_scales_give_the_dequantized_slice(shape, rows, columns):
+    weight, scale = _block_weight(*shape, seed=1)
+    part = weight
+    if rows is not None:
+        part = part[rows[0] : rows[1]]
+    if columns is not None:
+        part = part[:, columns[0] : columns[1]]
+    kept = fp8.group_scales(scale, fp8.KEPT_BLOCK_LAYOUT, rows, columns, tuple(part.shape))
+    assert kept.shape == (part.shape[0], -(-part.shape[1] // GROUP_COLUMNS))
+    expected = fp8.dequantize(part, scale, fp8.KEPT_BLOCK_LAYOUT, rows, columns)
+    assert torch.equal(group_dequantized_weight(part, kept, torch.float32), expected)
+    assert torch.equal(group_dequantized_weight(part, kept, torch.bfloat16), expected.to(torch.bfloat16))
+
+
+def test_a_column_slice_inside_a_block_is_refused():
+    _, scale = _block_weight(128, 256, seed=2)
+    with pytest.raises(AssertionError, match="splits a block"):
+        fp8.group_scales(scale, fp8.KEPT_BLOCK_LAYOUT, None, (64, 256), (128, 192))
+
+
+def test_activation_groups_quantize_within_fp8_rounding_with_padded_rows():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3 * GROUP_COLUMNS, generator=generator)
+    x *= torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(GROUP_COLUMNS)  # groups of unlike range
+    quantized, scales = quantize_groups(x.to(torch.bfloat16), pad_rows_to=4)
+    assert quantized.dtype == E4M3 and quantized.shape == (8, 3 * GROUP_COLUMNS)
+    assert scales.shape == (8, 3) and scales.stride() == (1, 8)  # token-major, as cuBLASLt reads them
+    assert not quantized[5:].to(torch.float32).any()
+    back = quantized[:5].to(torch.float32) * scales[:5].repeat_interleave(GROUP_COLUMNS, dim=1)
+    reference = x.to(torch.bfloat16).to(torch.float32)
+    assert torch.allclose(back, reference, rtol=2**-3, atol=scales[:5].max().item() * 2**-9)
+    largest = quantized[:5].to(torch.float32).abs().view(5, 3, GROUP_COLUMNS).amax(dim=2)
+    assert torch.equal(largest, torch.full_like(largest, E4M3_MAX))  # each group's largest maps to 448
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_off_cuda_the_layer_is_the_dequantized_linear(dtype):
+    weight, scale = _block_weight(192, 640, seed=4)
+    kept = new_group_scales(192, 640)
+    kept.copy_(fp8.group_scales(scale, fp8.KEPT_BLOCK_LAYOUT, None, None, (192, 640)))
+    assert kept.stride() == (1, 192)  # N-major, as the layers hold them
+    x = torch.randn(3, 7, 640).to(dtype)
+    bias = torch.randn(192).to(dtype)
+    expected = F.linear(x, fp8.dequantize(weight, scale, fp8.KEPT_BLOCK_LAYOUT).to(dtype), bias)
+    assert torch.equal(block_scaled_linear(x, weight, kept, bias), expected)
+    assert torch.equal(fp8_linear(x, weight, kept, bias), expected)  # a 2-D scale: block-scaled
+
+
+def test_nothing_claims_the_block_scaled_gemm_off_cuda(monkeypatch):
+    monkeypatch.delenv("PAGED_LLM_FP8_WEIGHTS", raising=False)
+    cpu = torch.device("cpu")
+    assert not block_scaled_mm_takes(cpu, 1024)
+    assert not fp8_weights_stay_fp8(cpu, [1024, 3072])
+    monkeypatch.setenv("PAGED_LLM_FP8_WEIGHTS", "keep")
+    assert fp8_weights_stay_fp8(cpu, [1024, 3072])
+
+
+def test_this_torch_has_the_block_scaled_gemms_interface():
+    """The GEMM block_scaled_linear calls on CUDA (its probe tells whether the card and the
+    cuBLASLt build run it): present in this torch."""
+    assert hasattr(F, "scaled_mm") and hasattr(F.ScalingType, "BlockWise1x128")
