@@ -75,6 +75,32 @@ def test_activation_groups_quantize_within_fp8_rounding_with_padded_rows():
     assert torch.equal(largest, torch.full_like(largest, E4M3_MAX))  # each group's largest maps to 448
 
 
+def test_the_group_quantization_kernel_gives_the_torch_ops_values():
+    """The Triton kernel quantize_groups runs on CUDA: the torch ops' scales, zero padding rows and,
+    on a card, values at most one e4m3 step apart (on a CPU machine it runs in Triton's
+    interpreter, whose e4m3 casts are not the card's)."""
+    from paged_llm.layers import fp8_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 4 * GROUP_COLUMNS, generator=generator)
+    x = (x * torch.tensor([1e-3, 1.0, 50.0, 0.0]).repeat_interleave(GROUP_COLUMNS)).to(torch.bfloat16)
+    quantized = torch.empty((8, 4 * GROUP_COLUMNS), dtype=E4M3, device=device)
+    scales = torch.empty((4, 8), device=device).t()
+    fp8_linear._quantize_groups_kernel[(8, 4)](
+        x.to(device), quantized, scales, 7, x.stride(0), quantized.stride(0), 8,
+        fp8_linear.MIN_ACTIVATION_AMAX, E4M3_MAX, GROUP=GROUP_COLUMNS,
+    )  # fmt: skip
+    expected_quantized, expected_scales = quantize_groups(x, pad_rows_to=4)
+    torch.testing.assert_close(scales.cpu(), expected_scales, rtol=1e-6, atol=0.0)
+    assert not quantized[7:].float().any()
+    if device == "cuda":  # the interpreter's e4m3 casts are not the card's (-126.15 -> -64.0)
+        codes = quantized.cpu().view(torch.uint8).int()  # e4m3 codes: adjacent values, adjacent codes
+        assert (codes - expected_quantized.view(torch.uint8).int()).abs().max() <= 1
+        on_device, device_scales = quantize_groups(x.to(device), pad_rows_to=4)
+        assert torch.equal(on_device, quantized) and torch.equal(device_scales, scales)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_off_cuda_the_layer_is_the_dequantized_linear(dtype):
     weight, scale = _block_weight(192, 640, seed=4)

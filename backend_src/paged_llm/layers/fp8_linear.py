@@ -66,6 +66,23 @@ if triton is not None:
             q = tl.clamp(x.to(tl.float32) / scale, -fp8_max, fp8_max)
             tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
 
+    @triton.jit
+    def _quantize_groups_kernel(
+        x_ptr, q_ptr, scale_ptr, num_rows, x_stride, q_stride, scale_group_stride, min_amax, fp8_max,
+        GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """One (row, group of GROUP columns) per program: its largest magnitude, then the values /
+        (amax / fp8_max) clamped and cast. Rows past num_rows (the padding) write zeros."""
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        cols = group * GROUP + tl.arange(0, GROUP)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=(cols >= 0) & (row < num_rows), other=0.0)
+        x = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_amax) / fp8_max
+        tl.store(scale_ptr + row + group * scale_group_stride, scale)
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty))
+
 
 def fp8_weights_stay_fp8(device: torch.device, block_scaled_in_features: Iterable[int] | None = None) -> bool:
     """FP8 weights stay FP8 here: CUDA with Hopper's FP8 row-wise GEMMs (sm90 and later) and Triton;
@@ -160,6 +177,16 @@ def quantize_groups(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor
     row and 128 columns; M' is M padded to a multiple of `pad_rows_to` with zero rows."""
     num_rows, k = x.shape
     padded_rows = -(-num_rows // pad_rows_to) * pad_rows_to
+    if triton is not None and x.is_cuda and x.stride(1) == 1:  # one kernel (inside the CUDA graphs)
+        quantized = torch.empty((padded_rows, k), dtype=E4M3, device=x.device)
+        scales = torch.empty((k // GROUP_COLUMNS, padded_rows), dtype=torch.float32, device=x.device).t()
+        assert k % GROUP_COLUMNS == 0, f"{k} columns are no whole number of groups"
+        if padded_rows:
+            _quantize_groups_kernel[(padded_rows, k // GROUP_COLUMNS)](
+                x, quantized, scales, num_rows, x.stride(0), k, padded_rows, MIN_ACTIVATION_AMAX, E4M3_MAX,
+                GROUP=GROUP_COLUMNS,
+            )  # fmt: skip
+        return quantized, scales
     values = x.to(torch.float32)
     if padded_rows != num_rows:
         values = F.pad(values, (0, 0, 0, padded_rows - num_rows))
