@@ -5,6 +5,11 @@ over the dequantized weight, and nothing claims the block-scaled GEMM runs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +132,37 @@ def test_this_torch_has_the_block_scaled_gemms_interface():
     """The GEMM block_scaled_linear calls on CUDA (its probe tells whether the card and the
     cuBLASLt build run it): present in this torch."""
     assert hasattr(F, "scaled_mm") and hasattr(F.ScalingType, "BlockWise1x128")
+
+
+_COMPILE = r"""
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from paged_llm.layers import fp8_linear
+
+kernel = fp8_linear._quantize_groups_kernel
+names = list(inspect.signature(kernel.fn).parameters)
+kinds = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "min_amax": "fp32", "fp8_max": "fp32"}
+signature = {name: "constexpr" if name == "GROUP" else kinds.get(name, "i32") for name in names}
+source = ASTSource(kernel, signature, constexprs={(names.index("GROUP"),): 128})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+assert compiled.asm["cubin"]
+print("compiled", len(compiled.asm["cubin"]), "bytes of cubin")
+"""
+
+
+def test_the_group_quantization_kernel_compiles_for_sm90(tmp_path):
+    """What only the compiler rejects (the interpreter runs the kernel's Python semantics): compiled
+    for Hopper with the Triton wheel's ptxas, in a subprocess without TRITON_INTERPRET."""
+    triton = pytest.importorskip("triton")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("no ptxas in the triton wheel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bytes of cubin" in result.stdout
