@@ -72,10 +72,12 @@ class GrammarState(Protocol):
 @dataclass
 class GrammarTokens:
     """Tokens that constrained sequences sampled and their grammars have not taken yet, one per
-    grammar: a step's, handed to the thread that fills the next step's bitmask (`take_all`)."""
+    grammar: a step's, handed to the thread that fills the next step's bitmask (`take_all`).
+    `ending[i]`: token i ends its grammar (one of its sequence's EOS tokens)."""
 
     grammars: list[GrammarState] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    ending: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)

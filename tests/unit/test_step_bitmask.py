@@ -155,12 +155,13 @@ def _allowed_tokens(grammars: list[SequenceGrammar], rng: random.Random) -> list
     return tokens
 
 
-@pytest.mark.parametrize("num_rows", [2, 9])  # taken and filled inline; on the fill thread
+@pytest.mark.parametrize("num_rows", [1, 9])  # taken and filled inline; on the fill thread
 def test_a_fill_takes_the_tokens_handed_to_it_first(tiny_model_dir, num_rows):
     """start(seqs, grammar_tokens): the grammars take the step before's tokens (the engine's
     thread left them to the fill), then the rows are filled: the mask each twin fills after taking
     its token alone. A sequence that ended needs no mask (its grammar may not have taken its last
-    token). A token a grammar does not allow fails the fill (finish raises)."""
+    token), nor one whose handed token ends its grammar. A token a grammar does not allow fails the
+    fill (finish raises)."""
     info = build_tokenizer_info(tiny_model_dir, VOCAB_SIZE, [EOS])
     compiled = xgrammar.GrammarCompiler(info).compile_regex("(ab|cd)+")  # never only EOS
     rng = random.Random(num_rows)
@@ -174,18 +175,26 @@ def test_a_fill_takes_the_tokens_handed_to_it_first(tiny_model_dir, num_rows):
     for twin, token in zip(twins, tokens):
         assert twin.grammar.accept_token(token)
     finished = Row(SequenceGrammar(compiled), is_finished=True)
+    closing = Row(SequenceGrammar(compiled))  # handed an EOS: its grammar ends, its row needs no mask
+    assert closing.grammar.matcher.accept_string("ab") and closing.grammar.can_end()
     bitmask = StepBitmask(64, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
     try:
-        handed = GrammarTokens([row.grammar for row in rows], tokens)
-        pending = bitmask.start([*rows, finished], handed)
-        assert (pending.future is not None) == (num_rows > grammar_module.MAX_INLINE_FILL_ROWS)
+        handed = GrammarTokens(
+            [row.grammar for row in [*rows, closing]], [*tokens, EOS], [False] * num_rows + [True]
+        )
+        pending = bitmask.start([*rows, closing, finished], handed)
+        assert (pending.future is not None) == (num_rows + 1 > grammar_module.MAX_INLINE_FILL_ROWS)
         mask = bitmask.finish(pending)
-        assert torch.equal(mask[:-1], _alone(twins)) and bool((mask[-1] == -1).all())
+        assert torch.equal(mask[:num_rows], _alone(twins)) and bool((mask[num_rows:] == -1).all())
+        assert closing.grammar.is_terminated()
         [token] = _allowed_tokens([rows[0].grammar], rng)
-        bitmask.finish(bitmask.start([], GrammarTokens([rows[0].grammar], [token])))  # taken, none filled
+        taken = GrammarTokens([rows[0].grammar], [token], [False])
+        bitmask.finish(bitmask.start([], taken))  # taken, none filled
         assert twins[0].grammar.accept_token(token)
         assert torch.equal(_alone(rows[:1]), _alone(twins[:1]))
-        bad = GrammarTokens([row.grammar for row in rows], [0] * len(rows))  # "!" never fits
+        bad = GrammarTokens(
+            [row.grammar for row in rows], [0] * num_rows, [False] * num_rows
+        )  # "!" never fits
         with pytest.raises(GrammarRejectedToken, match="did not allow"):
             bitmask.finish(bitmask.start(rows, bad))
     finally:

@@ -80,8 +80,6 @@ class SequenceUpdate:
     new_token_id: int | None  # the sampled token; None for a prefill chunk that sampled nothing
     # With speculative decoding: every token the step emitted, in order (new_token_id is the last).
     new_token_ids: list[int] | None = None
-    # update_from_output(defer_grammar_tokens=True): the grammar has not taken new_token_id yet
-    grammar_deferred: bool = False
 
 
 @dataclass
@@ -395,8 +393,8 @@ class Scheduler:
         """Applies a finished step: one update per scheduled sequence still live. `spec_token_ids`:
         for each sequence that verified proposals, the tokens the verification emitted.
         `defer_grammar_tokens`: the constrained sequences that sampled one token leave it for their
-        grammars to take later (updates marked `grammar_deferred`; deferred_grammar_tokens), before
-        anything reads those grammars again.
+        grammars to take elsewhere (sampled_grammar_tokens: on the bitmask's fill thread); this
+        reads no grammar then.
 
         Sequences that finished here (EOS, stop token, max_tokens, max_model_len: core/stop_rules.py)
         are already freed.
@@ -446,7 +444,7 @@ class Scheduler:
             if status is not None:
                 # Running, or preempted while this step ran (asynchronous scheduling): it ends either way.
                 self.finish_sequences([seq.seq_id], status)
-            updates.append(SequenceUpdate(seq, token_id, new_token_ids, seq.seq_id in deferred_ids))
+            updates.append(SequenceUpdate(seq, token_id, new_token_ids))
         return updates
 
     # ------------------------------------------------------------------------------------- state
@@ -499,13 +497,15 @@ def _sampled_grammar_seqs(output: SchedulerOutput) -> list[Sequence]:
     ]
 
 
-def deferred_grammar_tokens(updates: Iterable[SequenceUpdate]) -> GrammarTokens:
-    """The tokens update_from_output(defer_grammar_tokens=True) left for the grammars of sequences
-    still running (one that ended samples nothing more: its grammar is not read again)."""
+def sampled_grammar_tokens(output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> GrammarTokens:
+    """The tokens a step's constrained sequences sampled (one each, no proposals), for their grammars
+    to take off the engine's thread (update_from_output(defer_grammar_tokens=True)); `ending` marks
+    the EOS tokens, on which a grammar ends (the sampler allows an EOS only where one may end)."""
     tokens = GrammarTokens()
-    for update in updates:
-        if update.grammar_deferred and not update.seq.is_finished:
-            assert update.seq.grammar is not None and update.new_token_id is not None
-            tokens.grammars.append(update.seq.grammar)
-            tokens.token_ids.append(update.new_token_id)
+    for seq in _sampled_grammar_seqs(output):
+        assert seq.grammar is not None
+        token_id = sampled_token_ids[seq.seq_id]
+        tokens.grammars.append(seq.grammar)
+        tokens.token_ids.append(token_id)
+        tokens.ending.append(token_id in seq.eos_token_ids)
     return tokens

@@ -147,7 +147,7 @@ class StepBitmask:
         `grammar_tokens` (the step before's tokens, which the engine's thread left to this job);
         a row or two: does it all now, and raises what that raised. The caller must not advance or
         read these sequences' grammars (nor those in `grammar_tokens`) until `finish` returned."""
-        plan = self._plan(seqs)
+        plan = self._plan(seqs, grammar_tokens)
         host, rows = plan if plan is not None else (None, [])
         if len(rows) <= MAX_INLINE_FILL_ROWS and len(grammar_tokens or ()) <= MAX_INLINE_FILL_ROWS:
             self._take_and_fill(host, rows, grammar_tokens)  # little to do: not worth a hand-off
@@ -178,20 +178,28 @@ class StepBitmask:
             self._filler.shutdown(wait=True)
             self._filler = None
 
-    def _plan(self, seqs: Rows[Sequence]) -> tuple[torch.Tensor, list[tuple[int, object]]] | None:
+    def _plan(
+        self, seqs: Rows[Sequence], grammar_tokens: GrammarTokens | None = None
+    ) -> tuple[torch.Tensor, list[tuple[int, object]]] | None:
         """The host buffer for this step, with the rows that allow everything already set, and the
         (row, matcher) pairs left to fill; None when no row has a grammar. A sequence that ended
-        (its row's token is dropped) needs no mask: its grammar may not have taken its last token."""
+        (its row's token is dropped) needs no mask, nor does one whose grammar ends on the token
+        `grammar_tokens` gives it (it has not taken it yet: is_terminated cannot tell)."""
         grammars = [seq.grammar for seq in seqs]
         if all(grammar is None for grammar in grammars):
             return None
+        ending = set()
+        if grammar_tokens is not None:
+            ending = {
+                id(g) for g, ends in zip(grammar_tokens.grammars, grammar_tokens.ending, strict=True) if ends
+            }
         host = self._host[self._turn][: len(seqs)]
         host_array = self._host_arrays[self._turn]
         self._turn ^= 1
         rows: list[tuple[int, object]] = []
         free_rows: list[int] = []
         for row, (seq, grammar) in enumerate(zip(seqs, grammars, strict=True)):
-            if grammar is None or seq.is_finished or grammar.is_terminated():
+            if grammar is None or seq.is_finished or id(grammar) in ending or grammar.is_terminated():
                 free_rows.append(row)
             else:
                 rows.append((row, grammar.matcher))  # type: ignore[attr-defined]

@@ -28,7 +28,7 @@ from paged_llm.core.scheduler import (
     SchedulerOutput,
     SchedulerStats,
     SequenceUpdate,
-    deferred_grammar_tokens,
+    sampled_grammar_tokens,
 )
 from paged_llm.core.sessions import SessionManager
 from paged_llm.engine.core_types import (
@@ -296,16 +296,19 @@ class EngineCore:
 
     def _start_deferred_sampling(self, grammar_tokens: GrammarTokens) -> None:
         """The running step was launched ahead with constrained rows: the previous step's tokens
-        are in, so its bitmask can be filled, on the fill thread while this thread publishes and
-        schedules, after the grammars took `grammar_tokens` (StepBitmask.start). The next launch,
-        or finish_step, samples it (sample_deferred). A fill that raises fails this step's requests
-        when it filled at once (a row or two), else the next step's: the launch that samples this
-        step has scheduled the next one already (new requests included; failing only this step's
-        would need a way back out of schedule()). With no such step to carry them (a fault took
-        it), the grammars take their tokens here."""
+        are in, so its bitmask can be filled, on the fill thread while this thread applies and
+        publishes them and schedules, after the grammars took `grammar_tokens` (StepBitmask.start).
+        The next launch, or finish_step, samples it (sample_deferred). A fill that raises fails this
+        step's requests when it filled at once (a row or two), else the next step's: the launch that
+        samples this step has scheduled the next one already (new requests included; failing only
+        this step's would need a way back out of schedule()). With no such step to carry them (a
+        fault took it), the grammars take their tokens here."""
         in_flight = self._in_flight
         if in_flight is None or not in_flight.launched.needs_sampling:
             self._take_grammar_tokens_now(grammar_tokens)
+            return
+        if in_flight.launched.pending_bitmask is not None:  # started already, by finish_step
+            assert not grammar_tokens, "tokens for a fill that started without them"
             return
         try:
             self.runner.start_deferred_sampling(in_flight.launched, grammar_tokens)
@@ -327,7 +330,9 @@ class EngineCore:
             otherwise:     finish(N) -> launch(N+1) -> return N
 
         Launching ahead needs no token value of step N on the host: it is skipped (N finished first)
-        when a sequence of N samples with penalties or bad words."""
+        when a sequence of N samples with penalties or bad words. A step N+1 launched ahead with
+        constrained rows has its bitmask filled from the moment N's tokens are on the host
+        (finish_step's `start_deferred_fill`)."""
         previous, self._in_flight = self._in_flight, None
         if previous is None:
             self.step_clock.on_idle()  # nothing ran since the last turn: the loop may have waited
@@ -341,16 +346,15 @@ class EngineCore:
                 self.num_steps_launched_ahead += 1
         if previous is not None:
             num_faults = self.num_step_faults
-            grammar_tokens = GrammarTokens()
-            outputs = self.finish_step(previous, grammar_tokens if self._defers_grammar_tokens() else None)
+            outputs = self.finish_step(previous, start_deferred_fill=self._defers_grammar_tokens())
             if self.num_step_faults > num_faults and self._in_flight is not None:
                 failed = self._in_flight
                 self.faults.fail_launched_after_fault(
                     failed.launched, failed.scheduler_output.scheduled, failed.step_number
                 )
                 self._in_flight = None
-            if self._defers_grammar_tokens() or grammar_tokens:
-                self._start_deferred_sampling(grammar_tokens)
+            if self._defers_grammar_tokens():  # N had none of its rows: a fill without tokens
+                self._start_deferred_sampling(GrammarTokens())
         return outputs if outputs is not None else self.take_outputs()
 
     def finish_in_flight(self) -> EngineCoreOutputs:
@@ -413,11 +417,13 @@ class EngineCore:
                 self.requests.start_parked(record)
 
     def finish_step(
-        self, in_flight: InFlightStep | None, grammar_tokens_out: GrammarTokens | None = None
+        self, in_flight: InFlightStep | None, start_deferred_fill: bool = False
     ) -> EngineCoreOutputs:
         """The second half of step(): wait for the device, apply the sampled tokens, publish.
-        `grammar_tokens_out`: the constrained sequences' grammars do not take their tokens here;
-        they go into this (for the caller to hand to the next step's bitmask fill)."""
+        `start_deferred_fill`: the step launched ahead of this one has constrained rows; as soon as
+        this step's tokens are in, its bitmask fill starts, the grammars taking those tokens first
+        on the fill thread (_start_deferred_sampling), so the fill runs under this step's update
+        and publishing (the update then leaves the grammars alone)."""
         if in_flight is not None:
             try:
                 if in_flight.launched.needs_sampling:  # not launched on: sampled here
@@ -426,16 +432,16 @@ class EngineCore:
             except Exception as error:
                 self.faults.fail_step(in_flight.scheduler_output.scheduled, error, in_flight.step_number)
             else:
+                if start_deferred_fill:
+                    self._start_deferred_sampling(
+                        sampled_grammar_tokens(in_flight.scheduler_output, runner_output.sampled_token_ids)
+                    )
                 updates = self.scheduler.update_from_output(
                     in_flight.scheduler_output,
                     runner_output.sampled_token_ids,
                     runner_output.spec_token_ids,
-                    defer_grammar_tokens=grammar_tokens_out is not None,
+                    defer_grammar_tokens=start_deferred_fill,
                 )
-                if grammar_tokens_out is not None:
-                    deferred = deferred_grammar_tokens(updates)
-                    grammar_tokens_out.grammars.extend(deferred.grammars)
-                    grammar_tokens_out.token_ids.extend(deferred.token_ids)
                 if runner_output.spec_token_ids:
                     Speculator.on_verified(runner_output.spec_token_ids, self.scheduler.sequences)
                 self._publish_updates(updates, runner_output)

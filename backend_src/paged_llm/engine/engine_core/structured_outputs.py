@@ -119,13 +119,10 @@ class StructuredOutputs:
             self._compiler.wait_for_results(timeout_s)
 
     def on_finished(self, seq: Sequence) -> None:
-        """A sequence ended: count a grammar cut short by the length limit."""
-        grammar = seq.grammar
-        if (
-            grammar is not None
-            and seq.status is SequenceStatus.FINISHED_LENGTH
-            and not grammar.is_terminated()
-        ):
+        """A sequence ended: count a grammar cut short by the length limit. (Its grammar had not
+        ended: an ended grammar ends its sequence with `stop`. Not asked: the bitmask's fill thread
+        may be advancing it.)"""
+        if seq.grammar is not None and seq.status is SequenceStatus.FINISHED_LENGTH:
             self._stats.num_length_in_grammar += 1
 
     def take_stats(self, mask_times: BitmaskTimes | None = None) -> StructuredOutputStats | None:
