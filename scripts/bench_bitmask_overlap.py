@@ -7,9 +7,12 @@ vocabulary, from the built-in tiny model), a fill started, N ms of Python on thi
 finish(); it prints how long finish() still waited, at Python's default GIL switch interval and at
 the one the fill thread sets (structured_output/grammar.py FILL_SWITCH_INTERVAL_S).
 
-    python scripts/bench_bitmask_overlap.py [--python-ms 2] [--rows 64] [--threads 1,2,4]
+    python scripts/bench_bitmask_overlap.py [--python-ms 2] [--rows 64] [--threads 1,2,4] [--accept]
 
-`--threads` also times the fill split over that many Python fill threads (one xgrammar call each),
+`--accept` also hands the fill the step's tokens (the grammars take them first, on the fill thread,
+as the engine does for a launched-ahead step) against taking them on this thread before start(), at
+switch intervals of 0.2 ms and StepBitmask's. `--threads` also times the fill split over that many
+Python fill threads (one xgrammar call each),
 and StepBitmask's one call over that many of xgrammar's own threads (MAX_XGRAMMAR_THREADS), with
 this thread blocked at once (the fill's wall time) and after --python-ms of Python (what finish()
 still waits).
@@ -40,7 +43,7 @@ from paged_llm.models.tiny_model import ensure_tiny_model
 from paged_llm.structured_output import grammar as grammar_module
 from paged_llm.structured_output.grammar import SequenceGrammar, StepBitmask
 from paged_llm.structured_output.tokenizer_info import build_tokenizer_info
-from paged_llm.testing.grammar_walk import walk_randomly
+from paged_llm.testing.grammar_walk import allowed_token_ids, walk_randomly
 
 VOCAB_SIZE = 151936  # Qwen3's logits width
 EOS = 151645
@@ -49,6 +52,7 @@ EOS = 151645
 @dataclass
 class Row:
     grammar: SequenceGrammar
+    is_finished: bool = False
 
 
 def _rows(num_rows: int, seed: int) -> list[Row]:
@@ -117,6 +121,50 @@ def _compare_threads(rows: list[Row], num_threads: int, python_ms: float, repeat
         grammar_module.MAX_XGRAMMAR_THREADS, grammar_module.MIN_ROWS_PER_THREAD = saved
 
 
+def _compare_accepts(rows: list[Row], python_ms: float, repeats: int) -> None:
+    """finish()'s wait after `python_ms` of Python, with the grammars taking one token each: on the
+    fill thread before the fill (GrammarTokens handed to start) or on this thread before start()."""
+    from paged_llm.sequence import GrammarTokens
+
+    scratch = torch.empty(xgrammar.get_bitmask_shape(1, VOCAB_SIZE), dtype=torch.int32)
+    rng = random.Random(1)
+    tokens = []
+    for row in rows:
+        row.grammar.matcher.fill_next_token_bitmask(scratch, 0)
+        tokens.append(rng.choice([t for t in allowed_token_ids(scratch, VOCAB_SIZE) if t != EOS]))
+    bitmask = StepBitmask(len(rows), VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
+    saved = sys.getswitchinterval()
+    try:
+        bitmask.finish(bitmask.start(rows))  # the fill thread up (it sets StepBitmask's interval)
+        for interval_s in (0.0002, grammar_module.FILL_SWITCH_INTERVAL_S):
+            sys.setswitchinterval(interval_s)
+            for where in ("the fill thread", "this thread"):
+                host_ms, waits = [], []
+                for _ in range(repeats):
+                    handed = GrammarTokens([row.grammar for row in rows], tokens, [False] * len(rows))
+                    started = time.perf_counter()
+                    if where == "this thread":
+                        handed.take_all()
+                        pending = bitmask.start(rows)
+                    else:
+                        pending = bitmask.start(rows, handed)
+                    host_ms.append(time.perf_counter() - started)
+                    _python_work(python_ms)
+                    started = time.perf_counter()
+                    bitmask.finish(pending)
+                    waits.append(time.perf_counter() - started)
+                    for row in rows:
+                        row.grammar.matcher.rollback(1)
+                print(
+                    f"accept on {where}, switch interval {interval_s * 1e3:.2f} ms: start() "
+                    f"{_p50_ms(host_ms):.3f} ms, then after {python_ms:g} ms of Python finish() waited "
+                    f"p50 {_p50_ms(waits):.3f} ms"
+                )
+    finally:
+        bitmask.close()
+        sys.setswitchinterval(saved)
+
+
 def _report(
     label: str, start: Callable[[], Any], finish: Callable[[Any], Any], python_ms: float, repeats: int
 ) -> None:
@@ -154,8 +202,11 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--threads", default="", help="comma-separated fill thread counts to compare")
+    parser.add_argument("--accept", action="store_true", help="also time the grammars' accept")
     args = parser.parse_args()
     rows = _rows(args.rows, seed=0)
+    if args.accept:
+        _compare_accepts(rows, args.python_ms, args.repeats)
     for num_threads in [int(n) for n in args.threads.split(",") if n]:
         _compare_threads(rows, num_threads, args.python_ms, args.repeats)
     bitmask = StepBitmask(args.rows, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
@@ -171,7 +222,7 @@ def main() -> int:
             waits_ms = sorted(wait * 1e3 for wait in waits)
             p50, p90 = waits_ms[len(waits_ms) // 2], waits_ms[len(waits_ms) * 9 // 10]
             print(
-                f"switch interval {interval_s * 1e3:.1f} ms: finish() waited p50 {p50:.3f} ms, "
+                f"switch interval {interval_s * 1e3:.2f} ms: finish() waited p50 {p50:.3f} ms, "
                 f"p90 {p90:.3f} ms after {args.python_ms:g} ms of Python"
             )
     finally:

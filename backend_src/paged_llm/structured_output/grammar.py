@@ -70,11 +70,16 @@ MIN_ROWS_PER_THREAD = 16
 # their fill (batch 1 on an H100 host: the core waited 0.165 ms a step for a 0.091 ms fill, with
 # little of its own work to do meanwhile).
 MAX_INLINE_FILL_ROWS = 2
-# A fill thread needs the GIL for a moment to enter xgrammar's call (and to leave it). With Python's
-# default switch interval (5 ms) it waits until the core's thread lets go (blocks, or 5 ms pass), so
-# the fill ran after the core's publish and schedule instead of under them
-# (scripts/bench_bitmask_overlap.py). The process's interval is lowered to this once the fill thread starts.
-FILL_SWITCH_INTERVAL_S = 0.0002
+# A fill thread needs the GIL for a moment to enter xgrammar's calls and to leave them (three times
+# a job: start, between the accept and the fill, end). With Python's default switch interval (5 ms)
+# it waits until the core's thread lets go (blocks, or 5 ms pass), so the fill ran after the core's
+# publish and schedule instead of under them (scripts/bench_bitmask_overlap.py). At 0.2 ms a job that
+# also took the step's tokens still left finish() waiting ~1.4 ms behind 2 ms of the core's Python
+# (64 rows, `--accept`, a 2-core CPU machine), at 0.05 ms ~0.3 ms (its own work; a fill alone 0.02 ms
+# either way). The
+# process's interval is lowered to this once the fill thread starts; only a thread waiting for the
+# GIL makes the holder switch, so the engine's thread pays nothing while none waits.
+FILL_SWITCH_INTERVAL_S = 0.00005
 
 
 @dataclass
