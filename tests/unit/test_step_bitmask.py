@@ -101,9 +101,9 @@ def test_the_fill_thread_lowers_the_gil_switch_interval(compiled):
         bitmask.finish(bitmask.start([Row(SequenceGrammar(compiled)) for _ in range(num_rows)]))
         assert sys.getswitchinterval() == pytest.approx(grammar_module.FILL_SWITCH_INTERVAL_S)
         other = StepBitmask(num_rows, VOCAB_SIZE, torch.device("cpu"), pin_memory=False)
-        sys.setswitchinterval(0.0001)
+        sys.setswitchinterval(0.00002)
         other.finish(other.start([Row(SequenceGrammar(compiled)) for _ in range(num_rows)]))
-        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        assert sys.getswitchinterval() == pytest.approx(0.00002)
         other.close()
     finally:
         bitmask.close()
