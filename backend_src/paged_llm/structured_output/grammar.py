@@ -76,9 +76,8 @@ MAX_INLINE_FILL_ROWS = 2
 # publish and schedule instead of under them (scripts/bench_bitmask_overlap.py). At 0.2 ms a job that
 # also took the step's tokens still left finish() waiting ~1.4 ms behind 2 ms of the core's Python
 # (64 rows, `--accept`, a 2-core CPU machine), at 0.05 ms ~0.3 ms (its own work; a fill alone 0.02 ms
-# either way). The
-# process's interval is lowered to this once the fill thread starts; only a thread waiting for the
-# GIL makes the holder switch, so the engine's thread pays nothing while none waits.
+# either way). The process's interval is lowered to this once the fill thread starts; only a thread
+# waiting for the GIL makes the holder switch, so the engine's thread pays nothing while none waits.
 FILL_SWITCH_INTERVAL_S = 0.00005
 
 
