@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.client import make_inputs, stream, stream_many
-from tests.e2e.metrics import value, wait_for, wait_idle
+from tests.e2e.metrics import settled_metrics, value, wait_for, wait_idle
 from tests.e2e.server import RunningServer, make_model_repository, start_server
 
 GREEDY = {"max_tokens": 48, "ignore_eos": True, "temperature": 0}
@@ -42,14 +42,14 @@ def test_streams_the_tokens_of_the_default_server_and_counts_its_proposals(serve
     assert _output_ids(got) == _output_ids(expected)
     assert all(len(ids) == GREEDY["max_tokens"] for ids in _output_ids(got))
 
-    def delta(name: str) -> float:
-        return value(spec_server.metrics(), name) - value(before, name)
-
-    assert wait_for(lambda: delta("paged_llm_spec_decode_num_accepted_tokens_total") > 0, timeout_s=10)
-    assert delta("paged_llm_spec_decode_num_draft_tokens_total") >= delta(
-        "paged_llm_spec_decode_num_accepted_tokens_total"
+    counters = tuple(
+        f"paged_llm_spec_decode_num_{name}_total" for name in ("drafts", "draft_tokens", "accepted_tokens")
     )
-    assert delta("paged_llm_spec_decode_num_drafts_total") > 0
+    accepted = counters[2]
+    assert wait_for(lambda: value(spec_server.metrics(), accepted) > value(before, accepted), timeout_s=10)
+    after = settled_metrics(spec_server, counters)
+    drafts, draft_tokens, accepted_tokens = (value(after, name) - value(before, name) for name in counters)
+    assert drafts > 0 and draft_tokens >= accepted_tokens > 0
     text = spec_server.metrics()
     assert 0 < value(text, "paged_llm_spec_decode_acceptance_rate") <= 1
     assert value(text, "paged_llm_spec_decode_mean_accepted_length") > 1
