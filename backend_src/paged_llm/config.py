@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from paged_llm.coercion import parse_bool, parse_float, parse_int
-from paged_llm.sampling_params import RequestLimits
+from paged_llm.sampling_params import MAX_LORA_NAME_CHARS, RequestLimits
 
 GiB = 1 << 30
 
@@ -125,6 +125,42 @@ class SessionConfig:
             raise ConfigError(f"session_window_tokens must be >= 0, got {self.session_window_tokens}")
         if self.num_sink_tokens < 0:
             raise ConfigError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (lora/): a request names one (`lora_name`)."""
+
+    # NAME=PATH pairs (PEFT checkpoint directories), separated by commas or spaces
+    lora_modules: str = ""
+    max_loras: int = 8  # adapters a step may serve at once (device slots)
+    max_lora_rank: int = 64  # the largest rank an adapter may have (the slots' width)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_loras <= 256:
+            raise ConfigError(f"max_loras must be in [1, 256], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ConfigError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
+        self.modules()  # raises on a malformed list
+
+    def modules(self) -> dict[str, str]:
+        """Adapter name -> checkpoint directory, in the order given."""
+        named: dict[str, str] = {}
+        for item in self.lora_modules.replace(",", " ").split():
+            name, sep, path = item.partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path:
+                raise ConfigError(f"lora_modules: {item!r} is not NAME=PATH")
+            if len(name) > MAX_LORA_NAME_CHARS:
+                raise ConfigError(f"lora_modules: a name is over {MAX_LORA_NAME_CHARS} characters")
+            if name in named:
+                raise ConfigError(f"lora_modules: the name {name!r} is given twice")
+            named[name] = path
+        return named
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.lora_modules.strip())
 
 
 @dataclass(frozen=True)
@@ -326,6 +362,7 @@ class EngineConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     fault_injection_step: int | None = None  # tests: raise inside the model step once at this step
     # tests: a request with this bad word fails inside AsyncLLM.add_request with an unexpected error
     fault_injection_bad_word: str | None = None
@@ -373,6 +410,7 @@ class EngineConfig:
                 sessions=SessionConfig(**sections["sessions"]),
                 speculative=SpeculativeConfig(**sections["speculative"]),
                 structured_output=StructuredOutputConfig(**sections["structured_output"]),
+                lora=LoRAConfig(**sections["lora"]),
                 **top,
             )
         except ValueError as error:
@@ -389,6 +427,7 @@ _SECTIONS = {
     "sessions": SessionConfig,
     "speculative": SpeculativeConfig,
     "structured_output": StructuredOutputConfig,
+    "lora": LoRAConfig,
 }
 _ALIASES = {
     "num_kv_blocks": "num_blocks",

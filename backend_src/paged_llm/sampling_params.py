@@ -34,6 +34,9 @@ MIN_REPETITION_PENALTY = 1e-6
 _INTERNAL_FIELDS = frozenset({"extra", "bad_words_token_ids"})
 
 
+MAX_LORA_NAME_CHARS = 256  # a LoRA adapter's name (lora_name, lora_modules)
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Server-side caps on what one request may ask for (from config.pbtxt)."""
@@ -76,6 +79,9 @@ class SamplingParams:
     # The output is held to a grammar (JSON schema, regex, choice, EBNF, structural tag):
     # structured_output_params.py; the engine core compiles it (structured_output/).
     structured_outputs: StructuredOutputParams | None = None
+    # The LoRA adapter this request runs with (a name the server loaded: lora_modules); None: the
+    # base model. vllm_backend's key in sampling_parameters; the OpenAI server sets it from `model`.
+    lora_name: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -256,7 +262,16 @@ def _parse_token_ids(name: str, raw: Any) -> tuple[int, ...]:
     raise InvalidRequestError(name, "must be a list of token ids")
 
 
+def _parse_lora_name(name: str, raw: Any) -> str | None:
+    if not isinstance(raw, str):
+        raise InvalidRequestError(name, f"must be a string (an adapter's name), got {type(raw).__name__}")
+    if len(raw) > MAX_LORA_NAME_CHARS:
+        raise InvalidRequestError(name, f"at most {MAX_LORA_NAME_CHARS} characters")
+    return raw or None  # "": the base model, as vllm_backend's client sends without -l
+
+
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "lora_name": _parse_lora_name,
     "n": parse_int,
     "max_tokens": parse_int,
     "min_tokens": parse_int,
@@ -280,7 +295,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
 }
 # vLLM's key, and the name older vLLM releases (and clients written for them) gave the same object.
 _STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
-_NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids", "bad_words"}
+_NULLABLE = {"seed", "logprobs", "stop", "stop_token_ids", "bad_words", "lora_name"}
 
 
 def _compat_best_of(raw: Any, payload: Mapping[str, Any]) -> None:
@@ -298,17 +313,8 @@ def _compat_use_beam_search(raw: Any, payload: Mapping[str, Any]) -> None:
         raise InvalidRequestError("use_beam_search", "beam search is not supported; only false is allowed")
 
 
-def _compat_lora_name(raw: Any, payload: Mapping[str, Any]) -> None:
-    # vllm_backend's samples/client.py -l NAME sends lora_name; there are no adapters here.
-    if raw not in (None, ""):
-        raise InvalidRequestError(
-            "lora_name", "LoRA is not supported by this server (no adapters are loaded)"
-        )
-
-
 # Keys vLLM clients commonly send that are accepted only with their no-op values.
 _COMPAT_KEYS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {
-    "lora_name": _compat_lora_name,
     "best_of": _compat_best_of,
     "use_beam_search": _compat_use_beam_search,
 }

@@ -100,6 +100,11 @@ class GrammarRejectedToken(RuntimeError):
     pass
 
 
+def prefix_hash_root(lora_name: str | None) -> bytes:
+    """The prefix-cache hash chain's root for sequences of this adapter (None: the base model)."""
+    return b"root" if lora_name is None else b"lora\0" + lora_name.encode()
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: str  # unique within the engine
@@ -164,6 +169,12 @@ class Sequence:
     def schedule_key(self) -> tuple[int, int]:
         """Lower runs sooner: priority first, then arrival order (FCFS)."""
         return (self.priority, self.arrival_seq)
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent of its first block's prefix-cache hash: the KV of a prompt under a LoRA
+        adapter differs from the base model's and from every other adapter's."""
+        return prefix_hash_root(self.sampling_params.lora_name)
 
     @property
     def num_known_tokens(self) -> int:

@@ -81,7 +81,7 @@ def test_boolean_logprobs_and_a_lora_name_get_clear_answers(server):
     assert json.loads(none.responses[0].as_numpy("logprobs")[0]) is None
     # samples/client.py -l NAME (vllm_backend) sends lora_name
     lora = stream(server.grpc_url, PROMPT, sampling_parameters={**GREEDY, "lora_name": "mylora"})
-    assert len(lora.errors) == 1 and "lora_name: LoRA is not supported" in lora.errors[0]
+    assert len(lora.errors) == 1 and "lora_name: LoRA adapter 'mylora' is not loaded" in lora.errors[0]
 
 
 def test_a_cancelled_request_ends_cancelled_and_logs_vllm_backends_lines(server):

@@ -12,6 +12,7 @@ from paged_llm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SessionConfig,
@@ -34,7 +35,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     core_mode="process" the caller shuts it down (the `engines` fixture does); `sessions` is the
     SessionConfig, `speculative` the SpeculativeConfig, `tensor_parallel_size` the ranks,
     `enable_onednn_linear` and `device` the DeviceConfig's, `load_format` and `quantization` the
-    ModelConfig's."""
+    ModelConfig's, `lora` the LoRAConfig."""
     sessions = overrides.pop("sessions", SessionConfig())
     tensor_parallel_size = overrides.pop("tensor_parallel_size", 1)
     load_format = overrides.pop("load_format", "safetensors")
@@ -43,6 +44,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
     structured_output = overrides.pop("structured_output", StructuredOutputConfig())
     enable_onednn_linear = overrides.pop("enable_onednn_linear", True)
     device = overrides.pop("device", "auto")
+    lora = overrides.pop("lora", LoRAConfig())
     cache_fields = {
         "block_size_tokens",
         "num_blocks",
@@ -66,6 +68,7 @@ def make_engine(model_dir: Path, core_mode: str = "inprocess", **overrides) -> L
         sessions=sessions,
         speculative=speculative,
         structured_output=structured_output,
+        lora=lora,
         device=DeviceConfig(
             device=device,
             tensor_parallel_size=tensor_parallel_size,

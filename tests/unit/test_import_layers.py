@@ -14,7 +14,8 @@ The layers, lowest first (the one list; a new top-level package or module goes i
   3. sampling      sampler, penalties, noise, verification of speculative proposals, token bitmasks
   3b. structured_output  xgrammar: constraint compiling (worker processes), matchers, step bitmasks
   4. layers        model building blocks and kernels (attention, linear, fused ops)
-  5. models        checkpoint configs, loaders, the decoder
+  5. models        checkpoint configs, loaders, the decoder; lora (PEFT adapters, their device
+                   slots, the decoder's per-row updates) beside it
   6. runner        the model runner, its device, tensor parallelism, CUDA graphs
   7. spec_decode   proposers (n-gram, draft model: a runner of its own)
   8. engine        EngineCore, its process, its clients, AsyncLLM, output processing
@@ -61,7 +62,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sampling",),
     ("structured_output",),
     ("layers",),
-    ("models",),
+    ("models", "lora"),
     ("runner",),
     ("spec_decode",),
     ("engine",),

@@ -1,8 +1,9 @@
 """Sequence -> KV blocks: prefix-cache lookups, slot allocation, freeing. Pure Python (no torch).
 
 Block i of a sequence holds the KV of tokens [i * block_size, (i + 1) * block_size). A full block's
-hash chains its parent's hash with its own token ids (and a salt naming the model), so equal hashes
-mean equal prefixes, not merely equal blocks:
+hash chains its parent's hash with its own token ids (and a salt naming the model; the chain's root
+names the request's LoRA adapter, if any), so equal hashes mean equal prefixes, not merely equal
+blocks:
 
     tokens:  [t0 .. t15][t16 .. t31][t32 t33]
     hashes:  h0 = H(salt, -, t0..15)   h1 = H(salt, h0, t16..31)    (partial block: no hash)
@@ -18,8 +19,11 @@ from paged_llm.core.block_pool import BlockHash, BlockPool, KVBlock
 from paged_llm.sequence import Sequence
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: abc.Sequence[int], salt: bytes) -> BlockHash:
-    return _hash_block_bytes(parent or b"root", array("q", token_ids).tobytes(), salt[:64])
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: abc.Sequence[int], salt: bytes, root: bytes = b"root"
+) -> BlockHash:
+    """A block's hash; `parent` None: the first block, chained to `root` (Sequence.hash_root)."""
+    return _hash_block_bytes(parent or root, array("q", token_ids).tobytes(), salt[:64])
 
 
 def _hash_block_bytes(parent: bytes, token_bytes: bytes | memoryview, key: bytes) -> BlockHash:
@@ -76,7 +80,7 @@ class KVCacheManager:
         token_bytes = memoryview(tokens.tobytes())
         stride = size * tokens.itemsize
         key = self.hash_salt[:64]
-        parent = hashes[-1] if hashes else b"root"
+        parent = hashes[-1] if hashes else seq.hash_root
         for offset in range(0, len(token_bytes), stride):
             parent = _hash_block_bytes(parent, token_bytes[offset : offset + stride], key)
             hashes.append(parent)

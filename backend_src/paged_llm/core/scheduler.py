@@ -118,6 +118,9 @@ class Scheduler:
         # Called when the pool is short, before anything is preempted or left waiting: frees KV that
         # no sequence uses (an idle session's, core/sessions.py); True if it freed anything.
         self.reclaim_kv: Callable[[], bool] = lambda: False
+        # LoRA: the running batch holds sequences of at most this many adapters (the device's
+        # slots); None: no adapters are served
+        self.max_loras: int | None = None
         self.num_prompt_tokens_computed = 0
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -247,6 +250,8 @@ class Scheduler:
                 if not made_room:
                     break
                 continue
+            if not self._adapter_fits(seq):
+                break  # its adapter waits for a slot: the running adapters' sequences end first
             held = seq.held_kv_owner is not None and self.kv_cache.holds(seq.held_kv_owner)
             if held:  # a session's turn: its history's KV, partial last block included
                 hit_blocks, num_hit_tokens = [], seq.num_held_kv_tokens
@@ -282,6 +287,14 @@ class Scheduler:
             if num_new > 1:
                 self._prefill_left -= num_new
         return budget
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Running `seq` keeps the batch within max_loras adapters."""
+        name = seq.sampling_params.lora_name
+        if name is None or self.max_loras is None:
+            return True
+        running = {s.sampling_params.lora_name for s in self.running} - {None}
+        return name in running or len(running) < self.max_loras
 
     def _allocate_for_admission(self, seq: Sequence, num_new: int, hit_blocks: list, held: bool) -> bool:
         if not held:

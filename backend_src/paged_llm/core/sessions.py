@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from paged_llm.config import SessionConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from paged_llm.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
-from paged_llm.sequence import Sequence, SequenceStatus
+from paged_llm.sequence import Sequence, SequenceStatus, prefix_hash_root
 
 HOLDER_PREFIX = "\0session:"  # holder keys never collide with sequence ids (request ids)
 
@@ -63,6 +63,7 @@ class Session:
     # (request id, prompt tokens) of the turn that last extended token_ids, until the next begins:
     # a stop string the stub finds in it after the core ended it cuts the history there
     last_turn: tuple[str, int] | None = None
+    lora_name: str | None = None  # the adapter of its first turn: every turn runs with it
 
     @property
     def holder(self) -> str:
@@ -130,9 +131,15 @@ class SessionManager:
 
     # ----------------------------------------------------------------------------------- turns
     def begin_turn(
-        self, turn: SessionTurn, request_id: str, new_token_ids: list[int], max_tokens: int | None
+        self,
+        turn: SessionTurn,
+        request_id: str,
+        new_token_ids: list[int],
+        max_tokens: int | None,
+        lora_name: str | None = None,
     ) -> PreparedTurn:
-        """Checks the turn (errors name `session_id` or the prompt) and marks the session busy."""
+        """Checks the turn (errors name `session_id`, `lora_name` or the prompt) and marks the
+        session busy. A session keeps its first turn's LoRA adapter (its KV was computed with it)."""
         session = self._sessions.get(turn.session_id)
         if turn.start:
             if session is not None:
@@ -142,7 +149,7 @@ class SessionManager:
                     f"{len(self._sessions)} sessions are open (max_sessions={self.config.max_sessions}); "
                     "close one or retry later"
                 )
-            session = Session(turn.session_id, [])
+            session = Session(turn.session_id, [], lora_name=lora_name)
         elif session is None:
             raise SessionNotFoundError(turn.session_id)
         elif session.turn_request_id is not None:
@@ -150,6 +157,13 @@ class SessionManager:
                 "session_id",
                 f"session {turn.session_id!r} already has a turn in flight (request "
                 f"{session.turn_request_id!r}); send the next turn after it ended",
+            )
+        if session.lora_name != lora_name:
+            raise InvalidRequestError(
+                "lora_name",
+                f"session {turn.session_id!r} runs with "
+                + (f"LoRA adapter {session.lora_name!r}" if session.lora_name else "the base model")
+                + f", not {lora_name!r}: every turn of a session uses its first turn's adapter",
             )
         room_for_output = max_tokens if max_tokens is not None else 1
         max_prompt_tokens = self.window_tokens - room_for_output
@@ -308,9 +322,10 @@ class SessionManager:
                 assert num_blocks * size >= session.num_kv_tokens, f"{session.session_id}: blocks short"
             assert len(session.block_hashes) * size <= len(session.token_ids), "hashes past history"
             parent = None
+            root = prefix_hash_root(session.lora_name)
             for index, block_hash in enumerate(session.block_hashes):
                 tokens = session.token_ids[index * size : (index + 1) * size]
-                parent = hash_block_tokens(parent, tokens, self.kv_cache.hash_salt)
+                parent = hash_block_tokens(parent, tokens, self.kv_cache.hash_salt, root)
                 assert block_hash == parent, f"{session.session_id}: block {index}: hash differs"
         holders = {o for o in self.kv_cache.seq_to_blocks if o.startswith(HOLDER_PREFIX)}
         assert holders <= self.kv_holders, "a closed session still holds blocks"

@@ -31,6 +31,7 @@ class EngineCoreInfo:
     eos_token_ids: frozenset[int]
     device: str  # human-readable, for logs
     dtype: str
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters a request may name (lora_name)
 
 
 @dataclass

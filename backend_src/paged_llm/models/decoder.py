@@ -24,6 +24,7 @@ from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.fp8_linear import new_group_scales
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup
+from paged_llm.lora.slots import LayerLoRA, LoRASlots
 from paged_llm.models.hf_config import ModelSpec, RopeSpec
 
 
@@ -92,6 +93,14 @@ def weight_scale_of(linear: nn.Linear) -> torch.Tensor | None:
     return linear._buffers.get("weight_scale")  # not nn.Module.__getattr__: on every call
 
 
+def project(ops: FusedOps, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """`linear` of `x` through the model's linear op (FP8 weights with their scales)."""
+    weight_scale = weight_scale_of(linear)
+    if weight_scale is None:
+        return ops.linear(x, linear.weight, linear.bias)
+    return ops.linear(x, linear.weight, linear.bias, weight_scale=weight_scale)
+
+
 class Attention(nn.Module):
     """This rank's query and KV heads (all of them without tensor parallelism)."""
 
@@ -125,6 +134,7 @@ class Attention(nn.Module):
         # An FP8 KV cache holds keys / values divided by these (the checkpoint's, else 1.0: the loader)
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.lora: LayerLoRA | None = None  # set by attach_lora; active in steps with adapter rows
 
     def forward(
         self,
@@ -138,10 +148,15 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention output, the residual stream): `norm` is the layer's input norm, applied to
         hidden + residual together with the QKV projection (one kernel for a one-row batch)."""
-        qkv, residual = self.ops.norm_linear(
-            hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
-            weight_scale=weight_scale_of(self.qkv_proj),
-        )  # fmt: skip
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if lora is not None:  # the adapters read the normalised input: no fused norm + projection
+            normed, residual = self.ops.rms_norm(hidden, norm.weight, norm.eps, residual)
+            qkv = lora.add("qkv_proj", normed, project(self.ops, normed, self.qkv_proj))
+        else:
+            qkv, residual = self.ops.norm_linear(
+                hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+                weight_scale=weight_scale_of(self.qkv_proj),
+            )  # fmt: skip
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -174,9 +189,10 @@ class Attention(nn.Module):
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
             )
-        out = self.ops.linear(
-            out.reshape(-1, self.q_size), self.o_proj.weight, weight_scale=weight_scale_of(self.o_proj)
-        )
+        attended = out.reshape(-1, self.q_size)
+        out = self.ops.linear(attended, self.o_proj.weight, weight_scale=weight_scale_of(self.o_proj))
+        if lora is not None:
+            out = lora.add("o_proj", attended, out)
         return self.parallel.all_reduce(out), residual
 
 
@@ -194,16 +210,28 @@ class MLP(nn.Module):
         self.parallel = parallel or TensorParallelGroup()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * shard.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shard.intermediate_size, spec.hidden_size, bias=False)
+        self.lora: LayerLoRA | None = None  # as Attention.lora
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, the residual stream): `norm` (post-attention) is applied with gate/up."""
+        if self.lora is not None and self.lora.active:
+            return self._forward_with_lora(self.lora, hidden, residual, norm)
         gate_up, residual = self.ops.norm_linear(
             hidden, residual, norm.weight, norm.eps, self.gate_up_proj.weight,
             weight_scale=weight_scale_of(self.gate_up_proj),
         )  # fmt: skip
         out = self.ops.silu_mul_linear(gate_up, self.down_proj.weight, weight_scale_of(self.down_proj))
+        return self.parallel.all_reduce(out), residual
+
+    def _forward_with_lora(
+        self, lora: LayerLoRA, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = self.ops.rms_norm(hidden, norm.weight, norm.eps, residual)
+        gate_up = lora.add("gate_up_proj", normed, project(self.ops, normed, self.gate_up_proj))
+        activated = self.ops.silu_and_mul(gate_up)
+        out = lora.add("down_proj", activated, project(self.ops, activated, self.down_proj))
         return self.parallel.all_reduce(out), residual
 
 
@@ -291,6 +319,13 @@ def projections(model: CausalLM) -> Iterator[tuple[str, nn.Linear]]:
         yield f"layers.{index}.self_attn.o_proj", layer.self_attn.o_proj
         yield f"layers.{index}.mlp.gate_up_proj", layer.mlp.gate_up_proj
         yield f"layers.{index}.mlp.down_proj", layer.mlp.down_proj
+
+
+def attach_lora(model: CausalLM, slots: LoRASlots) -> None:
+    """Gives every decoder layer's attention and MLP its view of `slots`: a step whose rows
+    `slots.set_step` gave adapters adds their updates to the projections."""
+    for index, layer in enumerate(model.layers):
+        layer.self_attn.lora = layer.mlp.lora = LayerLoRA(slots, index)
 
 
 def keep_fp8_projections(model: CausalLM, block_scaled: bool = False) -> None:

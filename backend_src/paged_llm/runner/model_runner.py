@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paged_llm.config import ConfigError
+from paged_llm.config import ConfigError, LoRAConfig
 from paged_llm.core.scheduler import SchedulerOutput
 from paged_llm.errors import TensorParallelError
 from paged_llm.layers.attention.metadata import AttentionMetadata
@@ -26,7 +26,8 @@ from paged_llm.layers.attention.portable import PortableAttention
 from paged_llm.layers.fp8_format import E4M3
 from paged_llm.layers.fused_ops import FusedOps
 from paged_llm.layers.parallel import ShardPlan, TensorParallelGroup, all_ranks_min
-from paged_llm.models.decoder import AttentionBackend, CausalLM
+from paged_llm.lora.manager import LoRAManager
+from paged_llm.models.decoder import AttentionBackend, CausalLM, attach_lora
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.models.loader import load_model
 from paged_llm.runner.cuda_graphs import (
@@ -92,11 +93,15 @@ class ModelRunner:
         all_reduce: str = "auto",
         torch_compile: str = "",
         grammar_fill_threads: int = 0,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """`tensor_parallel_size` > 1: this runner is rank 0 and starts the other ranks' workers
         (runner/tensor_parallel.py) in load(). `parallel`: set by a worker, its rank in the group.
         `all_reduce`: auto (one-shot over symmetric memory for small tensors on CUDA) or nccl.
-        `grammar_fill_threads`: xgrammar's threads for a step's bitmask (0: StepBitmask's rule)."""
+        `grammar_fill_threads`: xgrammar's threads for a step's bitmask (0: StepBitmask's rule).
+        `lora`: the LoRA adapters to serve (read in load())."""
+        if lora is not None and lora.enabled and tensor_parallel_size > 1:
+            raise ConfigError("lora_modules: LoRA adapters are not supported with tensor_parallel_size > 1")
         # What a worker needs to build its own runner (rank_device() moves it to its device).
         self._worker_kwargs = dict(
             spec=spec,
@@ -170,6 +175,9 @@ class ModelRunner:
         self.graph_pool_bytes = 0  # what the captured graphs hold, measured
         self.bitmask: StepBitmask | None = None  # structured output; made for the first constrained step
         self.grammar_fill_threads = grammar_fill_threads
+        self.lora_config = lora if lora is not None and lora.enabled else None
+        self.lora: LoRAManager | None = None  # made in load()
+        self._lora_step = False  # the step being launched has adapter rows: it runs eagerly
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -193,6 +201,11 @@ class ModelRunner:
             quantization=self.quantization,
             fp8_kv_cache=self.kv_dtype == E4M3,
         )
+        if self.lora_config is not None:
+            self.lora = LoRAManager(
+                self.lora_config, self.spec, self.dtype, self.device.torch_device, self.shard
+            )
+            attach_lora(self.model, self.lora.slots)
         if self.all_reduce == "auto":  # every rank, in the same order: it is a collective
             self.parallel.enable_one_shot(self.device.torch_device, self.dtype)
 
@@ -387,6 +400,8 @@ class ModelRunner:
                 self.sample_deferred(previous)  # this step's inputs are its tokens
             self.buffers.fill_pending(inputs, previous.sampled_token_ids())
         model_inputs = (inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
+        if self.lora is not None:
+            self._lora_step = self.lora.prepare_step(scheduler_output.scheduled)
         if self.workers is None:
             logits = self.forward_step(*model_inputs)
         else:
@@ -436,6 +451,9 @@ class ModelRunner:
         if num_sampled == 0:
             self.model(input_ids, positions, self.kv_caches, metadata)
             return None
+        if self._lora_step:  # the graphs were captured without adapters
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            return self.model.compute_logits(hidden.index_select(0, sample_indices))
         if self.graphs is not None and metadata.is_decode_only and self.graphs.bucket(metadata.num_seqs):
             logits = self.graphs.run(input_ids, positions, metadata)
             if num_sampled != metadata.num_seqs:  # a 1-token prefill chunk among decodes

@@ -91,6 +91,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
         self.sessions = SessionManager(config.sessions, self.kv_cache, max_model_len)
         self.scheduler.reclaim_kv = self.sessions.reclaim_idle_kv
+        if config.lora.enabled:
+            self.scheduler.max_loras = config.lora.max_loras
         self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
         self.requests = RequestTable(self.scheduler, self.sessions, lambda: self._outputs)
         # Looked up at each fault: a test may swap the runner.
@@ -158,7 +160,9 @@ class EngineCore:
         prompt = list(request.prompt_token_ids)
         if request.session is not None:  # the last check: it marks the session busy
             self.sessions.expire_idle()
-            turn = self.sessions.begin_turn(request.session, request.request_id, prompt, params.max_tokens)
+            turn = self.sessions.begin_turn(
+                request.session, request.request_id, prompt, params.max_tokens, params.lora_name
+            )
             prompt = turn.prompt_token_ids
             if turn.num_dropped_tokens:
                 self._outputs.history_truncated[request.request_id] = turn.num_dropped_tokens

@@ -60,6 +60,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         all_reduce=config.device.all_reduce,
         torch_compile=config.device.torch_compile,
         grammar_fill_threads=config.structured_output.grammar_fill_threads,
+        lora=config.lora,
     )
     try:
         runner.load(show_progress=show_progress)
@@ -91,6 +92,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         eos_token_ids=frozenset(spec.eos_token_ids),
         device=device.describe(),
         dtype=str(dtype).removeprefix("torch."),
+        lora_names=runner.lora.names if runner.lora is not None else (),
     )
     _log_start(info, runner, Path(model_dir))
     salt = hashlib.sha256((Path(model_dir) / "config.json").read_bytes() + str(dtype).encode()).digest()

@@ -1,0 +1,91 @@
+"""The runner's adapters: every configured one read and checked at start-up (kept in host memory),
+and each step's adapters put in device slots (least recently used slot first) before its forward."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from paged_llm.config import LoRAConfig
+from paged_llm.layers.parallel import ShardPlan
+from paged_llm.lora.adapter import LoRAAdapter, load_adapter
+from paged_llm.lora.slots import NO_ADAPTER, LoRASlots
+from paged_llm.models.hf_config import ModelSpec
+from paged_llm.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class ScheduledRows(Protocol):
+    seq: Sequence
+    num_new_tokens: int
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        shard: ShardPlan | None = None,
+    ) -> None:
+        self.adapters: dict[str, LoRAAdapter] = {
+            name: load_adapter(name, Path(path), spec, config.max_lora_rank)
+            for name, path in config.modules().items()
+        }
+        num_slots = min(config.max_loras, max(1, len(self.adapters)))
+        max_rank = max((a.max_rank for a in self.adapters.values()), default=1)
+        self.slots = LoRASlots(spec, num_slots, max_rank, dtype, device, shard)
+        self._slot_of: dict[str, int] = {}
+        self._last_used = [-1] * num_slots  # the step that last used each slot
+        self._num_steps = 0
+        for adapter in self.adapters.values():
+            logger.info(
+                "LoRA adapter %r: rank %d, %d modules (%s)",
+                adapter.name,
+                adapter.max_rank,
+                len(adapter.modules),
+                adapter.path,
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.adapters)
+
+    def prepare_step(self, scheduled: Seq[ScheduledRows]) -> bool:
+        """Puts the step's adapters in slots and tells the slots the step's rows; True when any row
+        runs with an adapter (the step then runs eagerly)."""
+        self._num_steps += 1
+        rows: list[tuple[int, int]] = []
+        any_adapter = False
+        for item in scheduled:
+            name = item.seq.sampling_params.lora_name
+            slot = NO_ADAPTER if name is None else self._slot(name)
+            any_adapter = any_adapter or slot != NO_ADAPTER
+            rows.append((slot, item.num_new_tokens))
+        if any_adapter:
+            self.slots.set_step(rows)
+        else:
+            self.slots.clear_step()
+        return any_adapter
+
+    def _slot(self, name: str) -> int:
+        slot = self._slot_of.get(name)
+        if slot is None:
+            # the least recently used slot; one this step already uses cannot be its (the
+            # scheduler keeps a batch within the slots' number of adapters)
+            slot = min(range(self.slots.num_slots), key=self._last_used.__getitem__)
+            if self._last_used[slot] == self._num_steps:
+                raise RuntimeError(f"LoRA: more adapters in one step than the {self.slots.num_slots} slots")
+            evicted = self.slots.adapter_in_slot[slot]
+            if evicted is not None:
+                del self._slot_of[evicted]
+            self.slots.load(slot, self.adapters[name])
+            self._slot_of[name] = slot
+        self._last_used[slot] = self._num_steps
+        return slot

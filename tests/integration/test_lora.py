@@ -1,0 +1,166 @@
+"""LoRA adapters on the tiny model (float32, CPU): greedy tokens equal HF transformers + PEFT with
+the same adapter file, token for token, alone and in batches that mix the base model and several
+adapters; the prefix cache never hands one adapter's KV to another; a session keeps its adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_llm.config import LoRAConfig
+from paged_llm.core.sessions import SessionTurn
+from paged_llm.errors import InvalidRequestError
+from paged_llm.lora.random_adapter import write_random_adapter
+from paged_llm.sampling_params import SamplingParams
+from tests.integration.conftest import run_to_completion
+
+MAX_TOKENS = 16
+
+
+def greedy(lora_name: str | None, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, lora_name=lora_name)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Three adapters unlike each other: every projection at rank 8; q/v only at rank 4 with
+    rsLoRA; rank 16 with an alpha_pattern for the MLP's down projection."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all8": write_random_adapter(tiny_model_dir, root / "all8", rank=8, seed=1),
+        "qv4": write_random_adapter(
+            tiny_model_dir, root / "qv4", rank=4, seed=2, target_modules=("q_proj", "v_proj"), use_rslora=True
+        ),
+        "mix16": write_random_adapter(
+            tiny_model_dir,
+            root / "mix16",
+            rank=16,
+            seed=3,
+            extra_config={"alpha_pattern": {"down_proj": 4.0}},
+        ),
+    }
+
+
+def lora_config(adapters: dict[str, Path], **fields) -> LoRAConfig:
+    return LoRAConfig(lora_modules=" ".join(f"{name}={path}" for name, path in adapters.items()), **fields)
+
+
+@pytest.fixture(scope="module")
+def peft_reference(tiny_model_dir, adapters):
+    """name (None: the base model) -> greedy tokens of HF transformers (+ PEFT) for a prompt."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def load(adapter: Path | None):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+        return model if adapter is None else PeftModel.from_pretrained(model, str(adapter)).eval()
+
+    models = {None: load(None), **{name: load(path) for name, path in adapters.items()}}
+
+    def greedy_tokens(name: str | None, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = models[name].generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+            )
+        return out[0, ids.shape[1] :].tolist()
+
+    return greedy_tokens
+
+
+def token_ids(results) -> list[list[int]]:
+    return [completions[0].token_ids for completions in results]
+
+
+NAMES = [None, "all8", "qv4", "mix16"]
+
+
+def test_each_adapter_alone_matches_peft(engines, adapters, peft_reference, prompts):
+    engine = engines(lora=lora_config(adapters))
+    prompt = prompts[3]
+    outputs = {name: token_ids(run_to_completion(engine, [prompt], greedy(name)))[0] for name in NAMES}
+    for name in NAMES:
+        assert outputs[name] == peft_reference(name, prompt), name
+    assert len({tuple(tokens) for tokens in outputs.values()}) == len(NAMES)  # each adapter matters
+
+
+@pytest.mark.parametrize("core_mode", ["inprocess", "process+async"])
+def test_a_batch_mixing_base_and_three_adapters_gives_each_its_alone_tokens(
+    engines, adapters, peft_reference, prompts, core_mode
+):
+    engine = engines(core_mode, lora=lora_config(adapters))
+    cases = [(prompts[i % len(prompts)], NAMES[i % len(NAMES)]) for i in range(12)]
+    got = token_ids(run_to_completion(engine, [p for p, _ in cases], [greedy(n) for _, n in cases]))
+    assert got == [peft_reference(name, prompt) for prompt, name in cases]
+
+
+def test_fewer_slots_than_adapters_swaps_them_and_keeps_the_tokens(
+    engines, adapters, peft_reference, prompts
+):
+    """max_loras 2: a batch of three adapters runs two at a time (the scheduler holds the third
+    back), the slots reload as adapters come and go; a small KV pool adds preemption."""
+    engine = engines(lora=lora_config(adapters, max_loras=2), num_blocks=60, block_size_tokens=4)
+    cases = [(prompts[i], NAMES[1 + i % 3]) for i in range(9)] + [(prompts[9], None)]
+    got = token_ids(run_to_completion(engine, [p for p, _ in cases], [greedy(n) for _, n in cases]))
+    assert got == [peft_reference(name, prompt) for prompt, name in cases]
+    assert engine.core.runner.lora.slots.num_slots == 2
+
+
+def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another(
+    engines, adapters, peft_reference, prompts
+):
+    engine = engines(lora=lora_config(adapters), enable_prefix_caching=True)
+    prompt = max(prompts, key=len)  # several full blocks
+    assert len(prompt) > 64
+
+    def hit_tokens(name: str | None) -> tuple[list[int], int]:
+        before = engine.scheduler_stats().prefix_cache_hit_tokens
+        tokens = token_ids(run_to_completion(engine, [prompt], greedy(name)))[0]
+        return tokens, engine.scheduler_stats().prefix_cache_hit_tokens - before
+
+    first_all8 = hit_tokens("all8")
+    assert first_all8[1] == 0
+    for name in (None, "qv4", "mix16"):  # the same prompt under another adapter: nothing shared
+        tokens, hits = hit_tokens(name)
+        assert hits == 0 and tokens == peft_reference(name, prompt), name
+    again_all8 = hit_tokens("all8")
+    assert again_all8[1] > 0 and again_all8[0] == first_all8[0] == peft_reference("all8", prompt)
+
+
+def test_an_unknown_adapter_is_refused_naming_lora_name(engines, adapters, prompts):
+    engine = engines(lora=lora_config(adapters))
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("r", prompts[0], greedy("nope"))
+    assert error.value.field == "lora_name" and "'nope' is not loaded" in str(error.value)
+    assert "'all8'" in str(error.value)
+
+
+def test_a_server_without_adapters_refuses_a_lora_name(engines, prompts):
+    with pytest.raises(InvalidRequestError) as error:
+        engines().add_request("r", prompts[0], greedy("all8"))
+    assert error.value.field == "lora_name" and "(loaded: none)" in str(error.value)
+
+
+def test_a_session_keeps_its_first_turns_adapter(engines, adapters, peft_reference, prompts):
+    engine = engines(lora=lora_config(adapters))
+    first = prompts[2]
+
+    def turn(request_id: str, prompt: list[int], name: str | None, start: bool = False) -> list[int]:
+        engine.add_request(request_id, prompt, greedy(name), session=SessionTurn("s", start=start))
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                for delta in output.sequences:
+                    tokens.extend(delta.token_ids)
+        return tokens
+
+    one = turn("t1", first, "qv4", start=True)
+    assert one == peft_reference("qv4", first)
+    second = prompts[5]
+    two = turn("t2", second, "qv4")
+    assert two == peft_reference("qv4", [*first, *one, *second])
+    with pytest.raises(InvalidRequestError) as error:
+        turn("t3", second, "all8")
+    assert error.value.field == "lora_name" and "runs with LoRA adapter 'qv4'" in str(error.value)

@@ -1,0 +1,225 @@
+"""LoRA without a forward: reading PEFT checkpoints and refusing what cannot be served (each
+refusal names its field or tensor), the lora_modules setting, a step's rows grouped by slot, the
+slots' least-recently-used reuse, the scheduler's cap on adapters per batch, the prefix-cache
+hash roots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from paged_llm.config import ConfigError, EngineConfig, LoRAConfig
+from paged_llm.core.kv_cache_manager import KVCacheManager
+from paged_llm.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, load_adapter
+from paged_llm.lora.manager import LoRAManager
+from paged_llm.lora.random_adapter import write_random_adapter
+from paged_llm.lora.slots import NO_ADAPTER, LoRASlots
+from paged_llm.models.hf_config import load_model_spec
+from paged_llm.sampling_params import SamplingParams
+from paged_llm.sequence import Sequence
+from tests.unit.test_scheduler import make_scheduler, make_sequence
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir):
+    return load_model_spec(tiny_model_dir)
+
+
+def written(tiny_model_dir: Path, tmp_path: Path, name: str = "a", **kwargs) -> Path:
+    return write_random_adapter(tiny_model_dir, tmp_path / name, rank=kwargs.pop("rank", 4), **kwargs)
+
+
+def edit_config(path: Path, **fields) -> None:
+    config = json.loads((path / CONFIG_FILE).read_text())
+    config.update(fields)
+    (path / CONFIG_FILE).write_text(json.dumps(config))
+
+
+def edit_tensors(path: Path, edit) -> None:
+    tensors = load_file(path / WEIGHTS_FILE)
+    edit(tensors)
+    save_file(tensors, str(path / WEIGHTS_FILE))
+
+
+def refusal(path: Path, spec, max_lora_rank: int = 64) -> str:
+    with pytest.raises(LoRAAdapterError) as error:
+        load_adapter("a", path, spec, max_lora_rank)
+    return str(error.value)
+
+
+def test_a_written_adapter_loads_with_peft_scaling(tiny_model_dir, tmp_path, spec):
+    path = written(tiny_model_dir, tmp_path, rank=4, lora_alpha=16, use_rslora=True)
+    edit_config(path, alpha_pattern={"down_proj": 2})
+    adapter = load_adapter("a", path, spec, 64)
+    assert adapter.max_rank == 4 and len(adapter.modules) == 7 * spec.num_layers
+    assert adapter.modules[(0, "q_proj")].scaling == pytest.approx(16 / math.sqrt(4))
+    assert adapter.modules[(1, "down_proj")].scaling == pytest.approx(2 / math.sqrt(4))
+    assert adapter.modules[(0, "q_proj")].a.shape == (4, spec.hidden_size)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"bias": "all"}, "bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules"),
+        ({"lora_alpha": 0}, "lora_alpha"),
+    ],
+)
+def test_config_fields_that_cannot_be_served_are_named(tiny_model_dir, tmp_path, spec, fields, named):
+    path = written(tiny_model_dir, tmp_path)
+    edit_config(path, **fields)
+    message = refusal(path, spec)
+    assert f"{CONFIG_FILE}: {named} " in message, message
+
+
+def test_a_rank_over_the_cap_is_named(tiny_model_dir, tmp_path, spec):
+    message = refusal(written(tiny_model_dir, tmp_path, rank=8), spec, max_lora_rank=4)
+    assert "layers.0.mlp.down_proj has rank 8, over max_lora_rank 4" in message
+
+
+def test_an_adapter_of_another_base_model_is_named(tiny_model_dir, tmp_path, spec):
+    path = written(tiny_model_dir, tmp_path)
+
+    def widen(tensors):
+        name = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+        tensors[name] = torch.zeros(4, spec.intermediate_size * 2)
+
+    edit_tensors(path, widen)
+    message = refusal(path, spec)
+    assert "layers.1.mlp.down_proj.lora_A.weight [4, 256]" in message and "another base model" in message
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (
+            lambda t: t.pop("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"),
+            "up_proj.lora_B.weight",
+        ),
+        (
+            lambda t: t.__setitem__("base_model.model.lm_head.lora_A.weight", torch.zeros(4, 64)),
+            "'base_model.model.lm_head.lora_A.weight'",
+        ),
+        (
+            lambda t: t.__setitem__(
+                "base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight", torch.zeros(4, 64)
+            ),
+            "layer 5; the base model has 2 layers",
+        ),
+    ],
+)
+def test_tensors_that_cannot_be_served_are_named(tiny_model_dir, tmp_path, spec, edit, named):
+    path = written(tiny_model_dir, tmp_path)
+    edit_tensors(path, edit)
+    message = refusal(path, spec)
+    assert named in message, message
+
+
+def test_a_directory_without_a_checkpoint_is_named(tmp_path, spec):
+    assert f"no {CONFIG_FILE}" in refusal(tmp_path, spec)
+
+
+def test_lora_modules_setting():
+    config = EngineConfig.from_parameters({"lora_modules": "a=/x, b=/y", "max_loras": "2"}).lora
+    assert config.modules() == {"a": "/x", "b": "/y"} and config.max_loras == 2 and config.enabled
+    assert not LoRAConfig().enabled
+    for bad, named in [("a", "not NAME=PATH"), ("a=/x a=/y", "given twice"), ("=/x", "not NAME=PATH")]:
+        with pytest.raises(ConfigError, match=named):
+            LoRAConfig(lora_modules=bad)
+    with pytest.raises(ConfigError, match="max_loras"):
+        LoRAConfig(max_loras=0)
+
+
+def test_lora_name_in_sampling_parameters():
+    assert SamplingParams.from_mapping({"lora_name": "a"}).lora_name == "a"
+    assert SamplingParams.from_mapping({"lora_name": ""}).lora_name is None  # vllm_backend's default
+    assert SamplingParams.from_mapping({"lora_name": None}).lora_name is None
+    with pytest.raises(ValueError, match="lora_name"):
+        SamplingParams.from_mapping({"lora_name": 3})
+
+
+def test_a_steps_rows_are_grouped_by_slot(spec):
+    slots = LoRASlots(spec, num_slots=3, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    slots.set_step([(NO_ADAPTER, 5), (1, 1), (1, 1), (0, 3), (NO_ADAPTER, 1), (1, 2), (2, 1)])
+    step = {item.slot: item.rows for item in slots._step}
+    assert step[0] == slice(7, 10) and step[2] == slice(13, 14)
+    assert step[1].tolist() == [5, 6, 11, 12]  # two runs of rows: gathered
+    slots.set_step([(NO_ADAPTER, 4)])
+    assert not slots.active
+
+
+def test_the_update_is_the_adapters_low_rank_product(tiny_model_dir, tmp_path, spec):
+    adapter = load_adapter("a", written(tiny_model_dir, tmp_path, rank=4), spec, 8)
+    slots = LoRASlots(spec, num_slots=2, max_rank=8, dtype=torch.float64, device=torch.device("cpu"))
+    slots.load(1, adapter)
+    x = torch.randn(3, spec.hidden_size, dtype=torch.float64)
+    slots.set_step([(NO_ADAPTER, 1), (1, 2)])
+    out = slots.add("qkv_proj", 0, x, torch.zeros(3, slots.b["qkv_proj"][0].shape[1], dtype=torch.float64))
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    for module, start, size in [
+        ("q_proj", 0, q_size),
+        ("k_proj", q_size, kv_size),
+        ("v_proj", q_size + kv_size, kv_size),
+    ]:
+        lora = adapter.modules[(0, module)]
+        want = (x[1:] @ lora.a.double().T) @ lora.b.double().T * lora.scaling
+        torch.testing.assert_close(out[1:, start : start + size], want, msg=module)
+    assert torch.count_nonzero(out[0]) == 0  # the base row is left alone
+
+
+def test_slots_are_reused_least_recently_used_first(tiny_model_dir, tmp_path, spec):
+    paths = {name: written(tiny_model_dir, tmp_path, name, seed=i) for i, name in enumerate("abc")}
+    config = LoRAConfig(lora_modules=" ".join(f"{n}={p}" for n, p in paths.items()), max_loras=2)
+    manager = LoRAManager(config, spec, torch.float32, torch.device("cpu"))
+
+    def step(*names: str | None) -> list[str | None]:
+        rows = [_Row(_seq(name)) for name in names]
+        manager.prepare_step(rows)
+        return list(manager.slots.adapter_in_slot)
+
+    assert step("a", "b") == ["a", "b"]
+    assert step("b", None) == ["a", "b"]
+    assert step("c") == ["c", "b"]  # a was used longest ago
+    assert step("a", "c") == ["c", "a"]
+    with pytest.raises(RuntimeError, match="more adapters in one step"):
+        step("a", "b", "c")
+
+
+class _Row:
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.num_new_tokens = 1
+
+
+def _seq(lora_name: str | None) -> Sequence:
+    return Sequence("s", [1, 2], SamplingParams(lora_name=lora_name), seed=0)
+
+
+def test_the_scheduler_keeps_a_batch_within_max_loras():
+    scheduler = make_scheduler()
+    scheduler.max_loras = 2
+    for index, name in enumerate(["a", "b", None, "c", "a"]):
+        scheduler.add_sequence(make_sequence(f"s{index}", 3, lora_name=name))
+    output = scheduler.schedule()
+    # c waits (a and b hold the slots) and, first come first served, so does the a behind it
+    assert [item.seq_id for item in output.scheduled] == ["s0", "s1", "s2"]
+
+
+def test_each_adapter_has_its_own_prefix_hashes():
+    kv = KVCacheManager(16, 4)
+    hashes = {}
+    for name in (None, "a", "b"):
+        seq = Sequence(f"s{name}", list(range(8)), SamplingParams(lora_name=name), seed=0)
+        kv.update_block_hashes(seq)
+        hashes[name] = seq.block_hashes
+    assert len({tuple(h) for h in hashes.values()}) == 3 and all(len(h) == 2 for h in hashes.values())
