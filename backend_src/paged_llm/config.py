@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from paged_llm.coercion import parse_bool, parse_float, parse_int
@@ -127,6 +129,9 @@ class SessionConfig:
             raise ConfigError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
 
 
+MULTI_LORA_FILE = "multi_lora.json"  # vllm_backend's adapter list, in the model's version directory
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters served beside the base model (lora/): a request names one (`lora_name`)."""
@@ -161,6 +166,31 @@ class LoRAConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.lora_modules.strip())
+
+    def with_multi_lora_json(self, version_dir: Path) -> LoRAConfig:
+        """This config plus the adapters of vllm_backend's `multi_lora.json` in the model's version
+        directory ({"NAME": "PATH", ...}), if there is one. A relative PATH is taken from the server's
+        working directory where it exists there (as vllm_backend does), else from `version_dir`."""
+        path = version_dir / MULTI_LORA_FILE
+        if not path.is_file():
+            return self
+        try:
+            named = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{path}: not readable JSON: {error}") from None
+        if not isinstance(named, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and v for k, v in named.items()
+        ):
+            raise ConfigError(f'{path}: expected an object of adapter names and paths {{"NAME": "PATH"}}')
+        items = [self.lora_modules]
+        for name, raw in named.items():
+            if any(c.isspace() or c in ",=" for c in name):
+                raise ConfigError(f"{path}: adapter name {name!r} has a space, comma or '='")
+            adapter_dir = Path(raw).expanduser()
+            if not adapter_dir.is_absolute() and not adapter_dir.exists():
+                adapter_dir = version_dir / adapter_dir
+            items.append(f"{name}={adapter_dir.resolve()}")
+        return replace(self, lora_modules=" ".join(item for item in items if item))
 
 
 @dataclass(frozen=True)

@@ -223,3 +223,47 @@ def test_each_adapter_has_its_own_prefix_hashes():
         kv.update_block_hashes(seq)
         hashes[name] = seq.block_hashes
     assert len({tuple(h) for h in hashes.values()}) == 3 and all(len(h) == 2 for h in hashes.values())
+
+
+def test_vllm_backends_multi_lora_json_adds_adapters(tmp_path, monkeypatch):
+    version_dir = tmp_path / "llm" / "1"
+    version_dir.mkdir(parents=True)
+    (tmp_path / "cwd_adapter").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = LoRAConfig(lora_modules="a=/x")
+    assert config.with_multi_lora_json(version_dir) is config  # no file: unchanged
+    (version_dir / "multi_lora.json").write_text(
+        json.dumps({"b": "cwd_adapter", "c": "weights/c", "d": "/abs/d"})
+    )
+    assert config.with_multi_lora_json(version_dir).modules() == {
+        "a": "/x",
+        "b": str(tmp_path / "cwd_adapter"),  # relative, found from the server's directory
+        "c": str(version_dir / "weights" / "c"),  # else from the version directory
+        "d": "/abs/d",
+    }
+    (version_dir / "multi_lora.json").write_text(json.dumps({"a": "/y"}))
+    with pytest.raises(ConfigError, match="'a' is given twice"):
+        config.with_multi_lora_json(version_dir)
+    (version_dir / "multi_lora.json").write_text(json.dumps(["a"]))
+    with pytest.raises(ConfigError, match=r"multi_lora\.json: expected an object"):
+        config.with_multi_lora_json(version_dir)
+
+
+def test_serve_flags_load_the_adapters_and_route_their_names(tmp_path):
+    from paged_llm.cli.arguments import build_parser, engine_parameters, lora_flags
+    from paged_llm.openai.server import parse_lora_adapters
+    from paged_llm.openai.settings import OpenAISettings
+
+    args = build_parser().parse_args(
+        ["serve", "--lora-modules", f"a={tmp_path}/a", "b=rel/b", "--max-loras", "2"]
+    )
+    args.model_path = "m"
+    parameters = engine_parameters(args)
+    assert parameters["lora_modules"] == f"a={tmp_path}/a b={(Path.cwd() / 'rel/b')}"
+    assert parameters["max_loras"] == "2"
+    assert lora_flags(args) == ["--lora-adapter", "a=llm", "--lora-adapter", "b=llm"]
+    settings = OpenAISettings("t", lora_adapters=parse_lora_adapters(["a=llm", "b=llm"]))
+    assert OpenAISettings.from_json(settings.to_json()) == settings
+    assert settings.target("a") == ("llm", "a") and settings.target("llm") == ("llm", None)
+    with pytest.raises(SystemExit, match="ADAPTER=MODEL"):
+        parse_lora_adapters(["a"])

@@ -44,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "fp8", "fp8_e4m3"],
         help="fp8: an e4m3 KV cache (twice the tokens)",
     )
+    add(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT checkpoint directories) a request selects by model NAME (OpenAI) or "
+        "lora_name NAME (Triton)",
+    )
+    add("--max-loras", type=int, help="adapters one step serves at once (default 8)")
+    add("--max-lora-rank", type=int, help="the largest adapter rank (default 64)")
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(
         "--model-repository-dir",
@@ -103,17 +114,40 @@ def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
         "load_format",
         "quantization",
         "kv_cache_dtype",
+        "max_loras",
+        "max_lora_rank",
     )
     for flag in flags:
         value = getattr(args, flag)
         if value is not None:
             parameters[flag] = str(value)
+    if args.lora_modules:
+        parameters["lora_modules"] = " ".join(_absolute_lora_modules(args.lora_modules))
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"error: --engine-arg {item!r}: expected key=value")
         parameters[key] = value
     return parameters
+
+
+def _absolute_lora_modules(items: list[str]) -> list[str]:
+    """NAME=PATH items with PATH absolute (the stub does not run in this directory)."""
+    resolved = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --lora-modules {item!r}: expected NAME=PATH")
+        resolved.append(f"{name}={Path(path).expanduser().resolve()}")
+    return resolved
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The OpenAI server's flags routing each adapter's name to the served model."""
+    flags = []
+    for item in args.lora_modules:
+        flags += ["--lora-adapter", f"{item.partition('=')[0]}={args.served_model_name}"]
+    return flags
 
 
 def chat_flags(args: argparse.Namespace) -> list[str]:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paged_llm.cli.arguments import build_parser, chat_flags, engine_parameters
+from paged_llm.cli.arguments import build_parser, chat_flags, engine_parameters, lora_flags
 from paged_llm.cli.children import (
     EXIT_TIMEOUT_S,
     Children,
@@ -188,7 +188,7 @@ def serve(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             if tokenizer_dir is not None:
                 openai_command += ["--tokenizer", f"{args.served_model_name}={tokenizer_dir}"]
-            openai_command += chat_flags(args)
+            openai_command += chat_flags(args) + lora_flags(args)
             env = dict(os.environ)
             env[API_KEY_ENV] = ",".join(keys)  # in the environment, not on a command line `ps` shows
             children.openai_server = subprocess.Popen(openai_command, env=env)

@@ -96,8 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM's OpenAI server does by default; vllm: the engine's defaults",
     )
     add_chat_arguments(parser)
+    parser.add_argument(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        help="ADAPTER=MODEL, repeatable: a request for model ADAPTER goes to Triton model MODEL with "
+        "lora_name ADAPTER (the model loads the adapter: its lora_modules parameter)",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
+
+
+def parse_lora_adapters(values: list[str]) -> dict[str, str]:
+    """--lora-adapter ADAPTER=MODEL values; SystemExit for a malformed one."""
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, model = value.partition("=")
+        if not sep or not name or not model:
+            raise SystemExit(f"error: --lora-adapter {value!r}: expected ADAPTER=MODEL")
+        adapters[name] = model
+    return adapters
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        lora_adapters=parse_lora_adapters(args.lora_adapter),
     )
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     import uvicorn

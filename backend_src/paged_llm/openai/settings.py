@@ -29,6 +29,14 @@ class OpenAISettings:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # LoRA adapter name -> the Triton model that serves it: a request whose `model` is the adapter
+    # goes to that model with sampling parameter lora_name set (vLLM's --lora-modules convention)
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+    def target(self, model: str) -> tuple[str, str | None]:
+        """(the Triton model, the LoRA adapter or None) a request's `model` names."""
+        parent = self.lora_adapters.get(model)
+        return (model, None) if parent is None else (parent, model)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -48,6 +56,7 @@ class OpenAISettings:
                 "tool_call_parser": self.tool_call_parser,
                 "enable_auto_tool_choice": self.enable_auto_tool_choice,
                 "reasoning_parser": self.reasoning_parser,
+                "lora_adapters": self.lora_adapters,
             }
         )
 
@@ -70,4 +79,5 @@ class OpenAISettings:
             tool_call_parser=data.get("tool_call_parser"),
             enable_auto_tool_choice=data.get("enable_auto_tool_choice", False),
             reasoning_parser=data.get("reasoning_parser"),
+            lora_adapters=dict(data.get("lora_adapters", {})),
         )

@@ -89,7 +89,12 @@ class TritonPythonModel:
             args.get("model_instance_device_id", "0"),
         )
         model_dir = resolve_model_dir(config.model.model, Path(args["model_repository"]))
-        self.config = replace(config, model=replace(config.model, model=str(model_dir)))
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.config = replace(
+            config,
+            model=replace(config.model, model=str(model_dir)),
+            lora=config.lora.with_multi_lora_json(version_dir),  # vllm_backend's adapter list
+        )
         self._api_keys = ApiKeyCheck.from_environment()  # set by `paged-llm serve --api-key`
         if self.config.serving.gil_switch_interval_s:
             sys.setswitchinterval(self.config.serving.gil_switch_interval_s)

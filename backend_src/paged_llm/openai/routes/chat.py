@@ -50,7 +50,8 @@ async def _chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = parse_body(
         await read_body(request, settings.max_body_bytes), ChatCompletionRequest
     )
-    await state.models.check(body.model)
+    model, lora_name = state.settings.target(body.model)  # an adapter's name: its model
+    await state.models.check(model)
     messages = [message.template_dict(i) for i, message in enumerate(body.messages)]
     tools = body.tool_use
     parser = (
@@ -58,7 +59,7 @@ async def _chat_completions(request: Request) -> Response:
     )
     session = session_of(request)
     prompt = await state.chat.render(
-        body.model,
+        model,
         messages,
         body.add_generation_prompt,
         body.continue_final_message,
@@ -73,11 +74,13 @@ async def _chat_completions(request: Request) -> Response:
     sampling = body.sampling_parameters()
     if constraint is not None:
         sampling["structured_outputs"] = constraint.spec
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation_request = GenerationRequest(
-        body.model,
+        model,
         prompt,
-        await with_generation_defaults(state, body.model, sampling),
+        await with_generation_defaults(state, model, sampling),
         body.stream,
         body.logprobs,
         request_id,

@@ -37,12 +37,13 @@ async def _completions(request: Request) -> Response:
     body: CompletionRequest = parse_body(
         await read_body(request, state.settings.max_body_bytes), CompletionRequest
     )
-    await state.models.check(body.model)
+    model, lora_name = state.settings.target(body.model)  # an adapter's name: its model
+    await state.models.check(model)
     prompts = body.prompts()
     echo_texts = [""] * (len(prompts) * body.n)
     if body.echo:
         for position, prompt in enumerate(prompts):
-            text = prompt if isinstance(prompt, str) else await state.chat.decode(body.model, prompt)
+            text = prompt if isinstance(prompt, str) else await state.chat.decode(model, prompt)
             for index in range(body.n):
                 echo_texts[position * body.n + index] = text
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -50,13 +51,15 @@ async def _completions(request: Request) -> Response:
     constraint = body.constraint
     if constraint is not None:
         sampling["structured_outputs"] = constraint.spec
-    sampling = await with_generation_defaults(state, body.model, sampling)
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name
+    sampling = await with_generation_defaults(state, model, sampling)
     session = session_of(request)
     if session is not None and len(prompts) != 1:
         raise OpenAIError(400, f"a session's turn has one prompt, got {len(prompts)}", "prompt")
     generation_requests = [
         GenerationRequest(
-            body.model,
+            model,
             prompt,
             sampling,
             body.stream,

@@ -1,4 +1,5 @@
-"""GET /v1/models and GET /v1/models/{model}: tritonserver's ready models, as OpenAI model cards."""
+"""GET /v1/models and GET /v1/models/{model}: tritonserver's ready models, as OpenAI model cards,
+and the LoRA adapters they serve (cards with their `parent`, as vLLM lists them)."""
 
 from __future__ import annotations
 
@@ -22,16 +23,30 @@ async def _ready_models(request: Request) -> list[str]:
         raise OpenAIError(503, "tritonserver is not reachable") from None
 
 
-def _model_card(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "paged_llm"}
+def _model_card(name: str, created: int, parent: str | None = None) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "paged_llm"}
+    if parent is not None:
+        card["parent"] = parent
+    return card
+
+
+async def _cards(request: Request) -> dict[str, dict[str, Any]]:
+    """Model cards by id: the ready models, then the adapters of those."""
+    created = int(time.time())
+    ready = await _ready_models(request)
+    cards = {name: _model_card(name, created) for name in ready}
+    for adapter, parent in app_state(request).settings.lora_adapters.items():
+        if parent in cards and adapter not in cards:
+            cards[adapter] = _model_card(adapter, created, parent)
+    return cards
 
 
 async def models(request: Request) -> dict[str, Any]:
-    created = int(time.time())
-    return {"object": "list", "data": [_model_card(name, created) for name in await _ready_models(request)]}
+    return {"object": "list", "data": list((await _cards(request)).values())}
 
 
 async def model(model: str, request: Request) -> dict[str, Any]:
-    if model not in await _ready_models(request):
+    card = (await _cards(request)).get(model)
+    if card is None:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-    return _model_card(model, int(time.time()))
+    return card
