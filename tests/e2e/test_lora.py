@@ -17,7 +17,7 @@ from paged_llm.launcher.repository import make_model_repository
 from paged_llm.lora.random_adapter import write_random_adapter
 from paged_llm.testing.server_process import stop_process_group
 from tests.e2e.client import stream
-from tests.e2e.metrics import wait_idle
+from tests.e2e.metrics import value, wait_for, wait_idle
 from tests.e2e.server import RunningServer, start_server
 from tests.e2e.test_launcher import start_served
 
@@ -82,6 +82,18 @@ def test_triton_lora_name_selects_the_adapter(triton, reference):
     assert len(unknown.errors) == 1
     assert "lora_name: LoRA adapter 'gamma' is not loaded (loaded: 'alpha', 'beta')" in unknown.errors[0]
     wait_idle(triton)
+
+    def counted() -> bool:  # the request counters go with each final, the engine's every 0.5 s
+        text = triton.metrics()
+        return (
+            all(value(text, "paged_llm_lora_requests_total", lora_name=n) == 1 for n in ("alpha", "beta"))
+            and value(text, "paged_llm_lora_adapter_loads_total") == 2
+        )
+
+    assert wait_for(counted), triton.metrics()[-3000:]
+    text = triton.metrics()
+    assert value(text, "paged_llm_lora_adapter_evictions_total") == 0
+    assert value(text, "paged_llm_lora_slots_used") == 2
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,7 @@ def test_slots_are_reused_least_recently_used_first(tiny_model_dir, tmp_path, sp
     assert step("b", None) == ["a", "b"]
     assert step("c") == ["c", "b"]  # a was used longest ago
     assert step("a", "c") == ["c", "a"]
+    assert (manager.num_loads, manager.num_evictions, manager.num_slots_used) == (4, 2, 2)
     with pytest.raises(RuntimeError, match="more adapters in one step"):
         step("a", "b", "c")
 

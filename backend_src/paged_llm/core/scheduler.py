@@ -95,6 +95,10 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # sequence-steps that verified proposed tokens
     spec_num_draft_tokens: int = 0  # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
+    # LoRA (the runner's device slots; EngineCore.scheduler_stats fills them in):
+    lora_loads_total: int = 0  # adapters written into a slot, since start
+    lora_evictions_total: int = 0  # of those, ones that replaced another adapter
+    num_lora_slots_used: int = 0  # slots holding an adapter now
 
 
 class Scheduler:

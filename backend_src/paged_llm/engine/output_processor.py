@@ -309,6 +309,7 @@ class OutputProcessor:
                     state.num_prompt_tokens,
                     sum(seq.num_output_tokens for seq in state.sequences),
                     len(state.sequences),
+                    state.params.lora_name,
                 )
                 output = RequestOutput(request_id, state.num_prompt_tokens, deltas, True, state.error)
             elif deltas:

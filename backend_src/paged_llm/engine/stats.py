@@ -56,6 +56,10 @@ class StatsSnapshot:
     spec_num_drafts: int = 0  # speculative decoding: sequence-steps that verified proposals
     spec_num_draft_tokens: int = 0  # proposed tokens verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
+    lora_loads_total: int = 0  # LoRA adapters written into a device slot
+    lora_evictions_total: int = 0  # of those, ones that replaced another adapter
+    num_lora_slots_used: int = 0  # device slots holding an adapter
+    num_requests_by_lora: dict[str, int] = field(default_factory=dict)  # finished requests by adapter
     engine_up: bool = True  # the engine core is serving (False: dead, restarting or given up)
     owns_core: bool = True  # False: a core shared with another stub, which reports its figures
     num_streamed_responses: int = 0  # non-empty streamed responses sent
@@ -73,6 +77,8 @@ _SCHEDULER_TOTALS = (
     "spec_num_drafts",
     "spec_num_draft_tokens",
     "spec_num_accepted_tokens",
+    "lora_loads_total",
+    "lora_evictions_total",
 )
 _SESSION_TOTALS = ("num_evicted_total", "num_expired_total", "num_truncated_total", "reused_tokens_total")
 _STRUCTURED_OUTPUT_TOTALS = (
@@ -137,6 +143,7 @@ class EngineStats:
         self.engine_gc = GcPauses()
         self.engine_steps = StepTimes()
         self.requests_by_outcome: Counter[str] = Counter()
+        self.requests_by_lora: Counter[str] = Counter()
         self.scheduler: SchedulerStats | None = None  # as of the last core step seen
         self.sessions: SessionStats | None = None
         self.structured_output: StructuredOutputStats | None = None  # None until a constrained request
@@ -243,10 +250,13 @@ class EngineStats:
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         n: int = 1,
+        lora_name: str | None = None,
     ) -> None:
-        """`outcome`: stop, length, abort or error."""
+        """`outcome`: stop, length, abort or error; `lora_name`: its LoRA adapter, if any."""
         with self._lock:
             self.requests_by_outcome[outcome] += 1
+            if lora_name is not None:
+                self.requests_by_lora[lora_name] += 1
             observations = self._observations
             self._observe(observations.e2e_latency_s, e2e_latency_s)
             self._observe(observations.request_prompt_tokens, num_prompt_tokens)
@@ -300,6 +310,10 @@ class EngineStats:
                 spec_num_drafts=total("spec_num_drafts"),
                 spec_num_draft_tokens=total("spec_num_draft_tokens"),
                 spec_num_accepted_tokens=total("spec_num_accepted_tokens"),
+                lora_loads_total=total("lora_loads_total"),
+                lora_evictions_total=total("lora_evictions_total"),
+                num_lora_slots_used=sched.num_lora_slots_used if sched else 0,
+                num_requests_by_lora=dict(self.requests_by_lora),
                 engine_up=self.engine_up,
                 owns_core=self.owns_core,
                 num_streamed_responses=self.num_streamed_responses,

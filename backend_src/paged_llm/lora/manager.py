@@ -44,6 +44,8 @@ class LoRAManager:
         self._slot_of: dict[str, int] = {}
         self._last_used = [-1] * num_slots  # the step that last used each slot
         self._num_steps = 0
+        self.num_loads = 0  # adapters written into a slot
+        self.num_evictions = 0  # of those, ones that replaced another adapter
         for adapter in self.adapters.values():
             logger.info(
                 "LoRA adapter %r: rank %d, %d modules (%s)",
@@ -56,6 +58,10 @@ class LoRAManager:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.adapters)
+
+    @property
+    def num_slots_used(self) -> int:
+        return len(self._slot_of)
 
     def prepare_step(self, scheduled: Seq[ScheduledRows]) -> bool:
         """Puts the step's adapters in slots and tells the slots the step's rows; True when any row
@@ -85,7 +91,9 @@ class LoRAManager:
             evicted = self.slots.adapter_in_slot[slot]
             if evicted is not None:
                 del self._slot_of[evicted]
+                self.num_evictions += 1
             self.slots.load(slot, self.adapters[name])
+            self.num_loads += 1
             self._slot_of[name] = slot
         self._last_used[slot] = self._num_steps
         return slot

@@ -130,6 +130,7 @@ class TritonPythonModel:
             args["model_name"],
             args["model_version"],
             max_model_len=self.engine.info.max_model_len,
+            lora_names=self.engine.info.lora_names,
         )
         self._streams = ResponseStreams(
             pb_utils,

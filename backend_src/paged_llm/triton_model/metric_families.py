@@ -16,6 +16,10 @@ for how and when they are updated). Histograms are Triton histogram families (tr
 | paged_llm_spec_decode_num_accepted_tokens_total | counter | of those, accepted |
 | paged_llm_spec_decode_acceptance_rate | gauge | accepted / proposed tokens since start |
 | paged_llm_spec_decode_mean_accepted_length | gauge | tokens per verifying step: 1 + accepted / drafts |
+| paged_llm_lora_requests_total{lora_name} | counter | finished requests by LoRA adapter |
+| paged_llm_lora_adapter_loads_total | counter | adapters written into a device slot |
+| paged_llm_lora_adapter_evictions_total | counter | of those, ones that replaced another adapter |
+| paged_llm_lora_slots_used | gauge | device slots holding an adapter (of max_loras) |
 | paged_llm_sessions_open | gauge | open sessions (core/sessions.py) |
 | paged_llm_session_reused_tokens_total | counter | tokens whose KV a turn took from its session |
 | paged_llm_session_kv_evictions_total | counter | idle sessions whose KV was reclaimed for other work |
@@ -174,7 +178,9 @@ class _Gauge:
 class MetricFamilies:
     """The metrics of one model instance, each with the instance's `model`/`version` labels."""
 
-    def __init__(self, pb_utils: Any, labels: dict[str, str], max_model_len: int) -> None:
+    def __init__(
+        self, pb_utils: Any, labels: dict[str, str], max_model_len: int, lora_names: tuple[str, ...] = ()
+    ) -> None:
         family = pb_utils.MetricFamily
         self.families: list[Any] = []  # must outlive their metrics (the backend checks)
 
@@ -236,6 +242,18 @@ class MetricFamilies:
             "paged_llm_spec_decode_mean_accepted_length",
             "Speculative decoding: tokens per verifying sequence-step (1 + accepted / drafts)",
         )
+        self.lora_requests = per_label(
+            "paged_llm_lora_requests_total", "Finished requests by LoRA adapter", "lora_name", lora_names
+        )
+        self.lora_loads = metric(
+            "paged_llm_lora_adapter_loads_total", "LoRA adapters written into a device slot", family.COUNTER
+        )
+        self.lora_evictions = metric(
+            "paged_llm_lora_adapter_evictions_total",
+            "LoRA adapter loads that replaced another adapter in its slot",
+            family.COUNTER,
+        )
+        self.lora_slots_used = gauge("paged_llm_lora_slots_used", "Device slots holding a LoRA adapter")
         self.sessions_open = gauge("paged_llm_sessions_open", "Open sessions")
         self.session_counters = {
             field_name: metric(name, description, family.COUNTER)

@@ -45,6 +45,7 @@ class TritonMetrics:
         model_version: str,
         reports_engine_state: bool = True,
         max_model_len: int = 4096,
+        lora_names: tuple[str, ...] = (),
     ) -> None:
         """`reports_engine_state` False: a stub that shares another's engine core leaves the
         core's own figures (running, waiting, KV usage, prefix cache, preemptions, engine up) to
@@ -56,7 +57,7 @@ class TritonMetrics:
         self._requests_lock = threading.Lock()
         self._finals_lock = threading.Lock()
         labels = {"model": model_name, "version": model_version}
-        self._metrics = MetricFamilies(pb_utils, labels, max_model_len)
+        self._metrics = MetricFamilies(pb_utils, labels, max_model_len, lora_names)
         family = pb_utils.MetricFamily
         self._engine_up_family = family(
             name=ENGINE_UP_METRIC,
@@ -114,6 +115,9 @@ class TritonMetrics:
             accepted = snapshot.spec_num_accepted_tokens
             self._metrics.spec_acceptance.set(accepted / max(snapshot.spec_num_draft_tokens, 1))
             self._metrics.spec_mean_length.set(1.0 + accepted / snapshot.spec_num_drafts)
+        self._advance("lora_loads", self._metrics.lora_loads, snapshot.lora_loads_total)
+        self._advance("lora_evictions", self._metrics.lora_evictions, snapshot.lora_evictions_total)
+        self._metrics.lora_slots_used.set(snapshot.num_lora_slots_used)
         if snapshot.sessions is not None:
             self._metrics.sessions_open.set(snapshot.sessions.num_open)
             for field_name, counter in self._metrics.session_counters.items():
@@ -144,6 +148,8 @@ class TritonMetrics:
             self._advance("vllm_generation_tokens", self._metrics.vllm_generation_tokens, generation_tokens)
             for outcome, counter in self._metrics.outcomes.items():
                 self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
+            for name, counter in self._metrics.lora_requests.items():
+                self._advance(f"lora:{name}", counter, snapshot.num_requests_by_lora.get(name, 0))
             self._advance(
                 "streamed_responses", self._metrics.streamed_responses, snapshot.num_streamed_responses
             )

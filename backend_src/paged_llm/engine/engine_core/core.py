@@ -506,7 +506,16 @@ class EngineCore:
         self._outputs.utility_results[call_id] = result
 
     def scheduler_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        lora = self.runner.lora
+        if lora is None:
+            return stats
+        return replace(
+            stats,
+            lora_loads_total=lora.num_loads,
+            lora_evictions_total=lora.num_evictions,
+            num_lora_slots_used=lora.num_slots_used,
+        )
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
