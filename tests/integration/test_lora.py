@@ -164,3 +164,29 @@ def test_a_session_keeps_its_first_turns_adapter(engines, adapters, peft_referen
     with pytest.raises(InvalidRequestError) as error:
         turn("t3", second, "all8")
     assert error.value.field == "lora_name" and "runs with LoRA adapter 'qv4'" in str(error.value)
+
+
+def test_ngram_speculation_with_adapters_keeps_their_tokens(engines, adapters, peft_reference, prompts):
+    """Proposals are verified by the target model with the row's adapter: the output is the
+    adapter's own greedy output, and proposals are accepted (repetitive prompts)."""
+    from paged_llm.config import SpeculativeConfig
+
+    engine = engines(lora=lora_config(adapters), speculative=SpeculativeConfig(num_speculative_tokens=3))
+    repetitive = [list(prompts[4][:12]) * 4, [7, 8, 9] * 10]
+    cases = [(prompt, name) for prompt in repetitive for name in NAMES]
+    got = token_ids(run_to_completion(engine, [p for p, _ in cases], [greedy(n, 24) for _, n in cases]))
+    assert got == [peft_reference(name, prompt, 24) for prompt, name in cases]
+    assert engine.scheduler_stats().spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4])
+def test_tensor_parallel_ranks_shard_the_adapters_and_keep_the_tokens(
+    engines, adapters, peft_reference, prompts, tensor_parallel_size
+):
+    """2 ranks split the KV heads, 4 replicate them (the tiny model has 2); max_loras 2 makes rank 0
+    reload slots mid-run, which the other ranks replay."""
+    engine = engines(lora=lora_config(adapters, max_loras=2), tensor_parallel_size=tensor_parallel_size)
+    cases = [(prompts[i], NAMES[i % 4]) for i in range(8)]
+    got = token_ids(run_to_completion(engine, [p for p, _ in cases], [greedy(n) for _, n in cases]))
+    assert got == [peft_reference(name, prompt) for prompt, name in cases]
+    assert engine.scheduler_stats().lora_evictions_total > 0

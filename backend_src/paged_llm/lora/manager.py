@@ -45,6 +45,9 @@ class LoRAManager:
         self._last_used = [-1] * num_slots  # the step that last used each slot
         self._num_steps = 0
         self.num_loads = 0  # adapters written into a slot
+        self.step_rows: list[tuple[int, int]] = []  # the last prepare_step's (slot, tokens) per sequence
+        self.step_loads: list[tuple[int, int]] = []  # and its loads: (slot, adapter index)
+        self._index_of = {name: index for index, name in enumerate(self.adapters)}
         self.num_evictions = 0  # of those, ones that replaced another adapter
         for adapter in self.adapters.values():
             logger.info(
@@ -65,20 +68,30 @@ class LoRAManager:
 
     def prepare_step(self, scheduled: Seq[ScheduledRows]) -> bool:
         """Puts the step's adapters in slots and tells the slots the step's rows; True when any row
-        runs with an adapter (the step then runs eagerly)."""
+        runs with an adapter (the step then runs eagerly). `step_rows` and `step_loads` say what
+        it did, for the tensor-parallel ranks (replay_step)."""
         self._num_steps += 1
+        self.step_loads = []
         rows: list[tuple[int, int]] = []
-        any_adapter = False
         for item in scheduled:
             name = item.seq.sampling_params.lora_name
-            slot = NO_ADAPTER if name is None else self._slot(name)
-            any_adapter = any_adapter or slot != NO_ADAPTER
-            rows.append((slot, item.num_new_tokens))
-        if any_adapter:
+            rows.append((NO_ADAPTER if name is None else self._slot(name), item.num_new_tokens))
+        self.step_rows = rows
+        return self._set_step(rows)
+
+    def replay_step(self, rows: list[tuple[int, int]], loads: list[tuple[int, int]]) -> bool:
+        """Another rank's prepare_step: (slot, adapter index in lora_modules) loads, then the rows."""
+        names = list(self.adapters)
+        for slot, index in loads:
+            self.slots.load(slot, self.adapters[names[index]])
+        return self._set_step(rows)
+
+    def _set_step(self, rows: list[tuple[int, int]]) -> bool:
+        if any(slot != NO_ADAPTER for slot, _ in rows):
             self.slots.set_step(rows)
-        else:
-            self.slots.clear_step()
-        return any_adapter
+            return True
+        self.slots.clear_step()
+        return False
 
     def _slot(self, name: str) -> int:
         slot = self._slot_of.get(name)
@@ -94,6 +107,7 @@ class LoRAManager:
                 self.num_evictions += 1
             self.slots.load(slot, self.adapters[name])
             self.num_loads += 1
+            self.step_loads.append((slot, self._index_of[name]))
             self._slot_of[name] = slot
         self._last_used[slot] = self._num_steps
         return slot

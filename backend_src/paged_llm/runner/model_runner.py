@@ -100,8 +100,6 @@ class ModelRunner:
         `all_reduce`: auto (one-shot over symmetric memory for small tensors on CUDA) or nccl.
         `grammar_fill_threads`: xgrammar's threads for a step's bitmask (0: StepBitmask's rule).
         `lora`: the LoRA adapters to serve (read in load())."""
-        if lora is not None and lora.enabled and tensor_parallel_size > 1:
-            raise ConfigError("lora_modules: LoRA adapters are not supported with tensor_parallel_size > 1")
         # What a worker needs to build its own runner (rank_device() moves it to its device).
         self._worker_kwargs = dict(
             spec=spec,
@@ -122,6 +120,7 @@ class ModelRunner:
             fp8_kv_cache=fp8_kv_cache,
             all_reduce=all_reduce,
             torch_compile=torch_compile,
+            lora=lora,
         )
         self.load_format = load_format
         self.quantization = quantization
@@ -407,6 +406,8 @@ class ModelRunner:
         else:
             self.workers.check_alive()
             try:  # a header some workers got and others not leaves them out of step as well
+                if self.lora is not None:
+                    self.workers.send_lora_step(self.lora.step_rows, self.lora.step_loads)
                 self.workers.send_step(inputs)
                 logits = self.forward_step(*model_inputs)
             except Exception as error:  # the workers wait in a collective rank 0 never reaches
@@ -435,6 +436,10 @@ class ModelRunner:
             step.verify_seqs = verify_rows.seqs
             step.verified = verify(logits, verify_rows, self.spec.vocab_size)
         return step
+
+    def set_lora_step(self, active: bool) -> None:
+        """A tensor-parallel worker's step has adapter rows (rank 0 decided: LoRAManager.replay_step)."""
+        self._lora_step = active
 
     def forward_step(
         self,

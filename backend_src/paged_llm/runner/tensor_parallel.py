@@ -55,6 +55,7 @@ from paged_llm.runner.tp_channel import (
     Channel,
     StepHeader,
     collective_timeout,
+    pack_lora_step,
     pack_step,
 )
 
@@ -188,6 +189,11 @@ class TensorParallelWorkers:
 
     def send_step(self, inputs: StepInputs) -> None:
         header, payload = pack_step(inputs)
+        self.channel.send(header, payload)
+
+    def send_lora_step(self, rows: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """The next step's LoRA rows and slot loads (before send_step; only with adapters)."""
+        header, payload = pack_lora_step(rows, loads, self.channel.device)
         self.channel.send(header, payload)
 
     def send_command(self, command: int, argument: int = 0) -> None:

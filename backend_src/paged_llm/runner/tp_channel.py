@@ -17,7 +17,7 @@ from paged_llm.layers.attention.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from paged_llm.runner.input_buffers import StepInputs
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN = 1, 2, 3, 4
+CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_SHUTDOWN, CMD_LORA_STEP = 1, 2, 3, 4, 5
 HEADER_SIZE = 8  # [command, T, B, W, S, max_query_len, max_seq_len, argument]
 TIMEOUT_ENV = "PAGED_LLM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint can take minutes
@@ -130,6 +130,28 @@ def pack_step(inputs: StepInputs) -> tuple[StepHeader, torch.Tensor]:
         inputs.sample_indices,
     ]
     return header, torch.cat(parts)
+
+
+def pack_lora_step(
+    rows: list[tuple[int, int]], loads: list[tuple[int, int]], device: torch.device
+) -> tuple[StepHeader, torch.Tensor]:
+    """The next step's LoRA rows ((slot, tokens) per sequence) and slot loads ((slot, adapter
+    index)), sent before the step itself (lora/manager.py's replay_step on the other ranks)."""
+    values = [value for pair in rows for value in pair] + [value for pair in loads for value in pair]
+    header = StepHeader(CMD_LORA_STEP, num_seqs=len(rows), argument=len(loads))
+    return header, torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def unpack_lora_step(
+    header: StepHeader, payload: torch.Tensor
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    values = payload.tolist()
+    pairs = [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    return pairs[: header.num_seqs], pairs[header.num_seqs :]
+
+
+def lora_payload_size(header: StepHeader) -> int:
+    return 2 * (header.num_seqs + header.argument)
 
 
 def unpack_step(

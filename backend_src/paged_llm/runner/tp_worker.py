@@ -24,11 +24,14 @@ from paged_llm.runner.tensor_parallel import (
 )
 from paged_llm.runner.tp_channel import (
     CMD_ALLOCATE,
+    CMD_LORA_STEP,
     CMD_PROFILE,
     CMD_SHUTDOWN,
     CMD_STEP,
     Channel,
+    lora_payload_size,
     payload_size,
+    unpack_lora_step,
     unpack_step,
 )
 
@@ -65,6 +68,10 @@ def _follow(runner: ModelRunner, channel: Channel, with_host_lists: bool) -> Non
             payload = channel.receive_payload(payload_size(header))
             ids, positions, metadata, sample_indices = unpack_step(header, payload, with_host_lists)
             runner.forward_step(ids, positions, metadata, sample_indices)
+        elif header.command == CMD_LORA_STEP:
+            assert runner.lora is not None, "LoRA rows sent to a rank without adapters"
+            rows, loads = unpack_lora_step(header, channel.receive_payload(lora_payload_size(header)))
+            runner.set_lora_step(runner.lora.replay_step(rows, loads))
         elif header.command == CMD_PROFILE:
             runner.profile_free_kv_bytes(header.argument / 1e6)
         elif header.command == CMD_ALLOCATE:
