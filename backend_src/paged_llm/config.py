@@ -140,12 +140,20 @@ class LoRAConfig:
     lora_modules: str = ""
     max_loras: int = 8  # adapters a step may serve at once (device slots)
     max_lora_rank: int = 64  # the largest rank an adapter may have (the slots' width)
+    # adapters kept in host memory, least recently used dropped and read again from disk when a
+    # step needs it (0: every one)
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_loras <= 256:
             raise ConfigError(f"max_loras must be in [1, 256], got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 1024:
             raise ConfigError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be 0 (every adapter) or >= max_loras "
+                f"({self.max_loras})"
+            )
         self.modules()  # raises on a malformed list
 
     def modules(self) -> dict[str, str]:

@@ -268,3 +268,19 @@ def test_serve_flags_load_the_adapters_and_route_their_names(tmp_path):
     assert settings.target("a") == ("llm", "a") and settings.target("llm") == ("llm", None)
     with pytest.raises(SystemExit, match="ADAPTER=MODEL"):
         parse_lora_adapters(["a"])
+
+
+def test_host_memory_keeps_max_cpu_loras_adapters(tiny_model_dir, tmp_path, spec):
+    paths = {name: written(tiny_model_dir, tmp_path, name, seed=i) for i, name in enumerate("abc")}
+    config = LoRAConfig(
+        lora_modules=" ".join(f"{n}={p}" for n, p in paths.items()), max_loras=1, max_cpu_loras=1
+    )
+    manager = LoRAManager(config, spec, torch.float32, torch.device("cpu"))
+    assert list(manager.adapters) == ["c"] and manager.num_reads == 3  # each checked once
+    manager.prepare_step([_Row(_seq("c"))])
+    assert manager.num_reads == 3  # in memory
+    manager.prepare_step([_Row(_seq("a"))])
+    assert list(manager.adapters) == ["a"] and manager.num_reads == 4  # read again, c dropped
+    assert manager.slots.adapter_in_slot == ["a"]
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        LoRAConfig(max_loras=4, max_cpu_loras=2)

@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-loras", type=int, help="adapters one step serves at once (default 8)")
     add("--max-lora-rank", type=int, help="the largest adapter rank (default 64)")
+    add("--max-cpu-loras", type=int, help="adapters kept in host memory (default: every one)")
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(
         "--model-repository-dir",
@@ -116,6 +117,7 @@ def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
         "kv_cache_dtype",
         "max_loras",
         "max_lora_rank",
+        "max_cpu_loras",
     )
     for flag in flags:
         value = getattr(args, flag)

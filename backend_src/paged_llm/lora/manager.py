@@ -1,9 +1,11 @@
-"""The runner's adapters: every configured one read and checked at start-up (kept in host memory),
-and each step's adapters put in device slots (least recently used slot first) before its forward."""
+"""The runner's adapters: every configured one read and checked at start-up, at most max_cpu_loras
+kept in host memory (least recently used dropped, read again when a step needs it), and each step's
+adapters put in device slots (least recently used slot first) before its forward."""
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Protocol
@@ -34,22 +36,16 @@ class LoRAManager:
         device: torch.device,
         shard: ShardPlan | None = None,
     ) -> None:
-        self.adapters: dict[str, LoRAAdapter] = {
-            name: load_adapter(name, Path(path), spec, config.max_lora_rank)
-            for name, path in config.modules().items()
-        }
-        num_slots = min(config.max_loras, max(1, len(self.adapters)))
-        max_rank = max((a.max_rank for a in self.adapters.values()), default=1)
-        self.slots = LoRASlots(spec, num_slots, max_rank, dtype, device, shard)
-        self._slot_of: dict[str, int] = {}
-        self._last_used = [-1] * num_slots  # the step that last used each slot
-        self._num_steps = 0
-        self.num_loads = 0  # adapters written into a slot
-        self.step_rows: list[tuple[int, int]] = []  # the last prepare_step's (slot, tokens) per sequence
-        self.step_loads: list[tuple[int, int]] = []  # and its loads: (slot, adapter index)
-        self._index_of = {name: index for index, name in enumerate(self.adapters)}
-        self.num_evictions = 0  # of those, ones that replaced another adapter
-        for adapter in self.adapters.values():
+        self.spec = spec
+        self.max_lora_rank = config.max_lora_rank
+        self.paths = {name: Path(path) for name, path in config.modules().items()}
+        self.max_cpu_loras = config.max_cpu_loras or len(self.paths)
+        # in host memory, least recently used first
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        ranks = []
+        for name in self.paths:
+            adapter = self._read(name)
+            ranks.append(adapter.max_rank)
             logger.info(
                 "LoRA adapter %r: rank %d, %d modules (%s)",
                 adapter.name,
@@ -57,10 +53,22 @@ class LoRAManager:
                 len(adapter.modules),
                 adapter.path,
             )
+        num_slots = min(config.max_loras, max(1, len(self.paths)))
+        max_rank = max(ranks, default=1)
+        self.slots = LoRASlots(spec, num_slots, max_rank, dtype, device, shard)
+        self._slot_of: dict[str, int] = {}
+        self._last_used = [-1] * num_slots  # the step that last used each slot
+        self._num_steps = 0
+        self.num_loads = 0  # adapters written into a slot
+        self.step_rows: list[tuple[int, int]] = []  # the last prepare_step's (slot, tokens) per sequence
+        self.step_loads: list[tuple[int, int]] = []  # and its loads: (slot, adapter index)
+        self._index_of = {name: index for index, name in enumerate(self.paths)}
+        self.num_reads = len(self.paths)  # adapters read from disk (each once at start-up)
+        self.num_evictions = 0  # of those, ones that replaced another adapter
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.adapters)
+        return tuple(self.paths)
 
     @property
     def num_slots_used(self) -> int:
@@ -81,9 +89,9 @@ class LoRAManager:
 
     def replay_step(self, rows: list[tuple[int, int]], loads: list[tuple[int, int]]) -> bool:
         """Another rank's prepare_step: (slot, adapter index in lora_modules) loads, then the rows."""
-        names = list(self.adapters)
+        names = list(self.paths)
         for slot, index in loads:
-            self.slots.load(slot, self.adapters[names[index]])
+            self.slots.load(slot, self._adapter(names[index]))
         return self._set_step(rows)
 
     def _set_step(self, rows: list[tuple[int, int]]) -> bool:
@@ -105,9 +113,25 @@ class LoRAManager:
             if evicted is not None:
                 del self._slot_of[evicted]
                 self.num_evictions += 1
-            self.slots.load(slot, self.adapters[name])
+            self.slots.load(slot, self._adapter(name))
             self.num_loads += 1
             self.step_loads.append((slot, self._index_of[name]))
             self._slot_of[name] = slot
         self._last_used[slot] = self._num_steps
         return slot
+
+    def _adapter(self, name: str) -> LoRAAdapter:
+        """The adapter from host memory, or read again from disk (it was checked at start-up)."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            adapter = self._read(name)
+            self.num_reads += 1
+        self.adapters.move_to_end(name)
+        return adapter
+
+    def _read(self, name: str) -> LoRAAdapter:
+        adapter = load_adapter(name, self.paths[name], self.spec, self.max_lora_rank)
+        self.adapters[name] = adapter
+        while len(self.adapters) > self.max_cpu_loras:
+            self.adapters.popitem(last=False)
+        return adapter
