@@ -97,12 +97,19 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
 
 
 def run_batch(
-    engine: LLMEngine, batch_size: int, prompt_len: int, new_tokens: int, seed: int
+    engine: LLMEngine,
+    batch_size: int,
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+    lora_names: list[str | None] | None = None,
 ) -> DecodeResult:
+    """`lora_names`: request i runs with LoRA adapter lora_names[i % len] (scripts/bench_lora.py)."""
     rng = random.Random(seed)
     vocab = min(engine.info.vocab_size, len(engine.tokenizer))
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for index in range(batch_size):
+        lora_name = lora_names[index % len(lora_names)] if lora_names else None
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, lora_name=lora_name)
         engine.add_request(
             f"d{batch_size}-{index}", [rng.randrange(vocab) for _ in range(prompt_len)], params
         )
