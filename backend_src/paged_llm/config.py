@@ -149,11 +149,8 @@ class LoRAConfig:
             raise ConfigError(f"max_loras must be in [1, 256], got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 1024:
             raise ConfigError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
-        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
-            raise ConfigError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be 0 (every adapter) or >= max_loras "
-                f"({self.max_loras})"
-            )
+        if self.max_cpu_loras < 0:
+            raise ConfigError(f"max_cpu_loras must be 0 (every adapter) or more, got {self.max_cpu_loras}")
         self.modules()  # raises on a malformed list
 
     def modules(self) -> dict[str, str]:
@@ -164,6 +161,8 @@ class LoRAConfig:
             name, path = name.strip(), path.strip()
             if not sep or not name or not path:
                 raise ConfigError(f"lora_modules: {item!r} is not NAME=PATH")
+            if "=" in path:
+                raise ConfigError(f"lora_modules: {item!r}: the path has an '=' (a missing space?)")
             if len(name) > MAX_LORA_NAME_CHARS:
                 raise ConfigError(f"lora_modules: a name is over {MAX_LORA_NAME_CHARS} characters")
             if name in named:
@@ -194,6 +193,8 @@ class LoRAConfig:
         for name, raw in named.items():
             if any(c.isspace() or c in ",=" for c in name):
                 raise ConfigError(f"{path}: adapter name {name!r} has a space, comma or '='")
+            if any(c.isspace() or c in ",=" for c in raw):
+                raise ConfigError(f"{path}: the path of adapter {name!r} has a space, comma or '='")
             adapter_dir = Path(raw).expanduser()
             if not adapter_dir.is_absolute() and not adapter_dir.exists():
                 adapter_dir = version_dir / adapter_dir

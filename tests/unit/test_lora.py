@@ -21,7 +21,7 @@ from paged_llm.lora.random_adapter import write_random_adapter
 from paged_llm.lora.slots import NO_ADAPTER, LoRASlots
 from paged_llm.models.hf_config import load_model_spec
 from paged_llm.sampling_params import SamplingParams
-from paged_llm.sequence import Sequence
+from paged_llm.sequence import Sequence, SequenceStatus
 from tests.unit.test_scheduler import make_scheduler, make_sequence
 
 
@@ -209,11 +209,26 @@ def _seq(lora_name: str | None) -> Sequence:
 def test_the_scheduler_keeps_a_batch_within_max_loras():
     scheduler = make_scheduler()
     scheduler.max_loras = 2
-    for index, name in enumerate(["a", "b", None, "c", "a"]):
+    for index, name in enumerate(["a", "b", None, "c", "a", None]):
         scheduler.add_sequence(make_sequence(f"s{index}", 3, lora_name=name))
     output = scheduler.schedule()
-    # c waits (a and b hold the slots) and, first come first served, so does the a behind it
-    assert [item.seq_id for item in output.scheduled] == ["s0", "s1", "s2"]
+    # c waits for a slot; the a behind it waits too (the running adapters drain), the base-model
+    # sequence behind them goes on
+    assert [item.seq_id for item in output.scheduled] == ["s0", "s1", "s2", "s5"]
+    for seq_id in ("s0", "s1"):
+        scheduler.finish_sequences([seq_id], SequenceStatus.FINISHED_STOPPED)
+    assert {"s3", "s4"} <= {item.seq_id for item in scheduler.schedule().scheduled}  # a and b ended
+
+
+def test_an_adapter_that_cannot_run_preempts_nothing():
+    scheduler = make_scheduler(max_num_seqs=2)
+    scheduler.max_loras = 1
+    for index in range(2):
+        scheduler.add_sequence(make_sequence(f"a{index}", 3, lora_name="a", priority=5))
+    scheduler.schedule()
+    scheduler.add_sequence(make_sequence("x", 3, lora_name="c", priority=0))
+    output = scheduler.schedule()
+    assert not output.preempted and {s.seq_id for s in scheduler.running} == {"a0", "a1"}
 
 
 def test_each_adapter_has_its_own_prefix_hashes():
@@ -282,5 +297,73 @@ def test_host_memory_keeps_max_cpu_loras_adapters(tiny_model_dir, tmp_path, spec
     manager.prepare_step([_Row(_seq("a"))])
     assert list(manager.adapters) == ["a"] and manager.num_reads == 4  # read again, c dropped
     assert manager.slots.adapter_in_slot == ["a"]
-    with pytest.raises(ConfigError, match="max_cpu_loras"):
-        LoRAConfig(max_loras=4, max_cpu_loras=2)
+    two_slots = LoRAConfig(lora_modules=config.lora_modules, max_loras=2, max_cpu_loras=1)
+    assert LoRAManager(two_slots, spec, torch.float32, torch.device("cpu")).max_cpu_loras == 2
+
+
+def test_a_failed_read_leaves_the_slots_as_they_were(tiny_model_dir, tmp_path, spec):
+    paths = {name: written(tiny_model_dir, tmp_path, name, seed=i) for i, name in enumerate("abc")}
+    config = LoRAConfig(
+        lora_modules=" ".join(f"{n}={p}" for n, p in paths.items()), max_loras=2, max_cpu_loras=2
+    )
+    manager = LoRAManager(config, spec, torch.float32, torch.device("cpu"))
+    manager.prepare_step([_Row(_seq("b")), _Row(_seq("c"))])
+    hidden = paths["a"].rename(tmp_path / "gone")
+    with pytest.raises(LoRAAdapterError):
+        manager.prepare_step([_Row(_seq("a"))])
+    assert manager.slots.adapter_in_slot == ["b", "c"] and manager.num_loads == 2
+    hidden.rename(paths["a"])
+    manager.prepare_step([_Row(_seq("b"))])
+    manager.prepare_step([_Row(_seq("a"))])
+    assert manager.slots.adapter_in_slot == ["b", "a"]
+
+
+def test_more_adapter_configs_that_would_be_served_wrongly_are_named(tiny_model_dir, tmp_path, spec):
+    for fields, named in [
+        ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights"),
+        ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens"),
+    ]:
+        path = written(tiny_model_dir, tmp_path / named / str(len(str(fields))))
+        edit_config(path, **fields)
+        assert f"{CONFIG_FILE}: {named} " in refusal(path, spec)
+    path = written(tiny_model_dir, tmp_path / "dotted")
+    edit_config(
+        path,
+        target_modules=["self_attn.q_proj", "model.layers.0.mlp.down_proj"],
+        init_lora_weights="gaussian",
+    )
+    assert load_adapter("a", path, spec, 64).max_rank == 4  # PEFT accepts dotted names: so do we
+
+
+def test_paths_that_would_split_the_adapter_list_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="has an '='"):
+        LoRAConfig(lora_modules="a=/m/x=y")
+    version_dir = tmp_path / "1"
+    version_dir.mkdir()
+    (version_dir / "multi_lora.json").write_text(json.dumps({"a": "/my adapters/a"}))
+    with pytest.raises(ConfigError, match="has a space, comma or '='"):
+        LoRAConfig().with_multi_lora_json(version_dir)
+
+
+def test_serve_refuses_an_adapter_named_like_the_model_and_routes_engine_arg_adapters():
+    from paged_llm.cli.arguments import build_parser, lora_flags
+
+    args = build_parser().parse_args(["serve", "--lora-modules", "llm=/x"])
+    args.model_path = "m"
+    with pytest.raises(SystemExit, match="served model's name"):
+        lora_flags(args)
+    args = build_parser().parse_args(["serve", "--engine-arg", "lora_modules=a=/x b=/y"])
+    args.model_path = "m"
+    assert lora_flags(args) == ["--lora-adapter", "a=llm", "--lora-adapter", "b=llm"]
+
+
+def test_a_load_never_takes_the_slot_of_an_adapter_later_in_the_same_step(tiny_model_dir, tmp_path, spec):
+    paths = {name: written(tiny_model_dir, tmp_path, name, seed=i) for i, name in enumerate("abc")}
+    config = LoRAConfig(lora_modules=" ".join(f"{n}={p}" for n, p in paths.items()), max_loras=2)
+    manager = LoRAManager(config, spec, torch.float32, torch.device("cpu"))
+    manager.prepare_step([_Row(_seq("a"))])
+    manager.prepare_step([_Row(_seq("b"))])
+    # c comes first in the rows; a (least recently used, but in this step) keeps its slot
+    manager.prepare_step([_Row(_seq("c")), _Row(_seq("a"))])
+    assert manager.slots.adapter_in_slot == ["a", "c"] and manager.num_loads == 3

@@ -145,10 +145,15 @@ def _absolute_lora_modules(items: list[str]) -> list[str]:
 
 
 def lora_flags(args: argparse.Namespace) -> list[str]:
-    """The OpenAI server's flags routing each adapter's name to the served model."""
+    """The OpenAI server's flags routing each adapter's name (--lora-modules, or lora_modules given
+    with --engine-arg) to the served model."""
+    modules = engine_parameters(args).get("lora_modules", "")
     flags = []
-    for item in args.lora_modules:
-        flags += ["--lora-adapter", f"{item.partition('=')[0]}={args.served_model_name}"]
+    for item in modules.replace(",", " ").split():
+        name = item.partition("=")[0]
+        if name == args.served_model_name:
+            raise SystemExit(f"error: LoRA adapter {name!r} has the served model's name")
+        flags += ["--lora-adapter", f"{name}={args.served_model_name}"]
     return flags
 
 

@@ -71,6 +71,7 @@ def write_repository(args: argparse.Namespace) -> Path:
     # Under the default name, the TensorRT-LLM convention's models (llm_trtllm, ensemble,
     # tensorrt_llm_bls: they forward to llm by that name) come along, as in the project's repository.
     models = ("llm", *TRTLLM_MODEL_NAMES) if args.served_model_name == "llm" else ("llm",)
+    lora_flags(args)  # an adapter named like the model: refused before anything starts
     make_model_repository(root, engine_parameters(args), models=models)
     if args.served_model_name != "llm":  # Triton names a model after its directory
         shutil.rmtree(root / args.served_model_name, ignore_errors=True)

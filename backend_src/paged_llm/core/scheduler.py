@@ -245,17 +245,22 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        # waiting[:index]: sequences held back because their LoRA adapter has no slot (max_loras
+        # adapters run already). Base-model sequences go past them; sequences of any adapter do
+        # not, so the running adapters drain and a slot frees up (no adapter waits for ever).
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            seq = self.waiting[index]
             if seq in output.preempted:
                 break  # preempted this very step to make room: resuming it now would only thrash
+            if not self._adapter_fits(seq) or (index and seq.sampling_params.lora_name is not None):
+                index += 1
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 budget, made_room = self._preempt_lower_priority(seq, output, budget)
                 if not made_room:
                     break
                 continue
-            if not self._adapter_fits(seq):
-                break  # its adapter waits for a slot: the running adapters' sequences end first
             held = seq.held_kv_owner is not None and self.kv_cache.holds(seq.held_kv_owner)
             if held:  # a session's turn: its history's KV, partial last block included
                 hit_blocks, num_hit_tokens = [], seq.num_held_kv_tokens
@@ -276,7 +281,7 @@ class Scheduler:
                 if not made_room:
                     break
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             seq.held_kv_owner = None  # taken (or gone): a resume after preemption recomputes
             if not held:
                 seq.num_held_kv_tokens = 0  # what it took from its session (reported once it ends)

@@ -37,6 +37,11 @@ _TENSOR_NAME = re.compile(
 )
 
 
+# PEFT initialisations that subtract the adapter's start from the base weights: unconverted, such an
+# adapter only works on that changed base
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
 class LoRAAdapterError(ValueError):
     """An adapter that cannot be served; the message names the file, field or tensor."""
 
@@ -92,7 +97,9 @@ def load_adapter(name: str, path: Path, spec: ModelSpec, max_lora_rank: int) -> 
         if match is None:
             raise LoRAAdapterError(
                 f"{where}: tensor {tensor_name!r} is not a LoRA A/B weight of a decoder projection "
-                f"({', '.join(TARGET_MODULES)}); embedding, LM-head, DoRA and bias adapters are not supported"
+                "(expected names such as base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight, "
+                f"for {', '.join(TARGET_MODULES)}); embedding, LM-head, DoRA and bias adapters are not "
+                "supported"
             )
         layer, block, module, side = int(match[1]), match[2], match[3], match[4]
         expected_block = "self_attn" if module in ATTENTION_MODULES else "mlp"
@@ -166,9 +173,18 @@ def _read_config(path: Path) -> dict[str, Any]:
         refuse("layer_replication", "adapters that replicate layers are not supported")
     if config.get("lora_bias"):
         refuse("lora_bias", "LoRA biases are not supported")
+    if config.get("alora_invocation_tokens"):
+        refuse("alora_invocation_tokens", "activated LoRA (applied after invocation tokens) is not supported")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        refuse(
+            "init_lora_weights",
+            "an adapter of this initialisation needs the base model it changed; convert it with PEFT "
+            "(save_pretrained(..., path_initial_model_for_weight_conversion=...)) first",
+        )
     targets = config.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(str(t) for t in targets if t not in TARGET_MODULES)
+    if isinstance(targets, list):  # names or dotted paths ending in one (a string is a regex)
+        unknown = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in TARGET_MODULES)
         if unknown:
             supported = ", ".join(TARGET_MODULES)
             refuse("target_modules", f"{', '.join(unknown)} not supported (supported: {supported})")

@@ -39,7 +39,9 @@ class LoRAManager:
         self.spec = spec
         self.max_lora_rank = config.max_lora_rank
         self.paths = {name: Path(path) for name, path in config.modules().items()}
-        self.max_cpu_loras = config.max_cpu_loras or len(self.paths)
+        num_slots = min(config.max_loras, max(1, len(self.paths)))
+        # a step's adapters are all in host memory while it loads them
+        self.max_cpu_loras = max(config.max_cpu_loras or len(self.paths), num_slots)
         # in host memory, least recently used first
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
         ranks = []
@@ -53,7 +55,6 @@ class LoRAManager:
                 len(adapter.modules),
                 adapter.path,
             )
-        num_slots = min(config.max_loras, max(1, len(self.paths)))
         max_rank = max(ranks, default=1)
         self.slots = LoRASlots(spec, num_slots, max_rank, dtype, device, shard)
         self._slot_of: dict[str, int] = {}
@@ -80,12 +81,26 @@ class LoRAManager:
         it did, for the tensor-parallel ranks (replay_step)."""
         self._num_steps += 1
         self.step_loads = []
-        rows: list[tuple[int, int]] = []
-        for item in scheduled:
-            name = item.seq.sampling_params.lora_name
-            rows.append((NO_ADAPTER if name is None else self._slot(name), item.num_new_tokens))
+        names = [item.seq.sampling_params.lora_name for item in scheduled]
+        # Every adapter this step loads is read first: a read that fails (a file gone since
+        # start-up) then fails the step before any slot changed.
+        missing = {name for name in names if name is not None and name not in self._slot_of}
+        adapters = {name: self._adapter(name) for name in missing}
+        for name in set(names) - missing - {None}:  # in a slot already: not one to reuse this step
+            self._last_used[self._slot_of[name]] = self._num_steps
+        rows = [
+            (NO_ADAPTER if name is None else self._slot(name, adapters), item.num_new_tokens)
+            for name, item in zip(names, scheduled, strict=True)
+        ]
         self.step_rows = rows
         return self._set_step(rows)
+
+    def use_slot_for_profiling(self, num_tokens: int) -> None:
+        """The memory profile's step: every row through slot 0 (the adapter path's temporaries)."""
+        self.slots.set_step([(0, num_tokens)])
+
+    def end_profiling(self) -> None:
+        self.slots.clear_step()
 
     def replay_step(self, rows: list[tuple[int, int]], loads: list[tuple[int, int]]) -> bool:
         """Another rank's prepare_step: (slot, adapter index in lora_modules) loads, then the rows."""
@@ -101,7 +116,7 @@ class LoRAManager:
         self.slots.clear_step()
         return False
 
-    def _slot(self, name: str) -> int:
+    def _slot(self, name: str, adapters: dict[str, LoRAAdapter]) -> int:
         slot = self._slot_of.get(name)
         if slot is None:
             # the least recently used slot; one this step already uses cannot be its (the
@@ -111,9 +126,10 @@ class LoRAManager:
                 raise RuntimeError(f"LoRA: more adapters in one step than the {self.slots.num_slots} slots")
             evicted = self.slots.adapter_in_slot[slot]
             if evicted is not None:
-                del self._slot_of[evicted]
+                self._slot_of.pop(evicted, None)
                 self.num_evictions += 1
-            self.slots.load(slot, self._adapter(name))
+            self.slots.adapter_in_slot[slot] = None  # until the load below has finished
+            self.slots.load(slot, adapters[name])
             self.num_loads += 1
             self.step_loads.append((slot, self._index_of[name]))
             self._slot_of[name] = slot

@@ -104,7 +104,13 @@ def profile_free_kv_bytes(runner: ProfiledRunner, gpu_memory_utilization: float)
     )
     positions = torch.cat([torch.arange(n, device=torch_device) for n in lens])
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=torch_device)
-    hidden = runner.model(input_ids, positions, [(scratch, scratch)] * spec.num_layers, metadata)
+    if runner.lora is not None:  # the adapter path's temporaries (no fused norm + projection)
+        runner.lora.use_slot_for_profiling(num_tokens)
+    try:
+        hidden = runner.model(input_ids, positions, [(scratch, scratch)] * spec.num_layers, metadata)
+    finally:
+        if runner.lora is not None:
+            runner.lora.end_profiling()
     logits = runner.model.compute_logits(hidden[: min(runner.max_num_seqs, num_tokens)])
     torch.log_softmax(logits.float(), dim=-1)
     device.synchronize()

@@ -399,15 +399,15 @@ class ModelRunner:
                 self.sample_deferred(previous)  # this step's inputs are its tokens
             self.buffers.fill_pending(inputs, previous.sampled_token_ids())
         model_inputs = (inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_indices)
-        if self.lora is not None:
-            self._lora_step = self.lora.prepare_step(scheduler_output.scheduled)
         if self.workers is None:
+            if self.lora is not None:
+                self._lora_step = self.lora.prepare_step(scheduler_output.scheduled)
             logits = self.forward_step(*model_inputs)
         else:
             self.workers.check_alive()
             try:  # a header some workers got and others not leaves them out of step as well
-                if self.lora is not None:
-                    self.workers.send_lora_step(self.lora.step_rows, self.lora.step_loads)
+                if self.lora is not None:  # (slots rank 0 loaded and the workers not: out of step)
+                    self._prepare_lora_step_for_all_ranks(scheduler_output)
                 self.workers.send_step(inputs)
                 logits = self.forward_step(*model_inputs)
             except Exception as error:  # the workers wait in a collective rank 0 never reaches
@@ -436,6 +436,15 @@ class ModelRunner:
             step.verify_seqs = verify_rows.seqs
             step.verified = verify(logits, verify_rows, self.spec.vocab_size)
         return step
+
+    def _prepare_lora_step_for_all_ranks(self, scheduler_output: SchedulerOutput) -> None:
+        """Rank 0's prepare_step, and the rows and loads to the workers when they matter: a step with
+        adapter rows or slot loads, or the first base-only step after one (their flag goes off)."""
+        assert self.lora is not None and self.workers is not None
+        was_active = self._lora_step
+        self._lora_step = self.lora.prepare_step(scheduler_output.scheduled)
+        if self._lora_step or was_active or self.lora.step_loads:
+            self.workers.send_lora_step(self.lora.step_rows, self.lora.step_loads)
 
     def set_lora_step(self, active: bool) -> None:
         """A tensor-parallel worker's step has adapter rows (rank 0 decided: LoRAManager.replay_step)."""

@@ -139,7 +139,10 @@ def pack_lora_step(
     index)), sent before the step itself (lora/manager.py's replay_step on the other ranks)."""
     values = [value for pair in rows for value in pair] + [value for pair in loads for value in pair]
     header = StepHeader(CMD_LORA_STEP, num_seqs=len(rows), argument=len(loads))
-    return header, torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":  # a pageable copy would wait for the step before it on the device
+        return header, host.pin_memory().to(device, non_blocking=True)
+    return header, host.to(device)
 
 
 def unpack_lora_step(
