@@ -143,6 +143,9 @@ class LoRAConfig:
     # adapters kept in host memory, least recently used dropped and read again from disk when a
     # step needs it (0: every one)
     max_cpu_loras: int = 0
+    # adapters may be loaded and unloaded while serving (vLLM's runtime LoRA updating): the slots
+    # are then sized for max_loras adapters of max_lora_rank from the start
+    allow_runtime_lora_updates: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_loras <= 256:
@@ -172,7 +175,7 @@ class LoRAConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.lora_modules.strip())
+        return bool(self.lora_modules.strip()) or self.allow_runtime_lora_updates
 
     def with_multi_lora_json(self, version_dir: Path) -> LoRAConfig:
         """This config plus the adapters of vllm_backend's `multi_lora.json` in the model's version

@@ -190,3 +190,67 @@ def test_tensor_parallel_ranks_shard_the_adapters_and_keep_the_tokens(
     got = token_ids(run_to_completion(engine, [p for p, _ in cases], [greedy(n) for _, n in cases]))
     assert got == [peft_reference(name, prompt) for prompt, name in cases]
     assert engine.scheduler_stats().lora_evictions_total > 0
+
+
+@pytest.mark.parametrize("core_mode", ["inprocess", "process+async"])
+def test_adapters_loaded_and_unloaded_while_serving_lose_no_request(
+    engines, adapters, peft_reference, prompts, core_mode
+):
+    engine = engines(
+        core_mode, lora=LoRAConfig(allow_runtime_lora_updates=True, max_loras=2, max_lora_rank=16)
+    )
+    with pytest.raises(InvalidRequestError, match="'all8' is not loaded"):
+        engine.add_request("early", prompts[0], greedy("all8"))
+    engine.load_lora_adapter("all8", str(adapters["all8"]))
+    cases = {f"r{i}": (prompts[i], "all8" if i % 2 else None) for i in range(6)}
+    for request_id, (prompt, name) in cases.items():
+        engine.add_request(request_id, prompt, greedy(name))
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in cases}
+    finished: set[str] = set()
+
+    def step() -> None:
+        for output in engine.step():
+            for delta in output.sequences:
+                tokens[output.request_id].extend(delta.token_ids)
+            if output.finished:
+                assert output.request_id not in finished and output.error is None
+                finished.add(output.request_id)
+
+    for _ in range(3):
+        step()
+    assert not finished
+    engine.unload_lora_adapter("all8")  # three of its requests are running
+    with pytest.raises(InvalidRequestError, match="'all8' is not loaded"):
+        engine.add_request("late", prompts[0], greedy("all8"))
+    engine.load_lora_adapter("qv4", str(adapters["qv4"]))  # under load too
+    cases["q"] = (prompts[7], "qv4")
+    tokens["q"] = []
+    engine.add_request("q", *cases["q"][:1], greedy("qv4"))
+    while engine.has_unfinished_requests():
+        step()
+    assert finished == set(cases)  # one final each, nothing lost
+    assert tokens == {
+        request_id: peft_reference(name, prompt) for request_id, (prompt, name) in cases.items()
+    }
+    assert engine.scheduler_stats().kv_usage == 0.0
+    engine.load_lora_adapter("all8", str(adapters["all8"]))  # forgotten once its requests ended
+    assert token_ids(run_to_completion(engine, [prompts[1]], greedy("all8"))) == [
+        peft_reference("all8", prompts[1])
+    ]
+
+
+def test_runtime_loading_refuses_what_it_cannot_serve(engines, adapters, tmp_path):
+    fixed = engines(lora=lora_config({"all8": adapters["all8"]}))
+    with pytest.raises(InvalidRequestError, match="allow_runtime_lora_updates is off"):
+        fixed.load_lora_adapter("qv4", str(adapters["qv4"]))
+    engine = engines(lora=LoRAConfig(allow_runtime_lora_updates=True, max_lora_rank=8))
+    with pytest.raises(InvalidRequestError, match="rank 16, over max_lora_rank 8") as error:
+        engine.load_lora_adapter("mix16", str(adapters["mix16"]))
+    assert error.value.field == "lora_path"
+    with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
+        engine.load_lora_adapter("none", str(tmp_path))
+    engine.load_lora_adapter("qv4", str(adapters["qv4"]))
+    with pytest.raises(InvalidRequestError, match="'qv4' is loaded already"):
+        engine.load_lora_adapter("qv4", str(adapters["qv4"]))
+    with pytest.raises(InvalidRequestError, match="'all8' is not loaded"):
+        engine.unload_lora_adapter("all8")

@@ -49,7 +49,7 @@ class EngineCoreClient(Protocol):
 
     def abort_requests(self, aborts: list[AbortRequest]) -> None: ...
 
-    def send_utility(self, name: str) -> int: ...
+    def send_utility(self, name: str, *args: Any) -> int: ...
 
     def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None: ...
 
@@ -117,11 +117,11 @@ class InProcessCoreClient:
         for abort in aborts:
             self.core.apply_abort(abort)
 
-    def send_utility(self, name: str) -> int:
+    def send_utility(self, name: str, *args: Any) -> int:
         from paged_llm.engine.engine_core.step_loop import call_utility
 
         call_id = next(self._call_ids)
-        self.core.record_utility_result(call_id, call_utility(self.core, name))
+        self.core.record_utility_result(call_id, call_utility(self.core, name, args))
         return call_id
 
     def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
@@ -189,9 +189,9 @@ class ThreadedCoreClient:
         for abort in aborts:
             self._put(abort)
 
-    def send_utility(self, name: str) -> int:
+    def send_utility(self, name: str, *args: Any) -> int:
         call_id = next(self._call_ids)
-        self._put(UtilityCall(call_id, name))
+        self._put(UtilityCall(call_id, name, args))
         return call_id
 
     def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:

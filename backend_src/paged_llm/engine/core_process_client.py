@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from paged_llm.config import ConfigError, EngineConfig
 from paged_llm.engine.attach_gate import ACK, hello, peer_credentials, recv_exactly
@@ -90,9 +91,9 @@ class _LinkedCoreClient:
         for abort in aborts:
             self._send(abort)
 
-    def send_utility(self, name: str) -> int:
+    def send_utility(self, name: str, *args: Any) -> int:
         call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id, name))
+        self._send(UtilityCall(call_id, name, args))
         return call_id
 
     def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:

@@ -9,6 +9,7 @@ small row objects (measured: docs/benchmarks.md, "Engine core IPC"). No torch ty
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats, SessionTurn
@@ -72,6 +73,7 @@ class UtilityCall:
 
     call_id: int
     name: str  # one of EngineCore.UTILITY_CALLS
+    args: tuple[Any, ...] = ()  # its positional arguments (plain data)
 
 
 @dataclass

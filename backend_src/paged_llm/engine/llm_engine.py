@@ -122,11 +122,11 @@ class LLMEngine:
             self.client.abort_requests(aborts)
         return self.processor.collect(sorted(touched))
 
-    def call_utility(self, name: str) -> Any:
-        """Runs EngineCore.<name>() between two core steps and returns its result."""
+    def call_utility(self, name: str, *args: Any) -> Any:
+        """Runs EngineCore.<name>(*args) between two core steps and returns its result."""
         if isinstance(self.client, InProcessCoreClient):
-            return getattr(self.client.core, name)()
-        call_id = self.client.send_utility(name)
+            return getattr(self.client.core, name)(*args)
+        call_id = self.client.send_utility(name, *args)
         while True:
             core_outputs = self.client.get_outputs(timeout_s=None)
             if core_outputs is None:
@@ -138,6 +138,15 @@ class LLMEngine:
                 if not ok:
                     raise AssertionError(f"engine core {name}: {value}")
                 return value
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serves LoRA adapter `name` (a PEFT checkpoint at `path`) from now on (the core's
+        allow_runtime_lora_updates); InvalidRequestError in process, an error otherwise."""
+        self.info.lora_names = self.call_utility("load_lora_adapter", name, str(path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """New requests for `name` are refused from now on; those in flight finish with it."""
+        self.info.lora_names = self.call_utility("unload_lora_adapter", name)
 
     def scheduler_stats(self) -> SchedulerStats:
         """The core's scheduler counters now (KV usage, preemptions, prefix-cache hits)."""

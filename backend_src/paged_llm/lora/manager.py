@@ -40,6 +40,8 @@ class LoRAManager:
         self.max_lora_rank = config.max_lora_rank
         self.paths = {name: Path(path) for name, path in config.modules().items()}
         num_slots = min(config.max_loras, max(1, len(self.paths)))
+        if config.allow_runtime_lora_updates:  # room for whatever is loaded later
+            num_slots = config.max_loras
         # a step's adapters are all in host memory while it loads them
         self.max_cpu_loras = max(config.max_cpu_loras or len(self.paths), num_slots)
         # in host memory, least recently used first
@@ -55,7 +57,7 @@ class LoRAManager:
                 len(adapter.modules),
                 adapter.path,
             )
-        max_rank = max(ranks, default=1)
+        max_rank = config.max_lora_rank if config.allow_runtime_lora_updates else max(ranks, default=1)
         self.slots = LoRASlots(spec, num_slots, max_rank, dtype, device, shard)
         self._slot_of: dict[str, int] = {}
         self._last_used = [-1] * num_slots  # the step that last used each slot
@@ -63,7 +65,9 @@ class LoRAManager:
         self.num_loads = 0  # adapters written into a slot
         self.step_rows: list[tuple[int, int]] = []  # the last prepare_step's (slot, tokens) per sequence
         self.step_loads: list[tuple[int, int]] = []  # and its loads: (slot, adapter index)
-        self._index_of = {name: index for index, name in enumerate(self.paths)}
+        # every adapter ever loaded, by the index the tensor-parallel messages name it by
+        self._names = list(self.paths)
+        self._index_of = {name: index for index, name in enumerate(self._names)}
         self.num_reads = len(self.paths)  # adapters read from disk (each once at start-up)
         self.num_evictions = 0  # of those, ones that replaced another adapter
 
@@ -74,6 +78,28 @@ class LoRAManager:
     @property
     def num_slots_used(self) -> int:
         return len(self._slot_of)
+
+    def add(self, name: str, path: Path) -> None:
+        """Reads and checks an adapter loaded while serving (LoRAAdapterError: not added)."""
+        if name in self.paths:
+            raise ValueError(f"LoRA adapter {name!r} is loaded already")
+        adapter = load_adapter(name, path, self.spec, self.max_lora_rank)  # (rank <= the slots')
+        self.paths[name] = Path(path)
+        self._index_of[name] = len(self._names)
+        self._names.append(name)
+        self.adapters[name] = adapter
+        while len(self.adapters) > self.max_cpu_loras:
+            self.adapters.popitem(last=False)
+        self.num_reads += 1
+
+    def remove(self, name: str) -> None:
+        """Forgets an adapter no sequence uses any more (its slot becomes free)."""
+        del self.paths[name]
+        self.adapters.pop(name, None)
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self.slots.adapter_in_slot[slot] = None
+            self._last_used[slot] = -1
 
     def prepare_step(self, scheduled: Seq[ScheduledRows]) -> bool:
         """Puts the step's adapters in slots and tells the slots the step's rows; True when any row
@@ -104,9 +130,8 @@ class LoRAManager:
 
     def replay_step(self, rows: list[tuple[int, int]], loads: list[tuple[int, int]]) -> bool:
         """Another rank's prepare_step: (slot, adapter index in lora_modules) loads, then the rows."""
-        names = list(self.paths)
         for slot, index in loads:
-            self.slots.load(slot, self._adapter(names[index]))
+            self.slots.load(slot, self._adapter(self._names[index]))
         return self._set_step(rows)
 
     def _set_step(self, rows: list[tuple[int, int]]) -> bool:

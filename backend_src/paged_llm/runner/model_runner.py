@@ -100,6 +100,8 @@ class ModelRunner:
         `all_reduce`: auto (one-shot over symmetric memory for small tensors on CUDA) or nccl.
         `grammar_fill_threads`: xgrammar's threads for a step's bitmask (0: StepBitmask's rule).
         `lora`: the LoRA adapters to serve (read in load())."""
+        if lora is not None and lora.allow_runtime_lora_updates and tensor_parallel_size > 1:
+            raise ConfigError("allow_runtime_lora_updates is not supported with tensor_parallel_size > 1 yet")
         # What a worker needs to build its own runner (rank_device() moves it to its device).
         self._worker_kwargs = dict(
             spec=spec,

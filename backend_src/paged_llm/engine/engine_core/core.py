@@ -41,6 +41,7 @@ from paged_llm.engine.core_types import (
 )
 from paged_llm.engine.engine_core.expiry import expire_deadlines, expire_queue_waits
 from paged_llm.engine.engine_core.faults import StepFaults
+from paged_llm.engine.engine_core.lora_updates import LoRAUpdates
 from paged_llm.engine.engine_core.model_setup import load_engine_model
 from paged_llm.engine.engine_core.request_table import CoreRequest, RequestTable
 from paged_llm.engine.engine_core.structured_outputs import StructuredOutputs
@@ -77,7 +78,15 @@ class InFlightStep:
 
 
 class EngineCore:
-    UTILITY_CALLS = frozenset({"check_integrity", "scheduler_stats", "reset_prefix_cache"})
+    UTILITY_CALLS = frozenset(
+        {
+            "check_integrity",
+            "scheduler_stats",
+            "reset_prefix_cache",
+            "load_lora_adapter",
+            "unload_lora_adapter",
+        }
+    )
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
@@ -93,6 +102,12 @@ class EngineCore:
         self.scheduler.reclaim_kv = self.sessions.reclaim_idle_kv
         if config.lora.enabled:
             self.scheduler.max_loras = config.lora.max_loras
+        self.lora_updates = LoRAUpdates(
+            self.runner.lora,
+            config.lora.allow_runtime_lora_updates,
+            self.info,
+            lambda: self.scheduler.sequences.values(),
+        )
         self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
         self.requests = RequestTable(self.scheduler, self.sessions, lambda: self._outputs)
         # Looked up at each fault: a test may swap the runner.
@@ -456,6 +471,7 @@ class EngineCore:
 
     def take_outputs(self) -> EngineCoreOutputs:
         """What happened since the last call (the busy loop also calls it after handling input)."""
+        self.lora_updates.forget_unused()
         outputs, self._outputs = self._outputs, EngineCoreOutputs()
         outputs.scheduler_stats = self.scheduler_stats()
         outputs.session_stats = self.sessions.stats()
@@ -519,6 +535,14 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
+
+    def load_lora_adapter(self, name: str, path: str) -> tuple[str, ...]:
+        """Serves LoRA adapter `name` from `path` from now on; the adapters a request may name."""
+        return self.lora_updates.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> tuple[str, ...]:
+        """Refuses new requests for `name`; its requests in flight finish with it."""
+        return self.lora_updates.unload(name)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity(self.sessions.kv_holders)

@@ -97,18 +97,18 @@ def handle_input(core: EngineCore, item: CoreInput) -> None:
     elif isinstance(item, AbortRequest):
         core.apply_abort(item)
     elif isinstance(item, UtilityCall):
-        core.record_utility_result(item.call_id, call_utility(core, item.name))
+        core.record_utility_result(item.call_id, call_utility(core, item.name, item.args))
     elif isinstance(item, AbortStub):
         core.abort_all(item.reason, item.request_id_prefix)
     else:
         raise TypeError(f"unexpected engine core input {item!r}")
 
 
-def call_utility(core: EngineCore, name: str) -> tuple[bool, object]:
+def call_utility(core: EngineCore, name: str, args: tuple = ()) -> tuple[bool, object]:
     """(True, result) or (False, "ExceptionType: message"); never raises."""
     if name not in EngineCore.UTILITY_CALLS:
         return False, f"unknown utility call {name!r}"
     try:
-        return True, getattr(core, name)()
+        return True, getattr(core, name)(*args)
     except Exception as error:  # reported to the caller; the core keeps running
         return False, f"{type(error).__name__}: {error}"
