@@ -16,7 +16,7 @@ import torch
 from paged_llm.launcher.repository import make_model_repository
 from paged_llm.lora.random_adapter import write_random_adapter
 from paged_llm.testing.server_process import stop_process_group
-from tests.e2e.client import stream
+from tests.e2e.client import http_post, stream
 from tests.e2e.metrics import value, wait_for, wait_idle
 from tests.e2e.server import RunningServer, start_server
 from tests.e2e.test_launcher import start_served
@@ -120,3 +120,46 @@ def test_the_openai_model_name_selects_the_adapter(served, reference, tiny_token
         assert completion.choices[0].text == tiny_tokenizer.decode(reference[name]), model
     with pytest.raises(openai.NotFoundError, match="The model `gamma` does not exist"):
         client.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def served_runtime(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_runtime")
+    running = start_served(root, "--dtype", "float32", "--allow-runtime-lora-updates")
+    try:
+        yield running
+    finally:
+        stop_process_group(running.process)
+
+
+def test_adapters_load_and_unload_while_serving_through_the_openai_server(
+    served_runtime, adapters, reference, tiny_tokenizer
+):
+    address = f"127.0.0.1:{served_runtime.port}"
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none")
+
+    def complete(model: str):
+        return client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'alpha' is not loaded"):
+        complete("alpha")
+    status, text = http_post(
+        address, "/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(adapters["alpha"])}
+    )
+    assert status == 200 and text == "Success: LoRA adapter 'alpha' added successfully."
+    assert complete("alpha").choices[0].text == tiny_tokenizer.decode(reference["alpha"])
+    assert {card.id: getattr(card, "parent", None) for card in client.models.list().data} == {
+        "llm": None,
+        "alpha": "llm",
+    }
+    status, text = http_post(address, "/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": "/nowhere"})
+    assert status == 400 and "lora_path" in text and "adapter_config.json" in text
+    status, text = http_post(address, "/v1/unload_lora_adapter", {"lora_name": "alpha"})
+    assert status == 200 and text == "Success: LoRA adapter 'alpha' removed successfully."
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'alpha' is not loaded"):
+        complete("alpha")
+    status, text = http_post(address, "/v1/unload_lora_adapter", {"lora_name": "alpha"})
+    assert status == 400 and "'alpha' is not loaded" in text
+    assert complete("llm").choices[0].text == tiny_tokenizer.decode(reference[None])

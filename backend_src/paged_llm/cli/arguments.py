@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-loras", type=int, help="adapters one step serves at once (default 8)")
     add("--max-lora-rank", type=int, help="the largest adapter rank (default 64)")
     add("--max-cpu-loras", type=int, help="adapters kept in host memory (default: every one)")
+    add(
+        "--allow-runtime-lora-updates",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload adapters "
+        "while serving (behind --api-key when one is set)",
+    )
     add("--engine-arg", action="append", default=[], help="key=value: any llm config.pbtxt parameter")
     add(
         "--model-repository-dir",
@@ -125,6 +131,8 @@ def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
             parameters[flag] = str(value)
     if args.lora_modules:
         parameters["lora_modules"] = " ".join(_absolute_lora_modules(args.lora_modules))
+    if args.allow_runtime_lora_updates:
+        parameters["allow_runtime_lora_updates"] = "true"
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -154,6 +162,8 @@ def lora_flags(args: argparse.Namespace) -> list[str]:
         if name == args.served_model_name:
             raise SystemExit(f"error: LoRA adapter {name!r} has the served model's name")
         flags += ["--lora-adapter", f"{name}={args.served_model_name}"]
+    if args.allow_runtime_lora_updates:
+        flags.append("--allow-runtime-lora-updates")
     return flags
 
 

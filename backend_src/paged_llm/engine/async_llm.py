@@ -21,6 +21,7 @@ it gives up: `on_give_up` is called (the Triton stub exits) and requests stay re
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from paged_llm.config import EngineConfig
 from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.core_client import EngineCoreClient, make_core_client, start_core_and_tokenizer
-from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
+from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest, utility_error
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.restart_policy import RestartPolicy
@@ -88,6 +89,8 @@ class AsyncLLM:
         self._on_outputs = on_outputs
         self._lock = threading.Lock()  # guards the processor
         self._local_aborts: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
+        # utility call id -> the caller's future of (ok, value), set by the output thread
+        self._utility_waiters: dict[int, concurrent.futures.Future[tuple[bool, object]]] = {}
         self._accepting = True
         self.dead_reason: str | None = None
         self._stop = threading.Event()
@@ -131,6 +134,24 @@ class AsyncLLM:
                 self.processor.remove_request(request_id)
             raise
 
+    def call_utility(self, name: str, *args: object, timeout_s: float = 120.0) -> object:
+        """Runs EngineCore.<name>(*args) between two steps and returns its result (any thread but
+        the output thread); InvalidRequestError for a refused input, EngineDeadError without a core."""
+        self.check_accepting()
+        future: concurrent.futures.Future[tuple[bool, object]] = concurrent.futures.Future()
+        with self._lock:  # registered before the output thread can see the answer
+            call_id = self.client.send_utility(name, *args)
+            self._utility_waiters[call_id] = future
+        try:
+            ok, value = future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            with self._lock:
+                self._utility_waiters.pop(call_id, None)
+            raise EngineDeadError(f"the engine core did not answer {name} in {timeout_s:.0f} s") from None
+        if not ok:
+            raise utility_error(name, value)
+        return value
+
     def check_accepting(self) -> None:
         """EngineDeadError (UNAVAILABLE) if a new request would be refused now."""
         if self.dead_reason is not None:
@@ -167,7 +188,7 @@ class AsyncLLM:
         """InvalidRequestError if the request can never be served by this model and pool (or, with
         `context_must_fit`, if prompt + max_tokens is past max_model_len)."""
         validate_prompt(self.info, prompt_token_ids, prompt_field)
-        validate_params(self.info, params)
+        validate_params(self.info, params, in_core=False)
         if context_must_fit:
             validate_context_fit(self.info, len(prompt_token_ids), params)
 
@@ -208,6 +229,10 @@ class AsyncLLM:
         with self._lock:
             touched: set[str] = set()
             for core_outputs in batch:
+                for call_id, result in core_outputs.utility_results.items():
+                    waiter = self._utility_waiters.pop(call_id, None)
+                    if waiter is not None:
+                        waiter.set_result(result)
                 step_touched, step_aborts = self.processor.process(core_outputs)
                 touched |= step_touched
                 aborts += step_aborts
@@ -238,6 +263,9 @@ class AsyncLLM:
 
     def _fail_in_flight(self, reason: str) -> None:
         with self._lock:
+            waiters, self._utility_waiters = self._utility_waiters, {}
+            for waiter in waiters.values():
+                waiter.set_exception(EngineDeadError(f"{reason}; the call was lost"))
             in_flight = list(self.processor.requests)
             finals = [
                 self.processor.abort_request(

@@ -14,6 +14,7 @@ from typing import Any
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionStats, SessionTurn
 from paged_llm.engine.step_times import StepTimes
+from paged_llm.errors import InvalidRequestError
 from paged_llm.gc_pauses import GcPauses
 from paged_llm.sampling.token_logprobs import TokenLogprobs
 from paged_llm.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ class EngineCoreInfo:
     device: str  # human-readable, for logs
     dtype: str
     lora_names: tuple[str, ...] = ()  # the LoRA adapters a request may name (lora_name)
+    lora_runtime_updates: bool = False  # adapters load and unload while serving (lora_names changes)
 
 
 @dataclass
@@ -74,6 +76,13 @@ class UtilityCall:
     call_id: int
     name: str  # one of EngineCore.UTILITY_CALLS
     args: tuple[Any, ...] = ()  # its positional arguments (plain data)
+
+
+def utility_error(name: str, value: object) -> Exception:
+    """The error of a failed UtilityCall's value: InvalidRequestError for a refused input."""
+    if isinstance(value, tuple) and len(value) == 2:
+        return InvalidRequestError(*value)
+    return RuntimeError(f"engine core {name}: {value}")
 
 
 @dataclass

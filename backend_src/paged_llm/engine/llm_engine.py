@@ -20,7 +20,7 @@ from paged_llm.config import EngineConfig
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionTurn
 from paged_llm.engine.core_client import PARKED_WAIT_S, InProcessCoreClient, start_core_and_tokenizer
-from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest
+from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest, utility_error
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.outputs import RequestOutput
 from paged_llm.engine.stats import EngineStats
@@ -136,7 +136,7 @@ class LLMEngine:
             if result is not None:
                 ok, value = result
                 if not ok:
-                    raise AssertionError(f"engine core {name}: {value}")
+                    raise utility_error(name, value)
                 return value
 
     def load_lora_adapter(self, name: str, path: str) -> None:

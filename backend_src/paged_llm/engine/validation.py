@@ -32,14 +32,15 @@ def validate_prompt(info: EngineCoreInfo, prompt_token_ids: list[int], field: st
         )
 
 
-def validate_params(info: EngineCoreInfo, params: SamplingParams) -> None:
-    """Checks of sampling parameters that depend on the model (vocabulary, context length)."""
+def validate_params(info: EngineCoreInfo, params: SamplingParams, in_core: bool = True) -> None:
+    """Checks of sampling parameters that depend on the model (vocabulary, context length).
+    `in_core` False: a stub's check, whose adapter names are those of start-up (where adapters
+    load while serving, the core checks the name)."""
     params.validate_for_vocab(info.vocab_size)
-    if params.lora_name is not None and params.lora_name not in info.lora_names:
+    name = params.lora_name
+    if name is not None and name not in info.lora_names and (in_core or not info.lora_runtime_updates):
         loaded = ", ".join(repr(name) for name in info.lora_names) or "none"
-        raise InvalidRequestError(
-            "lora_name", f"LoRA adapter {params.lora_name!r} is not loaded (loaded: {loaded})"
-        )
+        raise InvalidRequestError("lora_name", f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
     if params.max_tokens is not None and params.max_tokens > info.max_model_len:
         raise InvalidRequestError(
             "max_tokens", f"{params.max_tokens} exceeds max_model_len {info.max_model_len}"

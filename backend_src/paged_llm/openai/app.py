@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paged_llm.openai.edge import ApiKeyMiddleware
 from paged_llm.openai.errors import INTERNAL_ERROR, OpenAIError
 from paged_llm.openai.metrics import OpenAIMetrics
-from paged_llm.openai.routes import chat, completions, models, prometheus, status
+from paged_llm.openai.routes import chat, completions, lora_adapters, models, prometheus, status
 from paged_llm.openai.settings import OpenAISettings
 from paged_llm.openai.state import lifespan_of
 from paged_llm.openai.version import __version__
@@ -56,4 +56,7 @@ def create_app(settings: OpenAISettings) -> FastAPI:
     # per-request dependency solving would only add to the time before the request reaches Triton.
     app.add_route("/v1/completions", completions.completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    if settings.allow_runtime_lora_updates:  # (vLLM: only with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        app.add_route("/v1/load_lora_adapter", lora_adapters.load_lora_adapter, methods=["POST"])
+        app.add_route("/v1/unload_lora_adapter", lora_adapters.unload_lora_adapter, methods=["POST"])
     return app

@@ -52,6 +52,9 @@ class _Body(BaseModel):
             return {k: v for k, v in data.items() if v is not None or k not in cls._null_means_default}
         return data
 
+    def check_unsupported(self) -> None:
+        """A 400 for fields the schema takes but this server does not serve (parse_body asks)."""
+
 
 class StreamOptions(_Body):
     _null_means_default = frozenset({"include_usage"})
@@ -293,6 +296,22 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.common_sampling(max_tokens, logprobs)
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter (`model`: the Triton model, default --health-model)."""
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter (vLLM also accepts a lora_int_id, which names nothing here)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+    model: str | None = None
 
 
 def parse_body(raw: bytes, model: type[_Body]) -> Any:

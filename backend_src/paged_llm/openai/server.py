@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ADAPTER=MODEL, repeatable: a request for model ADAPTER goes to Triton model MODEL with "
         "lora_name ADAPTER (the model loads the adapter: its lora_modules parameter)",
     )
+    parser.add_argument(
+        "--allow-runtime-lora-updates",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) go to --health-model, "
+        "whose allow_runtime_lora_updates parameter must be on",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         lora_adapters=parse_lora_adapters(args.lora_adapter),
+        allow_runtime_lora_updates=args.allow_runtime_lora_updates,
     )
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     import uvicorn

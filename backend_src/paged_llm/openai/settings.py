@@ -32,6 +32,9 @@ class OpenAISettings:
     # LoRA adapter name -> the Triton model that serves it: a request whose `model` is the adapter
     # goes to that model with sampling parameter lora_name set (vLLM's --lora-modules convention)
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (to health_model), and a request for a model
+    # Triton does not serve tried as an adapter of health_model (another worker may have loaded it)
+    allow_runtime_lora_updates: bool = False
 
     def target(self, model: str) -> tuple[str, str | None]:
         """(the Triton model, the LoRA adapter or None) a request's `model` names."""
@@ -57,6 +60,7 @@ class OpenAISettings:
                 "enable_auto_tool_choice": self.enable_auto_tool_choice,
                 "reasoning_parser": self.reasoning_parser,
                 "lora_adapters": self.lora_adapters,
+                "allow_runtime_lora_updates": self.allow_runtime_lora_updates,
             }
         )
 
@@ -80,4 +84,5 @@ class OpenAISettings:
             enable_auto_tool_choice=data.get("enable_auto_tool_choice", False),
             reasoning_parser=data.get("reasoning_parser"),
             lora_adapters=dict(data.get("lora_adapters", {})),
+            allow_runtime_lora_updates=data.get("allow_runtime_lora_updates", False),
         )

@@ -19,6 +19,7 @@ aborts it and frees its KV.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -48,6 +49,7 @@ PROBE_TIMEOUT_S = 3.0  # below the usual 5 s of a readiness probe's own timeout
 # Our llm model answers a request with this parameter from its own state (triton_model/health_probe.py):
 # an empty final while its engine serves, its UNAVAILABLE error while not; no inference, no metrics.
 HEALTH_PROBE_PARAMETER = "paged_llm_health_probe"
+LORA_ADMIN_PARAMETER = "paged_llm_lora_admin"  # triton_model/lora_admin.py
 # Our llm model's errors that say its engine does not serve (a dead or restarting core).
 _ENGINE_DOWN_STATUSES = (500, 503)
 # `paged_llm_error` labels (as in paged_llm_final_responses_total) -> HTTP status.
@@ -280,6 +282,21 @@ class TritonClient:
         self._last_failure_at[model] = now
         logger.warning("health probe of %s: %s", model, problem)
         return False
+
+    async def lora_admin(self, model: str, command: dict[str, str]) -> list[str]:
+        """Asks `model` (our llm model) to load, unload or list LoRA adapters (triton_model/
+        lora_admin.py); the adapters it serves now, or BackendError with its refusal."""
+        request = GenerationRequest(model, "", {}, False, False, f"paged_llm-lora-{command['action']}")
+        parameters = {ERROR_OUTPUT_PARAMETER: True, LORA_ADMIN_PARAMETER: json.dumps(command)}
+        async with aclosing(self._grpc.responses(request, None, parameters)) as responses:
+            async for outputs_of, is_final in responses:
+                if ERROR_OUTPUT in outputs_of:
+                    raise error_from_output(outputs_of[ERROR_OUTPUT])
+                if "text_output" in outputs_of:
+                    return list(json.loads(outputs_of["text_output"][0])["lora_names"])
+                if is_final:
+                    break
+        raise BackendError(500, "the model answered a LoRA request without its adapters")
 
     async def server_version(self) -> str:
         metadata = await self._client.get_server_metadata(as_json=True, client_timeout=2.0)

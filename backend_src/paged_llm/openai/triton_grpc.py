@@ -73,7 +73,7 @@ def _bytes_element(value: bytes) -> bytes:
 def build_request(
     request: GenerationRequest,
     outputs: tuple[str, ...] | None = None,
-    parameters: dict[str, bool] | None = None,
+    parameters: dict[str, bool | str] | None = None,
 ) -> Any:
     """The ModelInferRequest protobuf of one generation, as tritonclient's stream_infer would build
     it from InferInput objects, without its per-input objects and copies."""
@@ -94,8 +94,11 @@ def build_request(
             contents.append(ids.tobytes())
     for name in outputs or ():
         proto.outputs.add(name=name)
-    for key, flag in (parameters or {}).items():
-        proto.parameters[key].bool_param = flag
+    for key, value in (parameters or {}).items():
+        if isinstance(value, str):  # (a LoRA admin request's command)
+            proto.parameters[key].string_param = value
+        else:
+            proto.parameters[key].bool_param = value
     return proto
 
 
@@ -144,7 +147,7 @@ class GrpcStreams:
         await self._channel.close()
 
     async def responses(
-        self, request: GenerationRequest, outputs: tuple[str, ...] | None, parameters: dict[str, bool]
+        self, request: GenerationRequest, outputs: tuple[str, ...] | None, parameters: dict[str, bool | str]
     ) -> AsyncIterator[tuple[dict[str, list[Any]], bool]]:
         """(outputs, is_final) per response, up to the final one; StreamRefused, TritonUnreachable.
         Ends without a final response only when Triton closed the stream early."""

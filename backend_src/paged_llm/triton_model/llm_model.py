@@ -37,6 +37,7 @@ from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.triton_model.auth import ApiKeyCheck
 from paged_llm.triton_model.health_probe import HEALTH_PROBE_PARAMETER, answer_health_probe
 from paged_llm.triton_model.instance_device import instance_device
+from paged_llm.triton_model.lora_admin import LORA_ADMIN_PARAMETER, answer_lora_admin
 from paged_llm.triton_model.metrics import TritonMetrics
 from paged_llm.triton_model.response_accumulator import ResponseAccumulator
 from paged_llm.triton_model.response_streams import ResponseStreams
@@ -197,6 +198,16 @@ class TritonPythonModel:
                 self._api_keys.check(authorization_of(parameters))
             if has_request_parameter(parameters, FORWARDED_ABORT_PARAMETER):
                 self._abort_forwarded(parameters, sender)
+                return
+            if LORA_ADMIN_PARAMETER in parameters:
+                answer_lora_admin(
+                    self._streams,
+                    pb_utils,
+                    sender,
+                    self.engine,
+                    parameters[LORA_ADMIN_PARAMETER],
+                    errors_as_output,
+                )
                 return
             parsed = read_request(request, parameters, self.config.limits, pb_utils.get_input_tensor_by_name)
             timeout_us = request.timeout()

@@ -85,6 +85,7 @@ class EngineCore:
             "reset_prefix_cache",
             "load_lora_adapter",
             "unload_lora_adapter",
+            "lora_adapter_names",
         }
     )
 
@@ -539,6 +540,9 @@ class EngineCore:
     def load_lora_adapter(self, name: str, path: str) -> tuple[str, ...]:
         """Serves LoRA adapter `name` from `path` from now on; the adapters a request may name."""
         return self.lora_updates.load(name, path)
+
+    def lora_adapter_names(self) -> tuple[str, ...]:
+        return self.info.lora_names
 
     def unload_lora_adapter(self, name: str) -> tuple[str, ...]:
         """Refuses new requests for `name`; its requests in flight finish with it."""

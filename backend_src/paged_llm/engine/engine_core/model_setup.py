@@ -93,6 +93,7 @@ def load_engine_model(config: EngineConfig, show_progress: bool) -> LoadedModel:
         device=device.describe(),
         dtype=str(dtype).removeprefix("torch."),
         lora_names=runner.lora.names if runner.lora is not None else (),
+        lora_runtime_updates=config.lora.allow_runtime_lora_updates,
     )
     _log_start(info, runner, Path(model_dir))
     salt = hashlib.sha256((Path(model_dir) / "config.json").read_bytes() + str(dtype).encode()).digest()

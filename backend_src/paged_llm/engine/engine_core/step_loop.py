@@ -105,10 +105,13 @@ def handle_input(core: EngineCore, item: CoreInput) -> None:
 
 
 def call_utility(core: EngineCore, name: str, args: tuple = ()) -> tuple[bool, object]:
-    """(True, result) or (False, "ExceptionType: message"); never raises."""
+    """(True, result) or (False, "ExceptionType: message"), a refused input as (False,
+    InvalidRequestError's (field, message)) (utility_error() raises either); never raises."""
     if name not in EngineCore.UTILITY_CALLS:
         return False, f"unknown utility call {name!r}"
     try:
         return True, getattr(core, name)(*args)
+    except InvalidRequestError as error:
+        return False, (error.field, str(error).removeprefix(f"{error.field}: "))
     except Exception as error:  # reported to the caller; the core keeps running
         return False, f"{type(error).__name__}: {error}"

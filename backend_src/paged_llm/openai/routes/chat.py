@@ -26,6 +26,7 @@ from paged_llm.openai.responses import ResponseBuilder, chat_logprobs, sse
 from paged_llm.openai.routes.generation_flow import (
     collect,
     first_chunk,
+    model_and_adapter,
     naming_the_constraint,
     serve,
     sse_response,
@@ -50,8 +51,7 @@ async def _chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = parse_body(
         await read_body(request, settings.max_body_bytes), ChatCompletionRequest
     )
-    model, lora_name = state.settings.target(body.model)  # an adapter's name: its model
-    await state.models.check(model)
+    model, lora_name = await model_and_adapter(state, body.model)
     messages = [message.template_dict(i) for i, message in enumerate(body.messages)]
     tools = body.tool_use
     parser = (

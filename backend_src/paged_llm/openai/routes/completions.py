@@ -17,6 +17,7 @@ from paged_llm.openai.responses import CompletionLogprobs, ResponseBuilder, sse
 from paged_llm.openai.routes.generation_flow import (
     collect,
     first_chunk,
+    model_and_adapter,
     naming_the_constraint,
     serve,
     sse_response,
@@ -37,8 +38,7 @@ async def _completions(request: Request) -> Response:
     body: CompletionRequest = parse_body(
         await read_body(request, state.settings.max_body_bytes), CompletionRequest
     )
-    model, lora_name = state.settings.target(body.model)  # an adapter's name: its model
-    await state.models.check(model)
+    model, lora_name = await model_and_adapter(state, body.model)
     prompts = body.prompts()
     echo_texts = [""] * (len(prompts) * body.n)
     if body.echo:

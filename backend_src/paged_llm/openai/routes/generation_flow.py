@@ -35,6 +35,22 @@ T = TypeVar("T")
 Chunks = AsyncIterator[tuple[int, GenerationChunk]]  # (prompt position, chunk), merge_streams()'s
 
 
+async def model_and_adapter(state: AppState, requested: str) -> tuple[str, str | None]:
+    """The Triton model a request's `model` names and its LoRA adapter (None: the base model); a
+    404 for a name that is neither a served model nor an adapter. With runtime LoRA updates, a
+    name Triton does not serve is tried as an adapter of --health-model (another worker may have
+    loaded it; the engine refuses it, naming lora_name, if nobody did)."""
+    model, lora_name = state.settings.target(requested)
+    try:
+        await state.models.check(model)
+    except OpenAIError as error:
+        if lora_name is not None or not state.settings.allow_runtime_lora_updates or error.status_code != 404:
+            raise
+        model, lora_name = state.settings.health_model, requested
+        await state.models.check(model)
+    return model, lora_name
+
+
 async def serve(request: Request, route: str, handler: Callable[[Request], Awaitable[Response]]) -> Response:
     """Runs a generation route and counts it (a stream is counted when it ends)."""
     metrics = app_state(request).metrics

@@ -35,7 +35,19 @@ async def _cards(request: Request) -> dict[str, dict[str, Any]]:
     created = int(time.time())
     ready = await _ready_models(request)
     cards = {name: _model_card(name, created) for name in ready}
-    for adapter, parent in app_state(request).settings.lora_adapters.items():
+    settings = app_state(request).settings
+    if settings.allow_runtime_lora_updates and settings.health_model in cards:
+        try:  # what the engine serves now (any worker may have loaded or unloaded one)
+            names = await app_state(request).triton.lora_admin(settings.health_model, {"action": "list"})
+        except OpenAIError as error:
+            logger.warning("listing the LoRA adapters of %s failed: %s", settings.health_model, error)
+        else:
+            for stale in [
+                n for n, parent in settings.lora_adapters.items() if parent == settings.health_model
+            ]:
+                settings.lora_adapters.pop(stale)
+            settings.lora_adapters.update(dict.fromkeys(names, settings.health_model))
+    for adapter, parent in settings.lora_adapters.items():
         if parent in cards and adapter not in cards:
             cards[adapter] = _model_card(adapter, created, parent)
     return cards
