@@ -254,3 +254,23 @@ def test_runtime_loading_refuses_what_it_cannot_serve(engines, adapters, tmp_pat
         engine.load_lora_adapter("qv4", str(adapters["qv4"]))
     with pytest.raises(InvalidRequestError, match="'all8' is not loaded"):
         engine.unload_lora_adapter("all8")
+
+
+def test_a_name_loaded_again_with_other_weights_finds_none_of_the_old_kv(
+    engines, adapters, peft_reference, prompts
+):
+    """The prefix cache and a session hold KV computed with the first adapter of a name; after an
+    unload and a load of other weights under that name, both are recomputed."""
+    engine = engines(
+        lora=LoRAConfig(allow_runtime_lora_updates=True, max_lora_rank=8), enable_prefix_caching=True
+    )
+    prompt = max(prompts, key=len)
+    engine.load_lora_adapter("x", str(adapters["all8"]))
+    assert token_ids(run_to_completion(engine, [prompt], greedy("x"))) == [peft_reference("all8", prompt)]
+    engine.add_request("s1", prompts[2], greedy("x"), session=SessionTurn("s", start=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.unload_lora_adapter("x")
+    engine.load_lora_adapter("x", str(adapters["qv4"]))
+    assert token_ids(run_to_completion(engine, [prompt], greedy("x"))) == [peft_reference("qv4", prompt)]
+    assert engine.core.sessions.get("s").num_kv_tokens == 0

@@ -289,6 +289,15 @@ class SessionManager:
             if self.kv_cache.holds(session.holder):
                 self._drop_kv(session)
 
+    def forget_adapter(self, lora_name: str) -> None:
+        """The sessions of an adapter being unloaded keep no KV or block hashes of it: a turn after
+        the adapter is loaded again (under that name) recomputes the history."""
+        for session in self._sessions.values():
+            if session.lora_name == lora_name:
+                if self.kv_cache.holds(session.holder):
+                    self._drop_kv(session)
+                session.block_hashes = []
+
     def _drop_kv(self, session: Session) -> None:
         self.kv_cache.free_owner(session.holder)
         session.num_kv_tokens = 0

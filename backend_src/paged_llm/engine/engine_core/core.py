@@ -108,6 +108,7 @@ class EngineCore:
             config.lora.allow_runtime_lora_updates,
             self.info,
             lambda: self.scheduler.sequences.values(),
+            self._forget_lora_kv,
         )
         self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
         self.requests = RequestTable(self.scheduler, self.sessions, lambda: self._outputs)
@@ -540,6 +541,12 @@ class EngineCore:
     def load_lora_adapter(self, name: str, path: str) -> tuple[str, ...]:
         """Serves LoRA adapter `name` from `path` from now on; the adapters a request may name."""
         return self.lora_updates.load(name, path)
+
+    def _forget_lora_kv(self, lora_name: str) -> None:
+        """An unloaded adapter's KV must not serve one loaded later under its name: the prefix cache
+        forgets every hash (unloads are rare; the blocks stay where they are) and its sessions' KV goes."""
+        self.kv_cache.reset_prefix_cache()
+        self.sessions.forget_adapter(lora_name)
 
     def lora_adapter_names(self) -> tuple[str, ...]:
         return self.info.lora_names

@@ -24,11 +24,15 @@ class LoRAUpdates:
         allowed: bool,
         info: EngineCoreInfo,
         live_sequences: Callable[[], Iterable[Sequence]],
+        forget_kv: Callable[[str], None] = lambda name: None,
     ) -> None:
+        """`forget_kv(name)`: drops the KV computed with an adapter being forgotten (the prefix
+        cache's and sessions'), which an adapter loaded later under the same name must not find."""
         self.manager = manager
         self.allowed = allowed
         self.info = info  # its lora_names are kept up to date here
         self.live_sequences = live_sequences
+        self.forget_kv = forget_kv
         self.unloading: set[str] = set()
 
     def load(self, name: str, path: str) -> tuple[str, ...]:
@@ -67,6 +71,7 @@ class LoRAUpdates:
         in_use = {seq.sampling_params.lora_name for seq in self.live_sequences()}
         for name in sorted(self.unloading - in_use):
             self.manager.remove(name)
+            self.forget_kv(name)
             self.unloading.discard(name)
 
     def _publish(self) -> tuple[str, ...]:
