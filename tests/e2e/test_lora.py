@@ -143,7 +143,7 @@ def test_adapters_load_and_unload_while_serving_through_the_openai_server(
             model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
         )
 
-    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'alpha' is not loaded"):
+    with pytest.raises(openai.NotFoundError, match="The model `alpha` does not exist"):
         complete("alpha")
     status, text = http_post(
         address, "/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(adapters["alpha"])}
@@ -158,8 +158,12 @@ def test_adapters_load_and_unload_while_serving_through_the_openai_server(
     assert status == 400 and "lora_path" in text and "adapter_config.json" in text
     status, text = http_post(address, "/v1/unload_lora_adapter", {"lora_name": "alpha"})
     assert status == 200 and text == "Success: LoRA adapter 'alpha' removed successfully."
-    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'alpha' is not loaded"):
+    with pytest.raises(openai.NotFoundError, match="The model `alpha` does not exist"):
         complete("alpha")
     status, text = http_post(address, "/v1/unload_lora_adapter", {"lora_name": "alpha"})
-    assert status == 400 and "'alpha' is not loaded" in text
+    assert status == 404 and "'alpha' is not loaded" in text
+    status, text = http_post(
+        address, "/v1/load_lora_adapter", {"lora_name": "llm", "lora_path": str(adapters["beta"])}
+    )
+    assert status == 400 and "the name of a served model" in text
     assert complete("llm").choices[0].text == tiny_tokenizer.decode(reference[None])

@@ -14,6 +14,7 @@ from paged_llm.core.sessions import SessionTurn
 from paged_llm.errors import InvalidRequestError
 from paged_llm.lora.random_adapter import write_random_adapter
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_output_params import StructuredOutputParams
 from tests.integration.conftest import run_to_completion
 
 MAX_TOKENS = 16
@@ -274,3 +275,38 @@ def test_a_name_loaded_again_with_other_weights_finds_none_of_the_old_kv(
     engine.load_lora_adapter("x", str(adapters["qv4"]))
     assert token_ids(run_to_completion(engine, [prompt], greedy("x"))) == [peft_reference("qv4", prompt)]
     assert engine.core.sessions.get("s").num_kv_tokens == 0
+
+
+def test_unloading_an_adapter_whose_request_waits_for_its_grammar(engines, adapters, prompts):
+    """A request parked while its grammar compiles holds its adapter: the unload waits for it."""
+    engine = engines(lora=LoRAConfig(allow_runtime_lora_updates=True, max_lora_rank=8))
+    engine.load_lora_adapter("x", str(adapters["all8"]))
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        lora_name="x",
+        structured_outputs=StructuredOutputParams(kind="regex", spec="(yes|no)"),
+    )
+    engine.add_request("r", prompts[0], constrained)
+    record = engine.core.requests.get(engine.processor.core_request_id("r"))
+    assert record.parked is not None  # its grammar compiles on a worker
+    engine.unload_lora_adapter("x")
+    assert "x" in engine.core.runner.lora.names  # still used
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    [final] = [o for o in outputs if o.finished]
+    assert final.error is None and "x" not in engine.core.runner.lora.names
+    text = "".join(d.text for o in outputs for d in o.sequences)
+    assert text in ("yes", "no")
+
+
+def test_runtime_loads_keep_every_adapter_in_host_memory_by_default(tiny_model_dir, adapters):
+    from paged_llm.lora.manager import LoRAManager
+    from paged_llm.models.hf_config import load_model_spec
+
+    config = LoRAConfig(allow_runtime_lora_updates=True, max_loras=1, max_lora_rank=16)
+    manager = LoRAManager(config, load_model_spec(tiny_model_dir), torch.float32, torch.device("cpu"))
+    for name in ("all8", "qv4"):
+        manager.add(name, adapters[name])
+    assert list(manager.adapters) == ["all8", "qv4"] and manager.max_cpu_loras is None

@@ -91,6 +91,9 @@ class AsyncLLM:
         self._local_aborts: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
         # utility call id -> the caller's future of (ok, value), set by the output thread
         self._utility_waiters: dict[int, concurrent.futures.Future[tuple[bool, object]]] = {}
+        # LoRA adapters loaded through this stub while serving (name -> path): a restarted core
+        # gets them again before any request
+        self._runtime_lora_adapters: dict[str, str] = {}
         self._accepting = True
         self.dead_reason: str | None = None
         self._stop = threading.Event()
@@ -150,6 +153,10 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine core did not answer {name} in {timeout_s:.0f} s") from None
         if not ok:
             raise utility_error(name, value)
+        if name == "load_lora_adapter":
+            self._runtime_lora_adapters[str(args[0])] = str(args[1])
+        elif name == "unload_lora_adapter":
+            self._runtime_lora_adapters.pop(str(args[0]), None)
         return value
 
     def check_accepting(self) -> None:
@@ -328,6 +335,11 @@ class AsyncLLM:
         return self._watch_pid is None or process_is_alive(self._watch_pid)
 
     def _adopt(self, client: EngineCoreClient) -> None:
+        for name, path in self._runtime_lora_adapters.items():  # ahead of every new request
+            try:
+                client.send_utility("load_lora_adapter", name, path)  # (its answer is nobody's)
+            except Exception as error:
+                logger.error("LoRA adapter %r could not be loaded into the restarted core: %s", name, error)
         self.client = client
         self.info = client.info
         self.owns_core = client.owns_core
@@ -402,6 +414,10 @@ class AsyncLLM:
             with self._client_lock:  # a core restarting meanwhile is shut down by _recover
                 self._stop.set()
             self._thread.join(timeout=10.0)
+            with self._lock:
+                waiters, self._utility_waiters = self._utility_waiters, {}
+            for waiter in waiters.values():
+                waiter.set_exception(EngineDeadError("the engine is shutting down"))
             self.client.shutdown()
 
     @property

@@ -42,8 +42,9 @@ class LoRAManager:
         num_slots = min(config.max_loras, max(1, len(self.paths)))
         if config.allow_runtime_lora_updates:  # room for whatever is loaded later
             num_slots = config.max_loras
-        # a step's adapters are all in host memory while it loads them
-        self.max_cpu_loras = max(config.max_cpu_loras or len(self.paths), num_slots)
+        # None: every adapter stays in host memory; else at least a step's worth of them (a step's
+        # adapters are all in host memory while it loads them)
+        self.max_cpu_loras = max(config.max_cpu_loras, num_slots) if config.max_cpu_loras else None
         # in host memory, least recently used first
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
         ranks = []
@@ -88,8 +89,7 @@ class LoRAManager:
         self._index_of[name] = len(self._names)
         self._names.append(name)
         self.adapters[name] = adapter
-        while len(self.adapters) > self.max_cpu_loras:
-            self.adapters.popitem(last=False)
+        self._keep_max_cpu_loras()
         self.num_reads += 1
 
     def remove(self, name: str) -> None:
@@ -173,6 +173,9 @@ class LoRAManager:
     def _read(self, name: str) -> LoRAAdapter:
         adapter = load_adapter(name, self.paths[name], self.spec, self.max_lora_rank)
         self.adapters[name] = adapter
-        while len(self.adapters) > self.max_cpu_loras:
-            self.adapters.popitem(last=False)
+        self._keep_max_cpu_loras()
         return adapter
+
+    def _keep_max_cpu_loras(self) -> None:
+        while self.max_cpu_loras is not None and len(self.adapters) > self.max_cpu_loras:
+            self.adapters.popitem(last=False)

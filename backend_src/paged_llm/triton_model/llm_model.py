@@ -96,6 +96,13 @@ class TritonPythonModel:
             model=replace(config.model, model=str(model_dir)),
             lora=config.lora.with_multi_lora_json(version_dir),  # vllm_backend's adapter list
         )
+        gpus = {int(g) for group in model_config.get("instance_group", []) for g in group.get("gpus", [])}
+        if self.config.lora.allow_runtime_lora_updates and len(gpus) > 1:
+            # one engine core per GPU: an adapter loaded through one instance would be missing in the rest
+            raise pb_utils.TritonModelException(
+                "allow_runtime_lora_updates needs one engine core: the instance_group puts this model on "
+                f"GPUs {sorted(gpus)} (an engine each); give it one GPU, or load adapters at start-up"
+            )
         self._api_keys = ApiKeyCheck.from_environment()  # set by `paged-llm serve --api-key`
         if self.config.serving.gil_switch_interval_s:
             sys.setswitchinterval(self.config.serving.gil_switch_interval_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from paged_llm.config import EngineConfig
@@ -107,7 +107,7 @@ class EngineCore:
             self.runner.lora,
             config.lora.allow_runtime_lora_updates,
             self.info,
-            lambda: self.scheduler.sequences.values(),
+            self._live_sequences,
             self._forget_lora_kv,
         )
         self._outputs = EngineCoreOutputs()  # what the current step() publishes, built as it goes
@@ -541,6 +541,15 @@ class EngineCore:
     def load_lora_adapter(self, name: str, path: str) -> tuple[str, ...]:
         """Serves LoRA adapter `name` from `path` from now on; the adapters a request may name."""
         return self.lora_updates.load(name, path)
+
+    def _live_sequences(self) -> Iterator[Sequence]:
+        """Every sequence a request has: scheduled (running, waiting, preempted), a later sample
+        not started yet, or one parked while its grammar compiles."""
+        yield from self.scheduler.sequences.values()
+        for record in self.requests:
+            yield from record.unstarted
+            if record.parked is not None:
+                yield record.parked
 
     def _forget_lora_kv(self, lora_name: str) -> None:
         """An unloaded adapter's KV must not serve one loaded later under its name: the prefix cache

@@ -38,16 +38,23 @@ Chunks = AsyncIterator[tuple[int, GenerationChunk]]  # (prompt position, chunk),
 async def model_and_adapter(state: AppState, requested: str) -> tuple[str, str | None]:
     """The Triton model a request's `model` names and its LoRA adapter (None: the base model); a
     404 for a name that is neither a served model nor an adapter. With runtime LoRA updates, a
-    name Triton does not serve is tried as an adapter of --health-model (another worker may have
-    loaded it; the engine refuses it, naming lora_name, if nobody did)."""
-    model, lora_name = state.settings.target(requested)
+    name Triton does not serve is looked up among --health-model's adapters (another worker may
+    have loaded it), once: this worker then routes it at once."""
+    settings = state.settings
+    if requested in state.models.names:  # a served model's name is never an adapter's
+        return requested, None
+    model, lora_name = settings.target(requested)
     try:
         await state.models.check(model)
     except OpenAIError as error:
-        if lora_name is not None or not state.settings.allow_runtime_lora_updates or error.status_code != 404:
+        if lora_name is not None or not settings.allow_runtime_lora_updates or error.status_code != 404:
             raise
-        model, lora_name = state.settings.health_model, requested
-        await state.models.check(model)
+        await state.models.check(settings.health_model)
+        names = await state.triton.lora_admin(settings.health_model, {"action": "list"})
+        if requested not in names:
+            raise
+        settings.lora_adapters[requested] = settings.health_model
+        model, lora_name = settings.health_model, requested
     return model, lora_name
 
 

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from paged_llm.openai.edge import read_body
+from paged_llm.openai.errors import OpenAIError
 from paged_llm.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_body
 from paged_llm.openai.state import app_state
 
@@ -18,6 +19,8 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     body = parse_body(await read_body(request, state.settings.max_body_bytes), LoadLoRAAdapterRequest)
     model = body.model or state.settings.health_model
     await state.models.check(model)
+    if body.lora_name in state.models.names or body.lora_name == state.settings.health_model:
+        raise OpenAIError(400, f"lora_name: {body.lora_name!r} is the name of a served model", "lora_name")
     await state.triton.lora_admin(
         model, {"action": "load", "lora_name": body.lora_name, "lora_path": body.lora_path}
     )
@@ -30,6 +33,11 @@ async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     body = parse_body(await read_body(request, state.settings.max_body_bytes), UnloadLoRAAdapterRequest)
     model = body.model or state.settings.lora_adapters.get(body.lora_name) or state.settings.health_model
     await state.models.check(model)
-    await state.triton.lora_admin(model, {"action": "unload", "lora_name": body.lora_name})
+    try:
+        await state.triton.lora_admin(model, {"action": "unload", "lora_name": body.lora_name})
+    except OpenAIError as error:
+        if error.status_code == 400 and "is not loaded" in error.message:  # (vLLM: 404)
+            raise OpenAIError(404, error.message, "lora_name", "not_found") from None
+        raise
     state.settings.lora_adapters.pop(body.lora_name, None)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
