@@ -153,11 +153,23 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine core did not answer {name} in {timeout_s:.0f} s") from None
         if not ok:
             raise utility_error(name, value)
-        if name == "load_lora_adapter":
-            self._runtime_lora_adapters[str(args[0])] = str(args[1])
-        elif name == "unload_lora_adapter":
-            self._runtime_lora_adapters.pop(str(args[0]), None)
         return value
+
+    def load_lora_adapter(self, name: str, path: str) -> tuple[str, ...]:
+        """Serves LoRA adapter `name` from `path` from now on (and after a core restart); the
+        adapters a request may name."""
+        names = self.call_utility("load_lora_adapter", name, path)
+        self._runtime_lora_adapters[name] = path
+        return names  # type: ignore[return-value]
+
+    def unload_lora_adapter(self, name: str) -> tuple[str, ...]:
+        """New requests for `name` are refused from now on; those in flight finish with it."""
+        names = self.call_utility("unload_lora_adapter", name)
+        self._runtime_lora_adapters.pop(name, None)
+        return names  # type: ignore[return-value]
+
+    def lora_adapter_names(self) -> tuple[str, ...]:
+        return self.call_utility("lora_adapter_names")  # type: ignore[return-value]
 
     def check_accepting(self) -> None:
         """EngineDeadError (UNAVAILABLE) if a new request would be refused now."""

@@ -102,8 +102,7 @@ def load_adapter(name: str, path: Path, spec: ModelSpec, max_lora_rank: int) -> 
                 "supported"
             )
         layer, block, module, side = int(match[1]), match[2], match[3], match[4]
-        expected_block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-        if module not in shapes or block != expected_block:
+        if module not in shapes or block != block_of(module):
             raise LoRAAdapterError(
                 f"{where}: tensor {tensor_name!r} targets module {block}.{module}; supported: "
                 + ", ".join(TARGET_MODULES)
@@ -118,7 +117,7 @@ def load_adapter(name: str, path: Path, spec: ModelSpec, max_lora_rank: int) -> 
         raise LoRAAdapterError(f"{where}: no LoRA weights in the checkpoint")
     modules: dict[tuple[int, str], LoRAModule] = {}
     for (layer, module), sides in sorted(pairs.items()):
-        prefix = f"base_model.model.model.layers.{layer}.{_block(module)}.{module}"
+        prefix = tensor_prefix(layer, module)
         for side in ("A", "B"):
             if side not in sides:
                 raise LoRAAdapterError(f"{where}: tensor {prefix}.lora_{side}.weight is missing")
@@ -134,15 +133,21 @@ def load_adapter(name: str, path: Path, spec: ModelSpec, max_lora_rank: int) -> 
             )
         if rank > max_lora_rank:
             raise LoRAAdapterError(f"{where}: {prefix} has rank {rank}, over max_lora_rank {max_lora_rank}")
-        module_name = f"model.layers.{layer}.{_block(module)}.{module}"
+        module_name = prefix.removeprefix("base_model.model.")
         alpha = float(_pattern_value(config.get("alpha_pattern"), module_name, config["lora_alpha"]))
         denominator = math.sqrt(rank) if config.get("use_rslora") else rank
         modules[(layer, module)] = LoRAModule(a.float(), b.float(), alpha / denominator)
     return LoRAAdapter(name, path, max(m.rank for m in modules.values()), modules)
 
 
-def _block(module: str) -> str:
+def block_of(module: str) -> str:
+    """The decoder block a projection belongs to in HF's module names."""
     return "self_attn" if module in ATTENTION_MODULES else "mlp"
+
+
+def tensor_prefix(layer: int, module: str) -> str:
+    """PEFT's name of a projection's LoRA tensors, up to `.lora_A.weight` / `.lora_B.weight`."""
+    return f"base_model.model.model.layers.{layer}.{block_of(module)}.{module}"
 
 
 def _read_config(path: Path) -> dict[str, Any]:

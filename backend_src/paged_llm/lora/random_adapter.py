@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from paged_llm.lora.adapter import ATTENTION_MODULES, CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, module_shapes
+from paged_llm.lora.adapter import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, module_shapes, tensor_prefix
 from paged_llm.models.hf_config import load_model_spec
 
 
@@ -39,8 +39,7 @@ def write_random_adapter(
     for layer in range(spec.num_layers):
         for module in target_modules:
             in_features, out_features = shapes[module]
-            block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            prefix = tensor_prefix(layer, module)
             # x ~ unit-variance features: A x has variance ~1 per rank row, B A x ~ rank * std_b^2;
             # the base output's rows are ~1 in size for the usual initialisations.
             a = torch.randn(rank, in_features, generator=generator) / math.sqrt(in_features)

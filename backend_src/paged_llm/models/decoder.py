@@ -95,10 +95,7 @@ def weight_scale_of(linear: nn.Linear) -> torch.Tensor | None:
 
 def project(ops: FusedOps, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """`linear` of `x` through the model's linear op (FP8 weights with their scales)."""
-    weight_scale = weight_scale_of(linear)
-    if weight_scale is None:
-        return ops.linear(x, linear.weight, linear.bias)
-    return ops.linear(x, linear.weight, linear.bias, weight_scale=weight_scale)
+    return ops.linear(x, linear.weight, linear.bias, weight_scale=weight_scale_of(linear))
 
 
 class Attention(nn.Module):

@@ -467,16 +467,20 @@ class ModelRunner:
         if num_sampled == 0:
             self.model(input_ids, positions, self.kv_caches, metadata)
             return None
-        if self._lora_step:  # the graphs were captured without adapters
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-            return self.model.compute_logits(hidden.index_select(0, sample_indices))
-        if self.graphs is not None and metadata.is_decode_only and self.graphs.bucket(metadata.num_seqs):
+        graphs_serve = not self._lora_step  # the graphs were captured without adapters
+        if (
+            graphs_serve
+            and self.graphs is not None
+            and metadata.is_decode_only
+            and self.graphs.bucket(metadata.num_seqs)
+        ):
             logits = self.graphs.run(input_ids, positions, metadata)
             if num_sampled != metadata.num_seqs:  # a 1-token prefill chunk among decodes
                 logits = logits.index_select(0, sample_indices)
             return logits
         if (
-            self.mixed_graphs is not None
+            graphs_serve
+            and self.mixed_graphs is not None
             and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs, num_sampled) is not None
         ):  # a small step with prefill chunks: the first token of new requests at low load
             return self.mixed_graphs.run(input_ids, positions, metadata, sample_indices)

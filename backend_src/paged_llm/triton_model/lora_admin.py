@@ -20,12 +20,13 @@ import numpy as np
 from paged_llm.errors import EngineDeadError, InvalidRequestError
 
 LORA_ADMIN_PARAMETER = "paged_llm_lora_admin"
+# action -> the AsyncLLM method (each a utility call of the engine core of the same name)
 ACTIONS = {"load": "load_lora_adapter", "unload": "unload_lora_adapter", "list": "lora_adapter_names"}
 logger = logging.getLogger(__name__)
 
 
 def parse_lora_admin(raw: Any) -> tuple[str, tuple[str, ...]]:
-    """(the engine core's utility call, its arguments) of the parameter's JSON text."""
+    """(the AsyncLLM method, its arguments) of the parameter's JSON text."""
     try:
         command = json.loads(raw) if isinstance(raw, str) else raw
     except ValueError:
@@ -53,7 +54,7 @@ def answer_lora_admin(
     def run() -> None:
         try:
             name, args = parse_lora_admin(raw)
-            names = engine.call_utility(name, *args)
+            names = getattr(engine, name)(*args)
             text = json.dumps({"lora_names": list(names)})
             tensor = pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
             response = pb_utils.InferenceResponse(output_tensors=[tensor])

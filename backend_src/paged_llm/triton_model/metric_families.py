@@ -245,14 +245,15 @@ class MetricFamilies:
         self.lora_requests = per_label(
             "paged_llm_lora_requests_total", "Finished requests by LoRA adapter", "lora_name", lora_names
         )
-        self.lora_loads = metric(
-            "paged_llm_lora_adapter_loads_total", "LoRA adapters written into a device slot", family.COUNTER
-        )
-        self.lora_evictions = metric(
-            "paged_llm_lora_adapter_evictions_total",
-            "LoRA adapter loads that replaced another adapter in its slot",
-            family.COUNTER,
-        )
+        self.lora_counters = {
+            field_name: metric(name, description, family.COUNTER)
+            for field_name, name, description in (
+                ("lora_loads_total", "paged_llm_lora_adapter_loads_total",
+                 "LoRA adapters written into a device slot"),
+                ("lora_evictions_total", "paged_llm_lora_adapter_evictions_total",
+                 "LoRA adapter loads that replaced another adapter in its slot"),
+            )
+        }  # fmt: skip
         self.lora_slots_used = gauge("paged_llm_lora_slots_used", "Device slots holding a LoRA adapter")
         self.sessions_open = gauge("paged_llm_sessions_open", "Open sessions")
         self.session_counters = {

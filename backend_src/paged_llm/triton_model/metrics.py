@@ -109,14 +109,15 @@ class TritonMetrics:
         self._advance("prefix_hits", self._metrics.prefix_hits, hits)
         self._advance("preemptions", self._metrics.preemptions, snapshot.num_preemptions_total)
         self._advance("prompt_computed", self._metrics.prompt_computed, snapshot.prompt_tokens_computed)
-        for field_name, counter in self._metrics.spec_counters.items():
+        for field_name, counter in (
+            *self._metrics.spec_counters.items(),
+            *self._metrics.lora_counters.items(),
+        ):
             self._advance(field_name, counter, getattr(snapshot, field_name))
         if snapshot.spec_num_drafts:
             accepted = snapshot.spec_num_accepted_tokens
             self._metrics.spec_acceptance.set(accepted / max(snapshot.spec_num_draft_tokens, 1))
             self._metrics.spec_mean_length.set(1.0 + accepted / snapshot.spec_num_drafts)
-        self._advance("lora_loads", self._metrics.lora_loads, snapshot.lora_loads_total)
-        self._advance("lora_evictions", self._metrics.lora_evictions, snapshot.lora_evictions_total)
         self._metrics.lora_slots_used.set(snapshot.num_lora_slots_used)
         if snapshot.sessions is not None:
             self._metrics.sessions_open.set(snapshot.sessions.num_open)
