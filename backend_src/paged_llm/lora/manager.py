@@ -35,7 +35,11 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
         shard: ShardPlan | None = None,
+        max_num_tokens: int | None = None,
+        use_kernels: bool = False,
+        pin_memory: bool = False,
     ) -> None:
+        """`use_kernels`: the slots' Triton kernels (CUDA) for steps up to `max_num_tokens` tokens."""
         self.spec = spec
         self.max_lora_rank = config.max_lora_rank
         self.paths = {name: Path(path) for name, path in config.modules().items()}
@@ -59,7 +63,9 @@ class LoRAManager:
                 adapter.path,
             )
         max_rank = config.max_lora_rank if config.allow_runtime_lora_updates else max(ranks, default=1)
-        self.slots = LoRASlots(spec, num_slots, max_rank, dtype, device, shard)
+        self.slots = LoRASlots(
+            spec, num_slots, max_rank, dtype, device, shard, max_num_tokens, use_kernels, pin_memory
+        )
         self._slot_of: dict[str, int] = {}
         self._last_used = [-1] * num_slots  # the step that last used each slot
         self._num_steps = 0
@@ -103,7 +109,7 @@ class LoRAManager:
 
     def prepare_step(self, scheduled: Seq[ScheduledRows]) -> bool:
         """Puts the step's adapters in slots and tells the slots the step's rows; True when any row
-        runs with an adapter (the step then runs eagerly). `step_rows` and `step_loads` say what
+        runs with an adapter (the step then takes the adapter path). `step_rows` and `step_loads` say what
         it did, for the tensor-parallel ranks (replay_step)."""
         self._num_steps += 1
         self.step_loads = []

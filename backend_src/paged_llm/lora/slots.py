@@ -11,13 +11,18 @@ Under tensor parallelism a slot holds this rank's share: the rows of `b` of the 
 projections (qkv, gate/up) and the columns of `a` of the row-parallel ones (o, down), whose
 partial updates the layer's all-reduce adds up with the base output's.
 
-The per-step path (`add`) is PyTorch: one pair of matmuls per adapter in the step, over its rows
-(a slice where they are contiguous). Steps with adapter rows run eagerly (runner/model_runner.py).
+The per-step path (`add`): on CUDA the Triton kernels of lora/kernels.py, every adapter of the step
+in one shrink and one expand launch, reading the step's tiles from a device buffer (lora/step_tiles.py),
+so steps with adapter rows replay CUDA graphs captured with them (`capturing`). Elsewhere PyTorch:
+one pair of matmuls per adapter in the step, over its rows (a slice where they are contiguous).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +39,10 @@ FUSED_PROJECTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None, str 
 }
 
 NO_ADAPTER = -1  # a row of the base model
+
+
+if TYPE_CHECKING:
+    from paged_llm.lora.step_tiles import StepTiles
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,11 @@ class LoRASlots:
         dtype: torch.dtype,
         device: torch.device,
         shard: ShardPlan | None = None,
+        max_num_tokens: int | None = None,
+        use_kernels: bool = False,
+        pin_memory: bool = False,
     ) -> None:
+        """`use_kernels`: the Triton kernels (CUDA), for steps of at most `max_num_tokens` tokens."""
         self.spec = spec
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -73,12 +86,41 @@ class LoRASlots:
                 for _ in range(spec.num_layers)
             ]
         self.adapter_in_slot: list[str | None] = [None] * num_slots
-        self._step: list[SlotRows] = []  # this step's adapter rows, by slot
+        self._step: list[SlotRows] = []  # this step's adapter rows, by slot (PyTorch path)
+        self.tiles: StepTiles | None = None  # this step's adapter rows, for the kernels
+        self._partial = torch.empty(0)
+        if use_kernels:
+            from paged_llm.lora.kernels import partial_rows_needed
+            from paged_llm.lora.step_tiles import StepTiles
+
+            assert max_num_tokens is not None
+            self.tiles = StepTiles(max_num_tokens, num_slots, device, pin_memory)
+            widest = max(len(subs) for subs, _, _ in FUSED_PROJECTIONS.values()) * max_rank
+            rows = partial_rows_needed(max_num_tokens, num_slots)
+            self._partial = torch.empty(rows * widest, dtype=torch.float32, device=device)
+        self._kernel_step = False  # the kernels' step has adapter rows
+        self._capturing = False
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.tiles is not None
 
     @property
     def active(self) -> bool:
-        """The step being run has rows of an adapter."""
-        return bool(self._step)
+        """The step being run (or the graph being captured) goes through the adapter path."""
+        return bool(self._step) or self._kernel_step or self._capturing
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The model traced with the adapter path for CUDA graphs, with no adapter rows (the graphs'
+        warm-up runs change nothing); replays then add what the step's tiles say."""
+        assert self.tiles is not None
+        self.clear_step()
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
 
     def _sub_sizes(self, name: str) -> list[int]:
         _, row_parts, _ = FUSED_PROJECTIONS[name]
@@ -131,6 +173,10 @@ class LoRASlots:
     def set_step(self, token_slots: list[tuple[int, int]]) -> None:
         """The step's rows: (slot or NO_ADAPTER, number of tokens) per scheduled sequence, in the
         flat batch's order."""
+        if self.tiles is not None:
+            self.tiles.set(token_slots)
+            self._kernel_step = any(slot != NO_ADAPTER for slot, _ in token_slots)
+            return
         rows_of: dict[int, list[tuple[int, int]]] = {}
         cursor = 0
         for slot, num_tokens in token_slots:
@@ -152,10 +198,18 @@ class LoRASlots:
 
     def clear_step(self) -> None:
         self._step = []
+        if self.tiles is not None and self._kernel_step:
+            self.tiles.clear()
+        self._kernel_step = False
 
     def add(self, projection: str, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base projection of `x`, [T, out]) plus each adapter row's update, in place."""
         a_slots, b_slots = self.a[projection][layer], self.b[projection][layer]
+        if self.tiles is not None:
+            from paged_llm.lora.kernels import LaunchShape, lora_update
+
+            shape = LaunchShape.of(x.shape[0], self.num_slots)
+            return lora_update(x, out, a_slots, b_slots, self.tiles.tensors, self._partial, shape)
         for item in self._step:
             a, b = a_slots[item.slot], b_slots[item.slot]
             if isinstance(item.rows, slice):

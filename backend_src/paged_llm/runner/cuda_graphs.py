@@ -107,6 +107,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.num_replays = 0
 
     def _metadata(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -157,6 +158,7 @@ class DecodeGraphs:
             self.slot_mapping[num_seqs:bucket].fill_(-1)
             self.seq_lens[num_seqs:bucket].zero_()
         self.graphs[bucket].replay()
+        self.num_replays += 1
         return self.logits[bucket][:num_seqs]
 
 

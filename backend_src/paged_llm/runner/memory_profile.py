@@ -7,7 +7,7 @@ needs, so the runner can call it without the two modules importing each other.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,6 +17,9 @@ from paged_llm.models.decoder import CausalLM
 from paged_llm.models.hf_config import ModelSpec
 from paged_llm.runner.cuda_graphs import graph_batch_sizes, mixed_step_token_buckets
 from paged_llm.runner.device import Device
+
+if TYPE_CHECKING:
+    from paged_llm.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 GRAPH_POOL_MARGIN_BYTES = 64 << 20  # allocator rounding, cuBLAS workspaces of the capture stream
@@ -36,6 +39,7 @@ class ProfiledRunner(Protocol):
     max_num_batched_tokens: int
     use_cuda_graphs: bool
     graph_pool_reserve_bytes: int | None
+    lora: LoRAManager | None
 
 
 def graph_pool_bytes(runner: ProfiledRunner, step_peak_bytes: int) -> int:
@@ -49,8 +53,12 @@ def graph_pool_bytes(runner: ProfiledRunner, step_peak_bytes: int) -> int:
     buckets = mixed_step_token_buckets(runner.max_num_batched_tokens)
     hidden_rows = sum(buckets)  # a bucket keeps at most a row a token
     logits_rows = sum(graph_batch_sizes(runner.max_num_seqs))
-    outputs_bytes = element_bytes * (
-        logits_rows * runner.spec.vocab_size + hidden_rows * runner.spec.hidden_size
+    # LoRA with its kernels captures every graph twice (runner.lora_graphs): twice the outputs
+    variants = 2 if runner.lora is not None and runner.lora.slots.uses_kernels else 1
+    outputs_bytes = (
+        variants
+        * element_bytes
+        * (logits_rows * runner.spec.vocab_size + hidden_rows * runner.spec.hidden_size)
     )
     largest_graph_tokens = max([runner.max_num_seqs, *buckets])
     share = min(1.0, largest_graph_tokens / runner.max_num_batched_tokens)

@@ -172,13 +172,16 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedStepGraphs | None = None
+        # the same graphs captured with the adapter path (LoRA with its kernels): steps with adapter rows
+        self.lora_graphs: DecodeGraphs | None = None
+        self.lora_mixed_graphs: MixedStepGraphs | None = None
         self.graph_pool_reserve_bytes: int | None = None  # set aside by the memory profile
         self.graph_pool_bytes = 0  # what the captured graphs hold, measured
         self.bitmask: StepBitmask | None = None  # structured output; made for the first constrained step
         self.grammar_fill_threads = grammar_fill_threads
         self.lora_config = lora if lora is not None and lora.enabled else None
         self.lora: LoRAManager | None = None  # made in load()
-        self._lora_step = False  # the step being launched has adapter rows: it runs eagerly
+        self._lora_step = False  # the step being launched has adapter rows (the lora_ graphs, or eager)
 
     def load(self, show_progress: bool = True) -> None:
         self.device.activate()
@@ -204,7 +207,15 @@ class ModelRunner:
         )
         if self.lora_config is not None:
             self.lora = LoRAManager(
-                self.lora_config, self.spec, self.dtype, self.device.torch_device, self.shard
+                self.lora_config,
+                self.spec,
+                self.dtype,
+                self.device.torch_device,
+                self.shard,
+                # a decode graph's bucket may pass the token budget (max_num_seqs above it)
+                max_num_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+                use_kernels=self.device.supports_triton,
+                pin_memory=self.device.pin_memory,
             )
             attach_lora(self.model, self.lora.slots)
         if self.all_reduce == "auto":  # every rank, in the same order: it is a collective
@@ -237,8 +248,8 @@ class ModelRunner:
         """Drops the CUDA graphs. Under tensor parallelism they hold the NCCL communicator's
         resources, and leaving the group before they are gone hung (2 H100s, NCCL 2.28). The
         one-shot all-reduce's buffer goes with them (no step runs after this)."""
-        self.graphs = None
-        self.mixed_graphs = None
+        self.graphs = self.lora_graphs = None
+        self.mixed_graphs = self.lora_mixed_graphs = None
         self.parallel.release()
         self.device.synchronize()
         gc.collect()
@@ -276,29 +287,10 @@ class ModelRunner:
         if self.use_cuda_graphs:
             torch.cuda.synchronize(device)
             reserved_before = torch.cuda.memory_reserved(device)
-            self.graphs = DecodeGraphs(
-                self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
-            )
-            if self.torch_compile:  # compiled once per bucket, at capture
-                self.graphs.forward = compile_decode_forward(
-                    self._forward_logits, self.torch_compile, len(self.graphs.batch_sizes)
-                )
-            # torch_compile: Inductor traces the PyTorch ops (decode only; the mixed-step graphs below
-            # and eager steps keep the Triton kernels).
-            with self.model.ops.pytorch_ops() if self.torch_compile else contextlib.nullcontext():
-                self.graphs.capture()
-            self.mixed_graphs = MixedStepGraphs(
-                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                self.model.compute_logits,
-                mixed_step_token_buckets(self.max_num_batched_tokens),
-                self.max_blocks_per_seq,
-                self.max_model_len,
-                device,
-                pool=self.graphs.pool,
-                max_num_seqs=min(self.max_num_seqs, MAX_MIXED_GRAPH_SEQS),
-                rows_per_seq=1 + self.num_speculative_tokens,
-            )
-            self.mixed_graphs.capture()
+            self.graphs, self.mixed_graphs = self._capture_graphs(None, self.torch_compile)
+            if self.lora is not None and self.lora.slots.uses_kernels:
+                with self.lora.slots.capturing():  # (no torch.compile: Inductor would trace the kernels)
+                    self.lora_graphs, self.lora_mixed_graphs = self._capture_graphs(self.graphs, None)
             torch.cuda.empty_cache()  # the warm-ups' blocks, cached for the capture stream only
             self.graph_pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
             reserve = self.graph_pool_reserve_bytes
@@ -308,6 +300,38 @@ class ModelRunner:
                 self.graph_pool_bytes / 2**20,
                 "none" if reserve is None else f"{reserve / 2**20:.0f}",
             )
+
+    def _capture_graphs(
+        self, sharing: DecodeGraphs | None, torch_compile: str | None
+    ) -> tuple[DecodeGraphs, MixedStepGraphs]:
+        """Captures the decode and mixed-step graphs of the model as it runs now, on the memory pool
+        of `sharing` (None: a new one)."""
+        assert self.model is not None
+        device = self.device.torch_device
+        graphs = DecodeGraphs(
+            self._forward_logits, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, device
+        )
+        graphs.pool = sharing.pool if sharing is not None else None
+        if torch_compile:  # compiled once per bucket, at capture
+            num_buckets = len(graphs.batch_sizes)
+            graphs.forward = compile_decode_forward(self._forward_logits, torch_compile, num_buckets)
+        # torch_compile: Inductor traces the PyTorch ops (decode only; the mixed-step graphs below
+        # and eager steps keep the Triton kernels).
+        with self.model.ops.pytorch_ops() if torch_compile else contextlib.nullcontext():
+            graphs.capture()
+        mixed_graphs = MixedStepGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            self.model.compute_logits,
+            mixed_step_token_buckets(self.max_num_batched_tokens),
+            self.max_blocks_per_seq,
+            self.max_model_len,
+            device,
+            pool=graphs.pool,
+            max_num_seqs=min(self.max_num_seqs, MAX_MIXED_GRAPH_SEQS),
+            rows_per_seq=1 + self.num_speculative_tokens,
+        )
+        mixed_graphs.capture()
+        return graphs, mixed_graphs
 
     def _forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -467,23 +491,20 @@ class ModelRunner:
         if num_sampled == 0:
             self.model(input_ids, positions, self.kv_caches, metadata)
             return None
-        graphs_serve = not self._lora_step  # the graphs were captured without adapters
-        if (
-            graphs_serve
-            and self.graphs is not None
-            and metadata.is_decode_only
-            and self.graphs.bucket(metadata.num_seqs)
-        ):
-            logits = self.graphs.run(input_ids, positions, metadata)
+        if self._lora_step:  # captured with the adapter path, or None (eager)
+            graphs, mixed_graphs = self.lora_graphs, self.lora_mixed_graphs
+        else:
+            graphs, mixed_graphs = self.graphs, self.mixed_graphs
+        if graphs is not None and metadata.is_decode_only and graphs.bucket(metadata.num_seqs):
+            logits = graphs.run(input_ids, positions, metadata)
             if num_sampled != metadata.num_seqs:  # a 1-token prefill chunk among decodes
                 logits = logits.index_select(0, sample_indices)
             return logits
         if (
-            graphs_serve
-            and self.mixed_graphs is not None
-            and self.mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs, num_sampled) is not None
+            mixed_graphs is not None
+            and mixed_graphs.bucket(metadata.num_tokens, metadata.num_seqs, num_sampled) is not None
         ):  # a small step with prefill chunks: the first token of new requests at low load
-            return self.mixed_graphs.run(input_ids, positions, metadata, sample_indices)
+            return mixed_graphs.run(input_ids, positions, metadata, sample_indices)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden.index_select(0, sample_indices))
 

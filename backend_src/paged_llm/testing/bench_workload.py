@@ -50,6 +50,7 @@ class Job:
     num_output_tokens: int
     send_offset_s: float = 0.0  # request-rate mode: when to send, from the start
     structured_outputs: dict[str, Any] | None = None  # the request's constraint (bench_structured.py)
+    lora_name: str | None = None  # the request's LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -174,6 +175,8 @@ def run_offline(engine: Any, jobs: list[Job], concurrency: int | None) -> list[R
         fields = {"temperature": 0.0, "max_tokens": job.num_output_tokens, "ignore_eos": True}
         if job.structured_outputs is not None:
             fields["structured_outputs"] = job.structured_outputs
+        if job.lora_name is not None:
+            fields["lora_name"] = job.lora_name
         params = SamplingParams.from_mapping(fields)
         request_id = f"offline-{job.index}"
         records[request_id] = RequestRecord(job.index, time.monotonic())
