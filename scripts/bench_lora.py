@@ -23,13 +23,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from bench_decode import DecodeResult, run_batch
+from bench_decode import DecodeResult, run_batch, synchronize
 from tqdm import tqdm
 
 from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.lora.random_adapter import write_random_adapter
 from paged_llm.models.builtin import resolve_model_dir
+from paged_llm.sampling_params import SamplingParams
 
 TARGETS = {1: 1.10, 64: 1.15}  # batch size -> the largest adapter / base step ratio (issue 46)
 
@@ -48,6 +49,13 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then trace this many decode steps of each batch size, base and with adapters, and "
+        "print each kernel's time per step (on the CPU: each operator's)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -92,6 +100,13 @@ def main() -> int:
                             "runs": {label: asdict(run) for label, run in runs.items()},
                         }
                     )
+        profiles = {}
+        for batch_size in batch_sizes if args.profile_steps else []:
+            lora_names = names[:1] if batch_size == 1 else names
+            for label, chosen in (("base", None), ("adapters", lora_names)):
+                profiles[f"batch {batch_size}, {label}"] = profile_decode(
+                    engine, batch_size, args.prompt_len, chosen, args.profile_steps
+                )
         engine.shutdown()
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\ncard: {card}; model {model_dir.name}; rank {args.rank}; context {args.prompt_len}")
@@ -108,11 +123,49 @@ def main() -> int:
             f"{row['batch_size']:>6}{row['num_adapters']:>10}{row['round']:>7}{row['base_ms_per_step']:>10.3f}"
             f"{row['adapters_ms_per_step']:>10.3f}{row['ratio']:>8.3f}  {verdict}"
         )
+    for key, kernels in profiles.items():
+        total = sum(kernels.values())
+        print(f"\n{key}: {total:.1f} us of kernels per decode step; the largest:")
+        for name, us in sorted(kernels.items(), key=lambda item: -item[1])[:12]:
+            print(f"  {us:9.1f} us  {name[:100]}")
     if args.json:
-        args.json.write_text(json.dumps({"card": card, "model": str(model_dir), "rows": rows}, indent=2))
+        result = {"card": card, "model": str(model_dir), "rows": rows, "kernel_us_per_step": profiles}
+        args.json.write_text(json.dumps(result, indent=2))
     if args.plot:
         _plot(rows, args.plot, f"LoRA rank {args.rank} on {model_dir.name}, {card}")
     return 1 if failed else 0
+
+
+def profile_decode(
+    engine: LLMEngine, batch_size: int, prompt_len: int, lora_names: list[str] | None, num_steps: int
+) -> dict[str, float]:
+    """Microseconds per decode step of each kernel (torch.profiler, kernels inside CUDA graphs
+    included; on the CPU each operator's own time) over `num_steps` steps of a batch past its
+    prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = engine.core.device.torch_device.type == "cuda"
+    for index in range(batch_size):
+        lora_name = lora_names[index % len(lora_names)] if lora_names else None
+        params = SamplingParams(
+            temperature=0.0, max_tokens=num_steps + 4, ignore_eos=True, lora_name=lora_name
+        )
+        engine.add_request(f"p{batch_size}-{lora_name}-{index}", [index + 1] * prompt_len, params)
+    while any(r.num_output_tokens == 0 for r in engine.core.scheduler.sequences.values()):
+        engine.step()
+    synchronize(engine.core.device.torch_device)
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as trace:
+        for _ in range(num_steps):
+            engine.step()
+        synchronize(engine.core.device.torch_device)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels: dict[str, float] = {}
+    for event in trace.key_averages():
+        own_us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
+        if own_us > 0:
+            kernels[event.key] = kernels.get(event.key, 0.0) + own_us / num_steps
+    return kernels
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:

@@ -6,6 +6,7 @@ request's `model` is the adapter. Greedy tokens equal HF transformers + PEFT wit
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -167,3 +168,18 @@ def test_adapters_load_and_unload_while_serving_through_the_openai_server(
     )
     assert status == 400 and "the name of a served model" in text
     assert complete("llm").choices[0].text == tiny_tokenizer.decode(reference[None])
+
+    def metrics_text() -> str:
+        url = f"http://127.0.0.1:{served_runtime.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+
+    # an adapter loaded while serving is counted under its name; a name the core refused (runtime
+    # updates leave the check to it) makes no series
+    refused = stream(
+        f"127.0.0.1:{served_runtime.grpc_port}", PROMPT, sampling_parameters={**GREEDY, "lora_name": "gamma"}
+    )
+    assert len(refused.errors) == 1 and "'gamma' is not loaded" in refused.errors[0]
+    counted = wait_for(lambda: value(metrics_text(), "paged_llm_lora_requests_total", lora_name="alpha") == 1)
+    assert counted, metrics_text()[-3000:]
+    assert 'lora_name="gamma"' not in metrics_text()

@@ -332,3 +332,41 @@ def test_runtime_loads_keep_every_adapter_in_host_memory_by_default(tiny_model_d
     for name in ("all8", "qv4"):
         manager.add(name, adapters[name])
     assert list(manager.adapters) == ["all8", "qv4"] and manager.max_cpu_loras is None
+
+
+@pytest.mark.parametrize("layout", ["fp8-channel", "fp8-block"])
+def test_adapters_over_fp8_base_weights_match_peft_over_the_dequantized_model(tmp_path, prompts, layout):
+    """An FP8 checkpoint (dequantized at load on CPU; kept FP8 on CUDA, where the update is added to
+    the FP8 projection's output the same way): the adapter's tokens equal HF + PEFT over the
+    checkpoint's dequantized weights with the same adapter file."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from paged_llm.models.random_model import write_random_model
+    from tests.integration.conftest import make_engine
+    from tests.integration.test_fp8_checkpoints import _dequantized_twin
+
+    fp8_dir = write_random_model(
+        tmp_path / layout, "tiny-llama", "bfloat16", seed=5, quantization=layout, std=0.05
+    )
+    twin = _dequantized_twin(fp8_dir, tmp_path / "twin")
+    adapter = write_random_adapter(twin, tmp_path / "adapter", rank=8, seed=4)
+    chosen = prompts[:3]
+    engine = make_engine(fp8_dir, lora=LoRAConfig(lora_modules=f"tuned={adapter}"))
+    try:
+        got = token_ids(run_to_completion(engine, chosen, greedy("tuned", 10)))
+        base = token_ids(run_to_completion(engine, chosen, greedy(None, 10)))
+    finally:
+        engine.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    reference = PeftModel.from_pretrained(model, str(adapter)).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in chosen:
+            ids = torch.tensor([prompt])
+            out = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
+            )
+            expected.append(out[0, ids.shape[1] :].tolist())
+    assert got == expected
+    assert got != base  # the adapter changes the tokens: the test can tell

@@ -309,7 +309,7 @@ class OutputProcessor:
                     state.num_prompt_tokens,
                     sum(seq.num_output_tokens for seq in state.sequences),
                     len(state.sequences),
-                    state.params.lora_name,
+                    self._counted_lora_name(state),
                 )
                 output = RequestOutput(request_id, state.num_prompt_tokens, deltas, True, state.error)
             elif deltas:
@@ -322,6 +322,13 @@ class OutputProcessor:
             )
             outputs.append(output)
         return outputs
+
+    @staticmethod
+    def _counted_lora_name(state: RequestState) -> str | None:
+        """The adapter a finished request is counted under; none for a request refused for its
+        adapter name (an unknown name would otherwise become a metric label)."""
+        refused = isinstance(state.error, InvalidRequestError) and state.error.field == "lora_name"
+        return None if refused else state.params.lora_name
 
     def abort_request(self, request_id: str, error: BaseException) -> RequestOutput | None:
         """Ends a request here (client cancel, shutdown, dead core); returns its final output."""

@@ -197,6 +197,14 @@ class MetricFamilies:
             self.families.append(fam)
             return {v: fam.Metric(labels={**labels, label: v}) for v in values}
 
+        self._labels = labels
+        self._lora_family = family(
+            name="paged_llm_lora_requests_total",
+            description="Finished requests by LoRA adapter",
+            kind=family.COUNTER,
+        )
+        self.families.append(self._lora_family)
+
         def histogram(name: str, description: str, buckets: list[float]) -> Histogram:
             made = Histogram(pb_utils, name, description, buckets, labels)
             self.families.extend(made.families)
@@ -242,9 +250,10 @@ class MetricFamilies:
             "paged_llm_spec_decode_mean_accepted_length",
             "Speculative decoding: tokens per verifying sequence-step (1 + accepted / drafts)",
         )
-        self.lora_requests = per_label(
-            "paged_llm_lora_requests_total", "Finished requests by LoRA adapter", "lora_name", lora_names
-        )
+        # the adapters served from the start; adapters loaded while serving get theirs on first use
+        self.lora_requests: dict[str, Any] = {}
+        for lora_name in lora_names:
+            self.lora_counter(lora_name)
         self.lora_counters = {
             field_name: metric(name, description, family.COUNTER)
             for field_name, name, description in (
@@ -410,3 +419,12 @@ class MetricFamilies:
             *self.vllm_request_histograms,
             (self.grammar_compile, "grammar_compile_s"),
         ]
+
+    def lora_counter(self, lora_name: str) -> Any:
+        """The finished-requests counter of an adapter, made on its first use (adapters can be
+        loaded while serving); only adapter names the engine accepted reach here."""
+        counter = self.lora_requests.get(lora_name)
+        if counter is None:
+            labels = {**self._labels, "lora_name": lora_name}
+            counter = self.lora_requests[lora_name] = self._lora_family.Metric(labels=labels)
+        return counter

@@ -149,8 +149,8 @@ class TritonMetrics:
             self._advance("vllm_generation_tokens", self._metrics.vllm_generation_tokens, generation_tokens)
             for outcome, counter in self._metrics.outcomes.items():
                 self._advance(f"outcome:{outcome}", counter, snapshot.num_requests_by_outcome.get(outcome, 0))
-            for name, counter in self._metrics.lora_requests.items():
-                self._advance(f"lora:{name}", counter, snapshot.num_requests_by_lora.get(name, 0))
+            for name, count in snapshot.num_requests_by_lora.items():
+                self._advance(f"lora:{name}", self._metrics.lora_counter(name), count)
             self._advance(
                 "streamed_responses", self._metrics.streamed_responses, snapshot.num_streamed_responses
             )
