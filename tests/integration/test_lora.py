@@ -260,6 +260,7 @@ def test_adapters_loaded_and_unloaded_while_serving_lose_no_request(
     assert token_ids(run_to_completion(engine, [prompts[1]], greedy("all8"))) == [
         peft_reference("all8", prompts[1])
     ]
+    assert engine.stats.snapshot().num_requests_by_lora == {"all8": 4, "qv4": 1}  # by adapter
 
 
 def test_runtime_loading_refuses_what_it_cannot_serve(engines, adapters, tmp_path):

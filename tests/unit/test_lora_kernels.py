@@ -79,6 +79,14 @@ def test_decode_rows_of_several_slots_interleaved_with_base_rows(dtype):
     check(got, want, out, token_slots, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_wider_than_a_kernel_block_go_in_pieces(dtype):
+    """qkv at rank 96: 288 columns, past the 64 (float32) / 128 (bf16) a kernel block takes."""
+    token_slots = [(0, 3), (NO_ADAPTER, 1), (1, 18)]
+    got, want, out = run_kernels(token_slots, 2, 64, 40, 288, dtype)
+    check(got, want, out, token_slots, dtype)
+
+
 def test_prefill_runs_longer_than_a_tile_and_a_graph_bucket_larger_than_the_step():
     token_slots = [(2, 40), (NO_ADAPTER, 7), (0, 3), (2, 1), (1, 33)]
     got, want, out = run_kernels(token_slots, 3, 64, 48, 16, torch.float32, padded_tokens=128)

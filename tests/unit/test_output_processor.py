@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from paged_llm.engine.core_types import CoreError, EngineCoreOutputs, FinishedRequest
+from paged_llm.engine.core_types import CoreError, EngineCoreOutputs, FinishedRequest, FinishedSequence
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.stats import EngineStats
 from paged_llm.models.tiny_model import ensure_tiny_model
@@ -41,3 +41,31 @@ def test_a_request_a_stop_string_completed_stays_completed_when_the_core_then_re
     else:
         assert final.error is None and final.sequences[0].finish_reason == "stop"
     assert not processor.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        CoreError("invalid_arg", "LoRA adapter 'made-up' is not loaded", field="lora_name"),  # refused
+        CoreError("invalid_arg", "session 's' already has a turn in flight", field="session_id"),
+        None,  # a session's close-only request: finished at once, nothing generated
+    ],
+)
+def test_a_request_is_counted_by_adapter_only_once_it_generated_with_it(ending):
+    """A name the client chose reaches the stub unchecked when adapters load while serving (the core
+    checks it, or not at all for a close-only request): only a request that generated tokens, which
+    needs the adapter loaded, counts under its name (a metric label per name)."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    stats = EngineStats()
+    processor = OutputProcessor(tokenizer, stats)
+    refused = processor.add_request("r", [10, 11], SamplingParams(max_tokens=4, lora_name="made-up"), 0.0)
+    served = processor.add_request("s", [10, 11], SamplingParams(max_tokens=1, lora_name="tuned"), 0.0)
+    step = EngineCoreOutputs(request_ids=[served], seq_indices=[0], new_token_ids=[42])
+    step.finished_sequences.append(FinishedSequence(served, 0, "length"))
+    if ending is None:
+        step.finished_sequences.append(FinishedSequence(refused, 0, "stop"))
+    else:
+        step.finished_requests.append(FinishedRequest(refused, ending))
+    touched, _ = processor.process(step)
+    processor.collect(touched)
+    assert stats.snapshot().num_requests_by_lora == {"tuned": 1}

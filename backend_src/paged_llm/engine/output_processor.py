@@ -325,10 +325,13 @@ class OutputProcessor:
 
     @staticmethod
     def _counted_lora_name(state: RequestState) -> str | None:
-        """The adapter a finished request is counted under; none for a request refused for its
-        adapter name (an unknown name would otherwise become a metric label)."""
-        refused = isinstance(state.error, InvalidRequestError) and state.error.field == "lora_name"
-        return None if refused else state.params.lora_name
+        """The adapter a finished request is counted under: only one that generated tokens with it.
+        A request the core refused (an unknown name, a busy session), a session's close-only
+        request or one failed before its first token may carry any name the client chose, which
+        would otherwise become a metric label."""
+        if any(seq.num_output_tokens for seq in state.sequences):
+            return state.params.lora_name
+        return None
 
     def abort_request(self, request_id: str, error: BaseException) -> RequestOutput | None:
         """Ends a request here (client cancel, shutdown, dead core); returns its final output."""

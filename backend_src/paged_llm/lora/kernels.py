@@ -31,6 +31,7 @@ TARGET_PROGRAMS = 256
 MAX_SPLIT = 16
 BLOCK_K = 64
 BLOCK_N = 128
+MAX_BLOCK_W_BYTES = 256  # a B row's piece: 128 columns of bf16, 64 of float32
 SMALL_STEP_TOKENS = 2048  # up to here (every graph bucket) tiles are 16 rows, above it 64
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -99,7 +100,7 @@ def _shrink_kernel(
     if start >= end:
         return
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    w = tl.arange(0, BLOCK_W)
+    w = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
     w_mask = w < width
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, in_features)
@@ -161,30 +162,32 @@ def _expand_kernel(
     if start >= end:
         return
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    w = tl.arange(0, BLOCK_W)
-    w_mask = w < width
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
-    b = tl.load(
-        b_ptr + slot * stride_b_slot + n[None, :] * stride_b_row + w[:, None],
-        mask=n_mask[None, :] & w_mask[:, None],
-        other=0.0,
-    )
     for m0 in range(start, end, BLOCK_M):
         positions = m0 + tl.arange(0, BLOCK_M)
         position_mask = positions < end
         rows = tl.load(rows_ptr + positions, mask=position_mask, other=0).to(tl.int64)
-        h = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-        for split in range(NUM_SPLITS):
-            h += tl.load(
-                partial_ptr + split * stride_p_split + positions[:, None] * stride_p_row + w[None, :],
-                mask=position_mask[:, None] & w_mask[None, :],
+        update = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for w0 in range(0, width, BLOCK_W):  # one piece unless the slots are wider than BLOCK_W
+            w = w0 + tl.arange(0, BLOCK_W)
+            w_mask = w < width
+            b = tl.load(
+                b_ptr + slot * stride_b_slot + n[None, :] * stride_b_row + w[:, None],
+                mask=n_mask[None, :] & w_mask[:, None],
                 other=0.0,
             )
-        if DOT_FP32:
-            update = tl.dot(h, b.to(tl.float32), input_precision="ieee")
-        else:
-            update = tl.dot(h.to(b.dtype), b)
+            h = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+            for split in range(NUM_SPLITS):
+                h += tl.load(
+                    partial_ptr + split * stride_p_split + positions[:, None] * stride_p_row + w[None, :],
+                    mask=position_mask[:, None] & w_mask[None, :],
+                    other=0.0,
+                )
+            if DOT_FP32:
+                update += tl.dot(h, b.to(tl.float32), input_precision="ieee")
+            else:
+                update += tl.dot(h.to(b.dtype), b)
         out_ptrs = out_ptr + rows[:, None] * stride_out + n[None, :]
         out_mask = position_mask[:, None] & n_mask[None, :]
         out = tl.load(out_ptrs, mask=out_mask, other=0.0)
@@ -219,10 +222,13 @@ def lora_update(
     split = shape.split(in_features)
     k_per_split = triton.cdiv(triton.cdiv(in_features, split), BLOCK_K) * BLOCK_K
     partial = partial[: split * num_tokens * width].view(split, num_tokens, width)
-    block_w = max(16, triton.next_power_of_2(width))
+    # Wide slots (a large max_lora_rank: qkv's width is 3 ranks) go in pieces, so the expand's B
+    # tile (BLOCK_W x BLOCK_N) and the shrink's A tile fit shared memory
+    widest = MAX_BLOCK_W_BYTES // x.element_size()
+    block_w = min(max(16, triton.next_power_of_2(width)), widest)
     # fp32 dots stay exact (no TF32); the interpreter multiplies bf16 as raw bits (triton 3.6)
     dot_fp32 = x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16)
-    _shrink_kernel[(shape.num_tiles, split)](
+    _shrink_kernel[(shape.num_tiles, split, triton.cdiv(width, block_w))](
         x, a, partial, tiles.rows, tiles.tile_slot, tiles.tile_start, tiles.tile_end,
         in_features, width, k_per_split,
         x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),

@@ -16,7 +16,7 @@ for how and when they are updated). Histograms are Triton histogram families (tr
 | paged_llm_spec_decode_num_accepted_tokens_total | counter | of those, accepted |
 | paged_llm_spec_decode_acceptance_rate | gauge | accepted / proposed tokens since start |
 | paged_llm_spec_decode_mean_accepted_length | gauge | tokens per verifying step: 1 + accepted / drafts |
-| paged_llm_lora_requests_total{lora_name} | counter | finished requests by LoRA adapter |
+| paged_llm_lora_requests_total{lora_name} | counter | finished requests that generated with a LoRA adapter |
 | paged_llm_lora_adapter_loads_total | counter | adapters written into a device slot |
 | paged_llm_lora_adapter_evictions_total | counter | of those, ones that replaced another adapter |
 | paged_llm_lora_slots_used | gauge | device slots holding an adapter (of max_loras) |
@@ -200,7 +200,7 @@ class MetricFamilies:
         self._labels = labels
         self._lora_family = family(
             name="paged_llm_lora_requests_total",
-            description="Finished requests by LoRA adapter",
+            description="Finished requests that generated tokens with a LoRA adapter",
             kind=family.COUNTER,
         )
         self.families.append(self._lora_family)
@@ -422,7 +422,7 @@ class MetricFamilies:
 
     def lora_counter(self, lora_name: str) -> Any:
         """The finished-requests counter of an adapter, made on its first use (adapters can be
-        loaded while serving); only adapter names the engine accepted reach here."""
+        loaded while serving); only names of adapters that generated tokens reach here."""
         counter = self.lora_requests.get(lora_name)
         if counter is None:
             labels = {**self._labels, "lora_name": lora_name}
