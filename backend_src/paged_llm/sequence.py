@@ -100,9 +100,13 @@ class GrammarRejectedToken(RuntimeError):
     pass
 
 
-def prefix_hash_root(lora_name: str | None) -> bytes:
-    """The prefix-cache hash chain's root for sequences of this adapter (None: the base model)."""
-    return b"root" if lora_name is None else b"lora\0" + lora_name.encode()
+def prefix_hash_root(lora_name: str | None, lora_load_id: int = 0) -> bytes:
+    """The prefix-cache hash chain's root for sequences of this adapter (None: the base model), as
+    loaded the `lora_load_id`-th time (lora/manager.py load_id: an adapter loaded again under a
+    name never meets the KV of the weights it had before)."""
+    if lora_name is None:
+        return b"root"
+    return b"lora\0" + lora_name.encode() + b"\0" + str(lora_load_id).encode()
 
 
 @dataclass(eq=False)
@@ -115,6 +119,7 @@ class Sequence:
     arrival_time: float = 0.0  # seconds (time.monotonic) when the engine accepted it
     deadline: float | None = None  # time.monotonic() after which it is aborted (Triton's timeout)
     arrival_seq: int = -1  # admission order, assigned by the scheduler; kept across preemptions
+    lora_load_id: int = 0  # which load of its LoRA adapter it runs with (prefix_hash_root)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens of all_token_ids whose KV is in the cache
@@ -174,7 +179,7 @@ class Sequence:
     def hash_root(self) -> bytes:
         """The parent of its first block's prefix-cache hash: the KV of a prompt under a LoRA
         adapter differs from the base model's and from every other adapter's."""
-        return prefix_hash_root(self.sampling_params.lora_name)
+        return prefix_hash_root(self.sampling_params.lora_name, self.lora_load_id)
 
     @property
     def num_known_tokens(self) -> int:

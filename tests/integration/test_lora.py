@@ -284,20 +284,35 @@ def test_a_name_loaded_again_with_other_weights_finds_none_of_the_old_kv(
     engines, adapters, peft_reference, prompts
 ):
     """The prefix cache and a session hold KV computed with the first adapter of a name; after an
-    unload and a load of other weights under that name, both are recomputed."""
+    unload and a load of other weights under that name, both are recomputed, while the base
+    model's cached blocks stay cached through the unload."""
     engine = engines(
         lora=LoRAConfig(allow_runtime_lora_updates=True, max_lora_rank=8), enable_prefix_caching=True
     )
     prompt = max(prompts, key=len)
     engine.load_lora_adapter("x", str(adapters["all8"]))
     assert token_ids(run_to_completion(engine, [prompt], greedy("x"))) == [peft_reference("all8", prompt)]
+    assert token_ids(run_to_completion(engine, [prompt], greedy(None))) == [peft_reference(None, prompt)]
     engine.add_request("s1", prompts[2], greedy("x"), session=SessionTurn("s", start=True))
     while engine.has_unfinished_requests():
         engine.step()
+
+    def hit_tokens(name: str | None) -> int:
+        before = engine.scheduler_stats().prefix_cache_hit_tokens
+        engine.add_request(f"h{name}", prompt, greedy(name))
+        tokens = []
+        while engine.has_unfinished_requests():  # (the session holds blocks: no run_to_completion)
+            for output in engine.step():
+                tokens.extend(t for delta in output.sequences for t in delta.token_ids)
+        assert tokens == peft_reference("qv4" if name else None, prompt)
+        return engine.scheduler_stats().prefix_cache_hit_tokens - before
+
     engine.unload_lora_adapter("x")
     engine.load_lora_adapter("x", str(adapters["qv4"]))
-    assert token_ids(run_to_completion(engine, [prompt], greedy("x"))) == [peft_reference("qv4", prompt)]
+    assert hit_tokens("x") == 0  # none of the first weights' blocks
     assert engine.core.sessions.get("s").num_kv_tokens == 0
+    assert hit_tokens(None) >= 64  # the base model's blocks survived the unload
+    engine.check_integrity()
 
 
 def test_unloading_an_adapter_whose_request_waits_for_its_grammar(engines, adapters, prompts):

@@ -64,6 +64,7 @@ class Session:
     # a stop string the stub finds in it after the core ended it cuts the history there
     last_turn: tuple[str, int] | None = None
     lora_name: str | None = None  # the adapter of its first turn: every turn runs with it
+    lora_load_id: int = 0  # the load of it the last turn ran with (Sequence.lora_load_id)
 
     @property
     def holder(self) -> str:
@@ -137,6 +138,7 @@ class SessionManager:
         new_token_ids: list[int],
         max_tokens: int | None,
         lora_name: str | None = None,
+        lora_load_id: int = 0,
     ) -> PreparedTurn:
         """Checks the turn (errors name `session_id`, `lora_name` or the prompt) and marks the
         session busy. A session keeps its first turn's LoRA adapter (its KV was computed with it)."""
@@ -181,6 +183,10 @@ class SessionManager:
             self._drop_kv(session)  # when the turn completes: an aborted one leaves it whole)
             session.block_hashes = []  # hashes of the untruncated history: not the prompt's prefix
             self.num_truncated_total += 1
+        if session.lora_load_id != lora_load_id:  # its adapter was loaded again since: other weights
+            self._drop_kv(session)
+            session.block_hashes = []
+            session.lora_load_id = lora_load_id
         session.turn_request_id = request_id
         session.closing = turn.end
         session.last_turn = None
@@ -331,7 +337,7 @@ class SessionManager:
                 assert num_blocks * size >= session.num_kv_tokens, f"{session.session_id}: blocks short"
             assert len(session.block_hashes) * size <= len(session.token_ids), "hashes past history"
             parent = None
-            root = prefix_hash_root(session.lora_name)
+            root = prefix_hash_root(session.lora_name, session.lora_load_id)
             for index, block_hash in enumerate(session.block_hashes):
                 tokens = session.token_ids[index * size : (index + 1) * size]
                 parent = hash_block_tokens(parent, tokens, self.kv_cache.hash_salt, root)

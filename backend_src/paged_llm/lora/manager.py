@@ -82,6 +82,11 @@ class LoRAManager:
     def names(self) -> tuple[str, ...]:
         return tuple(self.paths)
 
+    def load_id(self, name: str) -> int:
+        """Which load of the adapters this one is (each load, a reload under a known name too, gets
+        a new one): the prefix cache keys its blocks by it (sequence.py prefix_hash_root)."""
+        return self._index_of[name]
+
     @property
     def num_slots_used(self) -> int:
         return len(self._slot_of)

@@ -175,10 +175,12 @@ class EngineCore:
                 )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         prompt = list(request.prompt_token_ids)
+        lora = self.runner.lora
+        lora_load_id = lora.load_id(params.lora_name) if lora is not None and params.lora_name else 0
         if request.session is not None:  # the last check: it marks the session busy
             self.sessions.expire_idle()
             turn = self.sessions.begin_turn(
-                request.session, request.request_id, prompt, params.max_tokens, params.lora_name
+                request.session, request.request_id, prompt, params.max_tokens, params.lora_name, lora_load_id
             )
             prompt = turn.prompt_token_ids
             if turn.num_dropped_tokens:
@@ -195,6 +197,7 @@ class EngineCore:
                 eos_token_ids=self.info.eos_token_ids,
                 arrival_time=request.arrival_time,
                 deadline=request.deadline,
+                lora_load_id=lora_load_id,
             )
             for index in range(params.n)
         ]
@@ -552,9 +555,9 @@ class EngineCore:
                 yield record.parked
 
     def _forget_lora_kv(self, lora_name: str) -> None:
-        """An unloaded adapter's KV must not serve one loaded later under its name: the prefix cache
-        forgets every hash (unloads are rare; the blocks stay where they are) and its sessions' KV goes."""
-        self.kv_cache.reset_prefix_cache()
+        """An unloaded adapter's KV must not serve one loaded later under its name: its sessions' KV
+        goes. (Its prefix-cache blocks are keyed by the load, Sequence.lora_load_id: a later load
+        never matches them, and they age out of the cache like any other.)"""
         self.sessions.forget_adapter(lora_name)
 
     def lora_adapter_names(self) -> tuple[str, ...]:

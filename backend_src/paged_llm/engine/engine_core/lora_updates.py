@@ -26,8 +26,9 @@ class LoRAUpdates:
         live_sequences: Callable[[], Iterable[Sequence]],
         forget_kv: Callable[[str], None] = lambda name: None,
     ) -> None:
-        """`forget_kv(name)`: drops the KV computed with an adapter being forgotten (the prefix
-        cache's and sessions'), which an adapter loaded later under the same name must not find."""
+        """`forget_kv(name)`: drops the KV computed with an adapter being forgotten that an adapter
+        loaded later under the same name could find (its sessions'; the prefix cache keys blocks
+        by the load, Sequence.lora_load_id)."""
         self.manager = manager
         self.allowed = allowed
         self.info = info  # its lora_names are kept up to date here
