@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from paged_llm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paged_llm.engine.core_client import InProcessCoreClient
 from paged_llm.engine.llm_engine import LLMEngine
 from paged_llm.models.builtin import resolve_model_dir
 from paged_llm.models.hf_config import load_model_spec
@@ -60,6 +61,62 @@ class RunResult:
         return self.num_output_tokens / self.elapsed_s
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's and the engine's settings; shared with scripts/profile_offline.py."""
+    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", default="16:256", help="uniform range, e.g. 100:1024")
+    parser.add_argument("--output-len", default="16:128", help="uniform range, e.g. 100:1024")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=0, help="0: the checkpoint's")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-kv-blocks", type=int, default=0)
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="launch step N+1 before step N's tokens are on the host (auto: on for accelerators)",
+    )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
+    parser.add_argument(
+        "--quantization", default="", choices=["", "fp8"], help="fp8: FP8 weights (per channel, at load)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 (e4m3) KV cache"
+    )
+    parser.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=["safetensors", "dummy"],
+        help="dummy: random weights drawn on the GPUs (no checkpoint; implies --hf none)",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=str(resolve_model_dir(args.model)),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len or None,
+            load_format=args.load_format,
+            quantization=args.quantization,
+        ),
+        cache=CacheConfig(num_blocks=args.num_kv_blocks or None, kv_cache_dtype=args.kv_cache_dtype),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=args.async_scheduling,
+        ),
+        device=DeviceConfig(
+            device=args.device, tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce
+        ),
+    )
+
+
 def make_workload(args: argparse.Namespace, vocab_limit: int) -> list[tuple[list[int], int]]:
     jobs = random_workload(args.num_requests, args.input_len, args.output_len, vocab_limit, args.seed)
     return [(job.prompt_token_ids, job.num_output_tokens) for job in jobs]
@@ -71,10 +128,12 @@ def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_pr
         engine.add_request(f"bench-{index}", prompt, params)
     total = sum(n for _, n in workload)
     produced = 0
-    running = engine.core.scheduler.running
+    # In process mode the core steps in its own process: no batch sizes to read here.
+    in_process = isinstance(engine.client, InProcessCoreClient)
+    running = engine.core.scheduler.running if in_process else None
     profile = {_bucket_name(upper): [0, 0.0, 0] for upper in BATCH_BUCKETS}
     figures_before = engine_figures(engine)
-    engine.core.device.synchronize()
+    _synchronize(engine)
     start = last = time.perf_counter()
     with tqdm(total=total, desc="paged_llm", unit="tok", disable=not show_progress) as bar:
         while engine.has_unfinished_requests():
@@ -83,19 +142,26 @@ def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_pr
                 new += sum(len(s.token_ids) for s in output.sequences)
             # The step just returned ran with about this many rows (the next one is in flight).
             now = time.perf_counter()
-            entry = profile[_bucket_name(next(u for u in BATCH_BUCKETS if len(running) <= u))]
-            entry[0] += 1
-            entry[1] += now - last
-            entry[2] += new
+            if running is not None:
+                entry = profile[_bucket_name(next(u for u in BATCH_BUCKETS if len(running) <= u))]
+                entry[0] += 1
+                entry[1] += now - last
+                entry[2] += new
             last = now
             produced += new
             bar.update(new)
-    engine.core.device.synchronize()
+    _synchronize(engine)
     elapsed = time.perf_counter() - start
     assert produced == total, f"engine produced {produced} tokens, expected {total}"
     means = step_means(figures_before, engine_figures(engine))
     profile = {name: entry for name, entry in profile.items() if entry[0]}
-    return RunResult("paged_llm", len(workload), produced, elapsed, profile, means)
+    return RunResult("paged_llm", len(workload), produced, elapsed, profile or None, means)
+
+
+def _synchronize(engine: LLMEngine) -> None:
+    """In process mode every token counted has left the device already."""
+    if isinstance(engine.client, InProcessCoreClient):
+        engine.core.device.synchronize()
 
 
 def _bucket_name(upper: int) -> str:
@@ -104,14 +170,15 @@ def _bucket_name(upper: int) -> str:
 
 def print_batch_profile(result: RunResult) -> None:
     """Where the run's time went by batch size: what a faster decode at that size could win."""
-    if not result.batch_profile:
-        return
-    print(f"time by running sequences ({result.name}):")
-    print(f"{'batch':>8}{'steps':>8}{'seconds':>9}{'share':>8}{'tokens':>9}{'tok/s':>10}")
-    for name, (num_steps, seconds, num_tokens) in result.batch_profile.items():
-        share = seconds / result.elapsed_s
-        rate = num_tokens / seconds if seconds else 0.0
-        print(f"{name:>8}{int(num_steps):>8}{seconds:>9.2f}{share:>8.1%}{int(num_tokens):>9}{rate:>10.0f}")
+    if result.batch_profile:
+        print(f"time by running sequences ({result.name}):")
+        print(f"{'batch':>8}{'steps':>8}{'seconds':>9}{'share':>8}{'tokens':>9}{'tok/s':>10}")
+        for name, (num_steps, seconds, num_tokens) in result.batch_profile.items():
+            share = seconds / result.elapsed_s
+            rate = num_tokens / seconds if seconds else 0.0
+            print(
+                f"{name:>8}{int(num_steps):>8}{seconds:>9.2f}{share:>8.1%}{int(num_tokens):>9}{rate:>10.0f}"
+            )
     if result.step_means:
         print(f"engine steps: {format_step_means(result.step_means)}")
 
@@ -202,65 +269,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="tiny-qwen3")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--input-len", default="16:256", help="uniform range, e.g. 100:1024")
-    parser.add_argument("--output-len", default="16:128", help="uniform range, e.g. 100:1024")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=0, help="0: the checkpoint's")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-kv-blocks", type=int, default=0)
-    parser.add_argument(
-        "--async-scheduling",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="launch step N+1 before step N's tokens are on the host (auto: on for accelerators)",
-    )
+    add_engine_arguments(parser)
     parser.add_argument("--hf", choices=["auto", "cb", "generate", "none"], default="auto")
     parser.add_argument(
         "--hf-num-requests", type=int, default=0, help="HF runs the first N requests (0 = all)"
     )
     parser.add_argument("--hf-batch-size", type=int, default=32)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
-    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
     parser.add_argument(
-        "--quantization", default="", choices=["", "fp8"], help="fp8: FP8 weights (per channel, at load)"
-    )
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 (e4m3) KV cache"
-    )
-    parser.add_argument(
-        "--load-format",
-        default="safetensors",
-        choices=["safetensors", "dummy"],
-        help="dummy: random weights drawn on the GPUs (no checkpoint; implies --hf none)",
+        "--core-mode",
+        choices=["inprocess", "process"],
+        default="inprocess",
+        help="process: the engine core steps in its own process, output processing in this one",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    config = EngineConfig(
-        model=ModelConfig(
-            model=str(resolve_model_dir(args.model)),
-            dtype=args.dtype,
-            max_model_len=args.max_model_len or None,
-            load_format=args.load_format,
-            quantization=args.quantization,
-        ),
-        cache=CacheConfig(num_blocks=args.num_kv_blocks or None, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            async_scheduling=args.async_scheduling,
-        ),
-        device=DeviceConfig(
-            device=args.device, tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce
-        ),
-    )
+    config = engine_config(args)
     model_dir = resolve_model_dir(args.model)
     spec = load_model_spec(model_dir)
     vocab_limit = min(spec.vocab_size, len(load_tokenizer(model_dir)))
@@ -274,7 +300,7 @@ def main() -> None:
         hf_result = run_hf(model_dir, subset, device.torch_device, dtype, args.hf, args.hf_batch_size)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    engine = LLMEngine(config, show_progress=not args.no_progress)
+    engine = LLMEngine(config, show_progress=not args.no_progress, core_mode=args.core_mode)
     warmup = [(p[:32], 8) for p, _ in workload[: min(8, len(workload))]]
     run_engine(engine, warmup, show_progress=False)
     ours = run_engine(engine, workload, show_progress=not args.no_progress)
@@ -287,8 +313,11 @@ def main() -> None:
     )
     threads = torch.get_num_threads()
     print(f"\nmachine: {platform.node()} ({card}), torch {torch.__version__}, {threads} CPU threads")
-    print(f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}")
-    if args.tensor_parallel_size > 1:
+    print(
+        f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}; "
+        f"engine core {args.core_mode}"
+    )
+    if args.tensor_parallel_size > 1 and args.core_mode == "inprocess":
         one_shot = engine.core.runner.parallel.uses_one_shot
         print(f"tensor parallel size {args.tensor_parallel_size}, one-shot all-reduce {one_shot}")
     print(f"{'run':<24}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>12}")
@@ -306,6 +335,7 @@ def main() -> None:
             "argv": sys.argv,
             "card": card,
             "tensor_parallel_size": args.tensor_parallel_size,
+            "core_mode": args.core_mode,
             "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
         }
         args.json.write_text(json.dumps(payload, indent=2))

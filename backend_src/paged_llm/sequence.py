@@ -30,7 +30,9 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # By value: an Enum member hashes in Python code, a str's hash is cached (read several
+        # times per sequence and step)
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
@@ -40,12 +42,15 @@ class SequenceStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH,
-    SequenceStatus.FINISHED_ABORTED,
-    SequenceStatus.FINISHED_ERROR,
-}
+_FINISHED_VALUES = frozenset(
+    status.value
+    for status in (
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_ERROR,
+    )
+)
 
 
 class GrammarState(Protocol):

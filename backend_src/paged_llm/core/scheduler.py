@@ -199,8 +199,11 @@ class Scheduler:
         # While sequences are decoding, prefill gets at most max_prefill_tokens_while_decoding of the
         # step, so one big prompt cannot stretch the step every decoding stream waits for.
         cap = self.config.max_prefill_tokens_while_decoding
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        capped = cap > 0 and decoding and self.config.enable_chunked_prefill
+        capped = (
+            cap > 0
+            and self.config.enable_chunked_prefill
+            and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        )
         self._prefill_left = cap if capped else budget
 
         index = 0

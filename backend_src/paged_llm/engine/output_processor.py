@@ -102,7 +102,12 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or all(s.finished for s in self.sequences)
+        if self.error is not None:
+            return True
+        for seq in self.sequences:  # read twice a generated token: a loop beats all() on a generator
+            if seq.finish_reason is None:
+                return False
+        return True
 
     @property
     def completed(self) -> bool:
@@ -194,10 +199,12 @@ class OutputProcessor:
             state = self._by_core_id.get(core_id)
             if state is None or state.finished or state.sequences[index].finished:
                 continue  # ended here already (stop string, abort): the core had it in flight
-            is_last_row = last_rows is None or last_rows[(core_id, index)] == row
-            end = ended.pop((core_id, index), None) if is_last_row else None
+            end = None
+            if ended and (last_rows is None or last_rows[(core_id, index)] == row):
+                end = ended.pop((core_id, index), None)
             stopped_by_token = end is not None and end.finish_reason == "stop" and end.stop_reason == token_id
-            if self._apply_token(state, index, token_id, outputs.logprobs.get(row), stopped_by_token, now):
+            logprobs = outputs.logprobs.get(row) if outputs.logprobs else None
+            if self._apply_token(state, index, token_id, logprobs, stopped_by_token, now):
                 num_output_tokens = state.sequences[index].num_output_tokens
                 aborts.append(AbortRequest(core_id, index, "stop string", num_output_tokens))
             elif end is not None:

@@ -13,10 +13,10 @@ window text alike and cancel. Works with paged_llm's FastTokenizer and with any 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from paged_llm.tokenizer.fast_tokenizer import FastTokenizer
 from paged_llm.tokenizer.stop_strings import StopStringMatcher
@@ -35,8 +35,9 @@ _FORCED_SPLIT_KEEP_TOKENS = 4
 _LAST_RESORT_PENDING_TOKENS = 4 * _MAX_PENDING_TOKENS
 
 
-@dataclass(frozen=True)
-class DetokenizerUpdate:
+class DetokenizerUpdate(NamedTuple):
+    """A named tuple: one is made per generated token, and a tuple is the cheapest to make."""
+
     text_delta: str  # text that may be sent to the client now (possibly empty)
     matched_stop: str | None  # the stop string that ended generation, else None
 
@@ -55,6 +56,17 @@ def _decode_ids(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool)
         return fast.decode(token_ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(
         token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """_decode_ids for one tokenizer and setting, with the decoder looked up once (two decodes a
+    generated token: the lookup would cost as much as the Rust call)."""
+    fast = _fast_decoder(tokenizer)
+    if fast is not None:
+        return functools.partial(fast.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(
+        tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
     )
 
 
@@ -288,9 +300,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         # Ids dropped before decoding (skip_special_tokens=True only); decode would drop them anyway.
         self._skipped_ids = skipped_special_token_ids(tokenizer) if skip_special_tokens else frozenset()
-        self._decoder = _WindowDecoder(
-            lambda token_ids: _decode_ids(tokenizer, token_ids, skip_special_tokens=skip_special_tokens)
-        )
+        self._decoder = _WindowDecoder(_decode_function(tokenizer, skip_special_tokens))
         self._stop_matcher = StopStringMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
         self._released_parts: list[str] = []  # every delta handed out, in order
         self._released_text_cache = ""  # "".join(_released_parts[:_cached_parts])
