@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from paged_llm.config import SchedulerConfig
 from paged_llm.core.kv_cache_manager import KVCacheManager
-from paged_llm.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
+from paged_llm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, SequenceUpdate
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
@@ -913,11 +913,15 @@ def check_step(
         assert victim.status is SequenceStatus.PREEMPTED and victim.num_computed_tokens == 0
         assert victim in running_before and victim.seq_id not in ids
         assert victim.seq_id not in sched.kv_cache.seq_to_blocks
-    # Previously running sequences come first, best first; admissions follow in waiting-queue order.
-    resumed = [s.seq for s in output.scheduled if s.seq in running_before]
+    # Previously running sequences come first: their decodes best first, then their prompt chunks
+    # best first; admissions follow in waiting-queue order.
+    decodes = [s.seq for s in output.scheduled if s.seq in running_before and _is_decode(s)]
+    chunks = [s.seq for s in output.scheduled if s.seq in running_before and not _is_decode(s)]
+    resumed = decodes + chunks
     admitted = [s.seq for s in output.scheduled if s.seq not in running_before]
     assert [s.seq for s in output.scheduled] == resumed + admitted
-    assert [r.schedule_key for r in resumed] == sorted(r.schedule_key for r in resumed)
+    assert [r.schedule_key for r in decodes] == sorted(r.schedule_key for r in decodes)
+    assert [r.schedule_key for r in chunks] == sorted(r.schedule_key for r in chunks)
     assert admitted == waiting_before[: len(admitted)]
     if output.preempted and admitted:
         # Pool-shortage preemption stops admission; admissions next to preemptions only happen
@@ -925,8 +929,15 @@ def check_step(
         best_admitted = min(r.priority for r in admitted)
         assert all(v.priority > best_admitted for v in output.preempted), "admitted after preempting"
     if output.preempted:
-        worst_served = max((r.schedule_key for r in resumed), default=None)
-        assert worst_served is None or all(worst_served < v.schedule_key for v in output.preempted)
+        # A decode takes the worst sequence not yet scheduled, a prompt chunk the worst prompt: no
+        # victim outranks a prompt that was served (decodes keep their blocks, whatever their rank).
+        worst_chunk = max((r.schedule_key for r in chunks), default=None)
+        assert worst_chunk is None or all(worst_chunk < v.schedule_key for v in output.preempted)
+
+
+def _is_decode(scheduled: ScheduledSequence) -> bool:
+    """The row computes a decoding sequence's one token (and its proposals)."""
+    return scheduled.needs_sample and scheduled.num_new_tokens == 1 + len(scheduled.draft_token_ids)
 
 
 MAX_STEPS = 20_000
@@ -1097,3 +1108,43 @@ def test_without_a_cap_prefill_takes_the_whole_budget():
     step(sched)
     sched.add_sequence(make_sequence("b", 20, max_tokens=4))
     assert summary(step(sched)) == [("a", 10, 1, True), ("b", 0, 20, True)]
+
+
+# --------------------------------------------------------------------------------- decodes first
+def test_decodes_go_first_while_an_outranking_prompt_is_computed_in_chunks():
+    """vLLM's chunked-prefill policy: a long prompt computed in chunks, even one that outranks the
+    decoding sequences, takes only the budget the decodes leave; no decode misses a step."""
+    sched = make_scheduler(num_blocks=80, budget=32)
+    for index in range(3):
+        sched.add_sequence(make_sequence(f"d{index}", 4, max_tokens=20))
+    step(sched)
+    sched.add_sequence(make_sequence("urgent", 200, max_tokens=2, priority=-1))
+    assert summary(step(sched)) == [
+        ("d0", 4, 1, True),
+        ("d1", 4, 1, True),
+        ("d2", 4, 1, True),
+        ("urgent", 0, 29, False),
+    ]
+    for computed in range(1, 5):
+        assert summary(step(sched)) == [
+            ("d0", 4 + computed, 1, True),
+            ("d1", 4 + computed, 1, True),
+            ("d2", 4 + computed, 1, True),
+            ("urgent", 29 * computed, 29, False),
+        ]
+
+
+def test_a_prompt_chunk_short_of_blocks_gives_up_its_own_not_a_decodes():
+    """The pool is short for an outranking prompt's next chunk: the prompt is preempted (its blocks
+    freed, recomputed later), not the decode behind it, which keeps its blocks and its token."""
+    sched = make_scheduler(num_blocks=5, budget=8)
+    sched.add_sequence(make_sequence("d0", 4, max_tokens=10))
+    step(sched)
+    prompt = make_sequence("p", 16, max_tokens=1, priority=-1)
+    sched.add_sequence(prompt)
+    assert summary(step(sched)) == [("d0", 4, 1, True), ("p", 0, 7, False)]  # 2 blocks each
+    output = step(sched)  # p's next 7 tokens need 2 more blocks; 1 is free
+    assert summary(output) == [("d0", 5, 1, True)] and output.preempted == [prompt]
+    run(sched)
+    assert prompt.output_token_ids == expected_outputs("p", 1) and prompt.num_preemptions >= 1
+    assert sched.sequences == {} and sched.kv_cache.num_free_blocks == 5

@@ -1,12 +1,16 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
 
 Each step:
-  1. Running sequences, best (priority, arrival) first, get what they still lack
-     (`num_tokens - num_computed_tokens`: 1 for a decode, the rest of the prompt for a chunked prefill),
-     capped by the remaining token budget. When the pool is short, the worst running sequence that
-     has not been scheduled this step is preempted (its blocks freed; it is recomputed on resume).
-  2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order, served
+  1. Running sequences that decode (they lack one token), best (priority, arrival) first, get it.
+     When the pool is short, the worst running sequence not scheduled yet is preempted (its blocks
+     freed; it is recomputed on resume).
+  2. Running sequences still computing their prompt (a chunked prefill, a preempted sequence's
+     recompute), best first, get what they lack, capped by the budget the decodes left. Short of
+     blocks, such a chunk preempts the worst running prompt (maybe itself), never a decode.
+  3. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order, served
      first from the prefix cache, while the budget, `max_num_seqs` and the pool allow.
+Decodes first is vLLM's chunked-prefill policy: a long prompt computed in chunks never makes the
+streams that arrived after it (or rank below it) miss a step.
 While any sequence is decoding, prefill (chunks of running sequences and admissions) takes at most
 `max_prefill_tokens_while_decoding` tokens of a step (0: no separate limit), which bounds how long
 decoding streams wait for a step when big prompts arrive.
@@ -205,12 +209,30 @@ class Scheduler:
             and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         )
         self._prefill_left = cap if capped else budget
+        # Decodes first (vLLM's chunked-prefill policy): every decoding sequence gets its token
+        # before any prompt chunk does, so a long prompt being prefilled never stalls the streams
+        # that arrived after it; running prompts' chunks take what the decodes left, then admissions.
+        budget = self._schedule_running(output, budget, decodes=True)
+        budget = self._schedule_running(output, budget, decodes=False)
 
+        if not output.preempted:
+            budget = self._admit_waiting(output, budget)
+        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int, decodes: bool) -> int:
+        """Schedules the running sequences that decode (`decodes`) or that prefill, best first;
+        returns the budget left. Short of blocks, a decode preempts the worst running sequence not
+        scheduled yet, a prompt chunk the worst running prompt: either one itself, if it is the
+        worst (a decode scheduled in this step keeps its blocks)."""
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             lacking = seq.num_tokens - seq.num_computed_tokens
             assert lacking > 0, f"running seq {seq.seq_id} has nothing to compute"
+            if (lacking == 1) != decodes:
+                index += 1
+                continue
             if seq.num_pending_tokens and reaches_length_limit(
                 seq, seq.num_output_tokens, self.max_model_len
             ):
@@ -227,8 +249,9 @@ class Scheduler:
                     continue
                 if self.reclaim_kv():
                     continue
-                # Worst sequence not yet scheduled this step: running[index:] is sorted best first.
-                victim = self.running[-1]
+                # running[index:] is sorted best first and holds no decode scheduled this step;
+                # prompt chunks go after every decode, so they take a victim among prompts only.
+                victim = self.running[-1] if decodes else self._worst_prompt_from(index)
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is seq:
@@ -241,11 +264,12 @@ class Scheduler:
             if lacking > 1:
                 self._prefill_left -= num_new
             index += 1
+        return budget
 
-        if not output.preempted:
-            budget = self._admit_waiting(output, budget)
-        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        return output
+    def _worst_prompt_from(self, index: int) -> Sequence:
+        """The worst running sequence at or after `index` that is computing its prompt (there is
+        one: running[index] is)."""
+        return next(s for s in reversed(self.running[index:]) if s.num_tokens - s.num_computed_tokens > 1)
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
         # waiting[:index]: sequences held back because their LoRA adapter has no slot (max_loras
