@@ -143,7 +143,7 @@ def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_pr
             # The step just returned ran with about this many rows (the next one is in flight).
             now = time.perf_counter()
             if running is not None:
-                entry = profile[_bucket_name(next(u for u in BATCH_BUCKETS if len(running) <= u))]
+                entry = profile[batch_bucket(len(running))]
                 entry[0] += 1
                 entry[1] += now - last
                 entry[2] += new
@@ -162,6 +162,11 @@ def _synchronize(engine: LLMEngine) -> None:
     """In process mode every token counted has left the device already."""
     if isinstance(engine.client, InProcessCoreClient):
         engine.core.device.synchronize()
+
+
+def batch_bucket(num_rows: int) -> str:
+    """The BATCH_BUCKETS bucket a step of `num_rows` rows counts in ("<=64")."""
+    return _bucket_name(next(upper for upper in BATCH_BUCKETS if num_rows <= upper))
 
 
 def _bucket_name(upper: int) -> str:

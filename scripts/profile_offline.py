@@ -47,9 +47,11 @@ from paged_llm.sampling_params import SamplingParams
 from paged_llm.tokenizer.hf_tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offline import BATCH_BUCKETS, add_engine_arguments, engine_config, make_workload
+from bench_decode import copy_bandwidth_gb_per_s, kv_bytes_per_token, synchronize, weight_bytes
+from bench_offline import add_engine_arguments, batch_bucket, engine_config, make_workload
 
 CUDA = torch.cuda.is_available()  # on a CPU (a smoke run) the host phases only
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 PHASES = ("schedule", "inputs", "launch", "wait", "update", "publish", "absorb", "other")
 # Kernel name -> category, first match wins (Triton kernels keep their Python names).
 KERNEL_CATEGORIES = (
@@ -210,11 +212,6 @@ class StepRecorder:
             previous_end, record.events = end, None
 
 
-def synchronize() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
-
-
 def submit(engine: LLMEngine, workload: list[tuple[list[int], int]], prefix: str) -> int:
     for index, (prompt, num_output) in enumerate(workload):
         params = SamplingParams(temperature=0.0, max_tokens=num_output, ignore_eos=True)
@@ -226,7 +223,7 @@ def run_recorded(engine: LLMEngine, workload: list[tuple[list[int], int]], show_
     recorder = StepRecorder(engine)
     total = submit(engine, workload, "profile")
     gc_before = process_gc_pauses()
-    synchronize()
+    synchronize(DEVICE)
     start = time.perf_counter()
     produced = 0
     try:
@@ -238,7 +235,7 @@ def run_recorded(engine: LLMEngine, workload: list[tuple[list[int], int]], show_
                 new = sum(len(s.token_ids) for output in outputs for s in output.sequences)
                 produced += new
                 bar.update(new)
-        synchronize()
+        synchronize(DEVICE)
         elapsed_s = time.perf_counter() - start
         gc_pauses = process_gc_pauses().since(gc_before)
         recorder.read_device_times()
@@ -270,7 +267,7 @@ def run_traced(
         if active["profiler"] is None:
             for first, last in windows:
                 if first <= index < last:
-                    synchronize()
+                    synchronize(DEVICE)
                     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
                     active["profiler"] = profile(activities=activities)
                     active["profiler"].start()
@@ -299,7 +296,7 @@ def run_traced(
 
 
 def _finish_window(active: dict[str, Any], results: list[dict], out: Path) -> None:
-    synchronize()
+    synchronize(DEVICE)
     profiler, (first, last) = active["profiler"], active["window"]
     profiler.stop()
     active["profiler"] = active["window"] = None
@@ -352,46 +349,22 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def bucket_of(num_rows: int) -> str:
-    upper = next(u for u in BATCH_BUCKETS if num_rows <= u)
-    return "any" if upper >= 1 << 30 else f"<={upper}"
-
-
 def bandwidth_bound(records: list[StepRecord], engine: LLMEngine, copy_bytes_per_s: float) -> dict:
-    """What the card allows: every step reads the weights once and its rows' KV (prompt steps are
-    counted the same way, so the bound is a little optimistic for them)."""
-    runner = engine.core.runner
-    kv_bytes_per_token = runner.kv_bytes_per_block / runner.block_size_tokens
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_bytes = kv_bytes_per_token * sum(r.num_context_tokens for r in records)
-    total_bytes = kv_bytes + weight_bytes * len(records)
+    """What the card allows: every step reads the weights once (bench_decode.py's count) and its
+    rows' KV, at the copy rate (read + write bytes of a large copy, as bench_decode.py measures it).
+    Prompt steps are counted the same way, so the bound is a little optimistic for them."""
+    kv_bytes_token = kv_bytes_per_token(engine)
+    step_weight_bytes = weight_bytes(engine)
+    kv_bytes = kv_bytes_token * sum(r.num_context_tokens for r in records)
+    total_bytes = kv_bytes + step_weight_bytes * len(records)
     return {
         "copy_bytes_per_s": copy_bytes_per_s,
-        "kv_bytes_per_token": kv_bytes_per_token,
-        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_token,
+        "weight_bytes": step_weight_bytes,
         "kv_bytes_read": kv_bytes,
-        "weight_bytes_read": weight_bytes * len(records),
+        "weight_bytes_read": step_weight_bytes * len(records),
         "bound_s": total_bytes / copy_bytes_per_s if copy_bytes_per_s else None,
     }
-
-
-def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Device-to-device copy rate (bytes read per second, as the KV and weight reads are)."""
-    if not CUDA:
-        return 0.0
-    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    target.copy_(source)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        target.copy_(source)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = begin.elapsed_time(end) / 1e3
-    del source, target
-    torch.cuda.empty_cache()
-    return num_bytes * repeats / seconds
 
 
 def summarize_run(run: dict) -> dict:
@@ -402,13 +375,11 @@ def summarize_run(run: dict) -> dict:
     phases_s = {p: sum(r.host_s[p] for r in records) for p in PHASES}
     groups: dict[str, list[StepRecord]] = defaultdict(list)
     for record in records:
-        groups[("prefill " if record.prefill else "decode ") + bucket_of(record.num_rows)].append(record)
+        groups[("prefill " if record.prefill else "decode ") + batch_bucket(record.num_rows)].append(record)
     table = {}
     bound = run.get("bound") or {}
     rate = bound.get("copy_bytes_per_s") or 0.0
-    for name in sorted(
-        groups, key=lambda n: (n.split()[0], int(n.split("<=")[-1]) if "<=" in n else 1 << 30)
-    ):
+    for name in sorted(groups, key=_group_order):
         group = groups[name]
         count = len(group)
         table[name] = {
@@ -442,6 +413,7 @@ def summarize_run(run: dict) -> dict:
 
 
 def _group_order(name: str) -> tuple[str, int]:
+    """Prefill/decode, then batch size ("decode <=64" before "decode <=128", "any" last)."""
     kind, bucket = name.split()
     return kind, int(bucket.removeprefix("<=")) if bucket.startswith("<=") else 1 << 30
 
@@ -558,7 +530,7 @@ def main() -> None:
     engine.core.reset_prefix_cache()
     card = torch.cuda.get_device_name() if CUDA else "cpu"
     report: list[str] = [f"{card}, torch {torch.__version__}", " ".join(sys.argv)]
-    copy_bytes_per_s = measure_copy_bandwidth()
+    copy_bytes_per_s = copy_bandwidth_gb_per_s(DEVICE) * 1e9
     run = run_recorded(engine, workload, not args.no_progress)
     run["bound"] = bandwidth_bound(run["records"], engine, copy_bytes_per_s)
     summary = summarize_run(run)

@@ -51,17 +51,13 @@ _FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDiction
 
 
 def _decode_ids(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> str:
-    fast = _fast_decoder(tokenizer)
-    if fast is not None:
-        return fast.decode(token_ids, skip_special_tokens=skip_special_tokens)
-    return tokenizer.decode(
-        token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+    return _decode_function(tokenizer, skip_special_tokens)(token_ids)
 
 
 def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """_decode_ids for one tokenizer and setting, with the decoder looked up once (two decodes a
-    generated token: the lookup would cost as much as the Rust call)."""
+    """Decodes ids with this tokenizer and setting (through the Rust backend where that gives the
+    same text). A sequence's detokenizer looks it up once: it decodes twice a generated token, and
+    the lookup would cost as much as the Rust call."""
     fast = _fast_decoder(tokenizer)
     if fast is not None:
         return functools.partial(fast.decode, skip_special_tokens=skip_special_tokens)
