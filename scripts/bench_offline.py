@@ -164,6 +164,13 @@ def _synchronize(engine: LLMEngine) -> None:
         engine.core.device.synchronize()
 
 
+def default_core_mode(device: Device) -> str:
+    """The engine core in its own process on an accelerator: there the core's loop and the output
+    processing each take about as long as a large decode step (docs/benchmarks/step-breakdown.md),
+    and in one process they add up. On a CPU the second process only takes cores from the forward."""
+    return "inprocess" if device.is_cpu else "process"
+
+
 def batch_bucket(num_rows: int) -> str:
     """The BATCH_BUCKETS bucket a step of `num_rows` rows counts in ("<=64")."""
     return _bucket_name(next(upper for upper in BATCH_BUCKETS if num_rows <= upper))
@@ -282,9 +289,11 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument(
         "--core-mode",
-        choices=["inprocess", "process"],
-        default="inprocess",
-        help="process: the engine core steps in its own process, output processing in this one",
+        choices=["auto", "inprocess", "process"],
+        default="auto",
+        help="process: the engine core steps in its own process, output processing in this one (as "
+        "serving runs it, and vLLM's LLM class); auto: process on an accelerator, inprocess on a CPU, "
+        "where output processing in a second process only takes cores from the forward",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true")
@@ -305,6 +314,8 @@ def main() -> None:
         hf_result = run_hf(model_dir, subset, device.torch_device, dtype, args.hf, args.hf_batch_size)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if args.core_mode == "auto":
+        args.core_mode = default_core_mode(device)
     engine = LLMEngine(config, show_progress=not args.no_progress, core_mode=args.core_mode)
     warmup = [(p[:32], 8) for p, _ in workload[: min(8, len(workload))]]
     run_engine(engine, warmup, show_progress=False)

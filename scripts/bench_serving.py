@@ -36,6 +36,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,7 @@ async def _run_worker(
     model: str,
     jobs: list[Job],
     concurrency: int | None,
-    start_at: float,
+    gate: _StartGate,
     text_only: bool,
     pauses: _GcPauses,
 ):
@@ -218,10 +219,21 @@ async def _run_worker(
         async def close() -> None:
             await client.close()
 
+    # Each lane's first request would otherwise pay for what the client sets up on first use (the
+    # gRPC channel's connection, a pool connection, lazy imports): tens of ms in the TTFT of a
+    # request the offline engine serves without it. With 8 processes of 2 lanes at concurrency 16
+    # that was a quarter of the requests. One short request per lane, unmeasured, before the gate
+    # opens (the parent reads the server's counters in between, so they leave these out too).
+    lanes = 1 if concurrency is None else concurrency
+    if jobs:
+        prompt, lora_name = jobs[0].prompt_token_ids[:8], jobs[0].lora_name
+        num_warm = max(1, min(lanes, len(jobs)))
+        await asyncio.gather(*(send(Job(-1 - i, prompt, 2, lora_name=lora_name)) for i in range(num_warm)))
     # What exists now (modules, the channel) lives through the run: keep it out of the collections
     # that run during it, so a full collection in the client does not show up as a server ITL spike.
     gc.collect()
     gc.freeze()
+    start_at = await asyncio.get_running_loop().run_in_executor(None, gate.wait_open)
     pauses.start()
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     try:
@@ -245,9 +257,36 @@ async def _run_worker(
         await close()
 
 
-def _worker_main(url, model, jobs, concurrency, start_at, text_only, results) -> None:
+class _StartGate:
+    """Client processes report ready (connected, warmed up), then all start sending at one time the
+    parent sets after its own preparations (reading the server's counters)."""
+
+    _TIMEOUT_S = 300.0
+
+    def __init__(self, context: Any, num_processes: int) -> None:
+        self._ready = context.Barrier(num_processes + 1)
+        self._open = context.Barrier(num_processes + 1)
+        self._start_at = context.Value("d", 0.0)
+
+    def wait_open(self) -> float:
+        """In a client process: ready, then wait for the start time."""
+        self._ready.wait(self._TIMEOUT_S)
+        self._open.wait(self._TIMEOUT_S)
+        return self._start_at.value
+
+    def open(self, before_start: Callable[[], None] | None) -> None:
+        """In the parent: once every client process is ready, run `before_start`, then let them go."""
+        self._ready.wait(self._TIMEOUT_S)
+        if before_start is not None:
+            before_start()
+        # time.monotonic() is system-wide on Linux; the margin covers the processes' wake-up
+        self._start_at.value = time.monotonic() + 0.1
+        self._open.wait(self._TIMEOUT_S)
+
+
+def _worker_main(url, model, jobs, concurrency, gate, text_only, results) -> None:
     pauses = _GcPauses()
-    records = asyncio.run(_run_worker(url, model, jobs, concurrency, start_at, text_only, pauses))
+    records = asyncio.run(_run_worker(url, model, jobs, concurrency, gate, text_only, pauses))
     results.put(([{**asdict(r), "endpoint": url} for r in records], pauses.pauses_s))
 
 
@@ -258,27 +297,30 @@ def run_served(
     concurrency: int | None,
     num_processes: int,
     text_only: bool = False,
+    before_start: Callable[[], None] | None = None,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """Splits the jobs (and the concurrency) over client processes and gathers their records and
     the client processes' garbage-collection pauses (count, longest, total). With several URLs the
-    processes take them in turn (each record says its endpoint)."""
+    processes take them in turn (each record says its endpoint). `before_start` runs once every
+    client process has connected and warmed up, just before the measured requests go out."""
     urls = [url] if isinstance(url, str) else url
     if concurrency is not None:
         num_processes = max(1, min(num_processes, concurrency))
     num_processes = max(1, min(num_processes, len(jobs)))
     context = mp.get_context("spawn")
     results = context.Queue()
-    start_at = time.monotonic() + 2.0 + 0.5 * num_processes  # every process ready before the first send
+    gate = _StartGate(context, num_processes)
     workers = []
     for index in range(num_processes):
         share = jobs[index::num_processes]
         lanes = None if concurrency is None else len(range(index, concurrency, num_processes))
         worker = context.Process(
             target=_worker_main,
-            args=(urls[index % len(urls)], model, share, lanes, start_at, text_only, results),
+            args=(urls[index % len(urls)], model, share, lanes, gate, text_only, results),
         )
         worker.start()
         workers.append(worker)
+    gate.open(before_start)
     records: list[RequestRecord] = []
     pauses_s: list[float] = []
     for _ in workers:
@@ -303,6 +345,17 @@ def _expected_length(job: Job, num_output_tokens: int) -> bool:
     if job.structured_outputs is not None:
         return 0 < num_output_tokens <= job.num_output_tokens
     return num_output_tokens == job.num_output_tokens
+
+
+def offline_core_mode(repository: Path, requested: str) -> str:
+    """auto: the core in its own process on an accelerator, as served (bench_offline.py's rule)."""
+    if requested != "auto":
+        return requested
+    from paged_llm.config import EngineConfig
+    from paged_llm.runner.device import Device
+
+    config = EngineConfig.from_parameters(read_llm_parameters(repository))
+    return "inprocess" if Device.resolve(config.device.device).is_cpu else "process"
 
 
 def offline_engine(repository: Path, model_dir: str | None, core_mode: str):
@@ -790,9 +843,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--offline-core-mode",
-        choices=("inprocess", "process"),
-        default="inprocess",
-        help="--compare-offline runs the engine core in this process (default) or in its own, as served",
+        choices=("auto", "inprocess", "process"),
+        default="auto",
+        help="--compare-offline runs the engine core in this process or in its own, as served (auto: "
+        "its own on an accelerator, as bench_offline.py does)",
     )
     parser.add_argument("--model-repository", type=Path, help="the served repository (for --compare-offline)")
     parser.add_argument("--server-log", type=Path, help="with --launch: keep the server log here")
@@ -843,9 +897,12 @@ def main() -> int:
                 results.append(_mixed_run(run, url, openai_url, args))
                 continue
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
-            counters_before = _server_counters(server)
-            ttft_before = _server_ttft(server)
-            histograms_before = _histogram_totals(server)
+            before: dict[str, Any] = {}
+
+            def read_server_before(before: dict[str, Any] = before) -> None:
+                before.update(counters=_server_counters(server), ttft=_server_ttft(server),
+                              histograms=_histogram_totals(server))  # fmt: skip
+
             served, client_gc = run_served(
                 openai_url if args.endpoint == "openai" else url,
                 args.model,
@@ -853,16 +910,17 @@ def main() -> int:
                 run.concurrency,
                 args.client_processes,
                 args.text_only,
+                before_start=read_server_before,
             )
             summary = summarize(served)
             summary["client_gc"] = client_gc
             if profiler is not None:
                 profiler.wait()
             counters_after = _server_counters(server)
-            summary["histogram_lag"] = _histogram_lag(server, histograms_before)
-            summary["cancellation_polls"] = _poll_delta(counters_before, counters_after)
-            summary["engine_gc"] = _engine_gc_delta(counters_before, counters_after)
-            summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, ttft_before)
+            summary["histogram_lag"] = _histogram_lag(server, before["histograms"])
+            summary["cancellation_polls"] = _poll_delta(before["counters"], counters_after)
+            summary["engine_gc"] = _engine_gc_delta(before["counters"], counters_after)
+            summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, before["ttft"])
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}
@@ -931,12 +989,14 @@ def main() -> int:
         if server is not None:
             server.stop()
     if args.compare_offline is not None:
-        engine = offline_engine(repository, args.compare_offline or None, args.offline_core_mode)
+        core_mode = offline_core_mode(repository, args.offline_core_mode)
+        print(f"offline engine: core {core_mode}", flush=True)
+        engine = offline_engine(repository, args.compare_offline or None, core_mode)
         run_offline(engine, warmup, None)
         for run, result in tqdm(list(zip(runs, results)), desc="offline", unit="run"):
             gc_before = process_gc_pauses()
             summary = summarize(run_offline(engine, run.jobs, run.concurrency))
-            if args.offline_core_mode == "inprocess":  # the engine's collections are this process's
+            if core_mode == "inprocess":  # the engine's collections are this process's
                 pauses = process_gc_pauses().since(gc_before)
                 summary["engine_gc"] = {"num_collections": pauses.num_collections,
                                         "pause_ms": 1e3 * pauses.pause_s_total,
