@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpu-memory-utilization", type=float)
     add("--num-speculative-tokens", type=int, help="speculative decoding with n-gram proposals (0: off)")
     add("--tensor-parallel-size", type=int, help="GPUs one engine splits the model over (from --device)")
+    add(
+        "--instance-count",
+        type=int,
+        help="Triton instances of the model, sharing one engine core; each stub turns its own requests' "
+        f"tokens into responses (default: {GPU_INSTANCE_COUNT} where a GPU serves, 1 on a CPU)",
+    )
     add("--load-format", choices=["safetensors", "dummy"], help="dummy: random weights (benchmarks)")
     add(
         "--quantization",
@@ -106,6 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(default; about half the CPU per streamed token of gRPC in the OpenAI server) or gRPC streaming",
     )
     return parser
+
+
+# One stub sends at most ~7-8k responses/s; at ~18k tok/s on an H100 two instances merged 1.6-1.8
+# tokens per response and three 1.2-1.4 (docs/benchmarks/serving.md).
+GPU_INSTANCE_COUNT = 3
+
+
+def instance_count(args: argparse.Namespace, has_gpu: bool) -> int:
+    """--instance-count, else 3 where the engine will run on a GPU (device auto or cuda on a host
+    with one), else 1: on a CPU the engine, not the stub, sets the pace."""
+    if args.instance_count is not None:
+        if args.instance_count < 1:
+            raise SystemExit(f"error: --instance-count must be >= 1, got {args.instance_count}")
+        return args.instance_count
+    on_gpu = has_gpu and args.device.split(":", 1)[0] in ("auto", "cuda")
+    return GPU_INSTANCE_COUNT if on_gpu else 1
 
 
 def engine_parameters(args: argparse.Namespace) -> dict[str, str]:

@@ -28,7 +28,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paged_llm.cli.arguments import build_parser, chat_flags, engine_parameters, lora_flags
+from paged_llm.cli.arguments import (
+    build_parser,
+    chat_flags,
+    engine_parameters,
+    instance_count,
+    lora_flags,
+)
 from paged_llm.cli.children import (
     EXIT_TIMEOUT_S,
     Children,
@@ -48,6 +54,7 @@ from paged_llm.launcher.guard_process import (
 from paged_llm.launcher.launch import (
     ServerPorts,
     busy_ports,
+    has_nvidia_gpu,
     http_host,
     port_bind_error,
     server_command,
@@ -72,7 +79,9 @@ def write_repository(args: argparse.Namespace) -> Path:
     # tensorrt_llm_bls: they forward to llm by that name) come along, as in the project's repository.
     models = ("llm", *TRTLLM_MODEL_NAMES) if args.served_model_name == "llm" else ("llm",)
     lora_flags(args)  # an adapter named like the model: refused before anything starts
-    make_model_repository(root, engine_parameters(args), models=models)
+    make_model_repository(
+        root, engine_parameters(args), models=models, instance_count=instance_count(args, has_nvidia_gpu())
+    )
     if args.served_model_name != "llm":  # Triton names a model after its directory
         shutil.rmtree(root / args.served_model_name, ignore_errors=True)
         (root / "llm").rename(root / args.served_model_name)

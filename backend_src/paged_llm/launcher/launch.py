@@ -205,12 +205,12 @@ def server_command(
         f"--metrics-address={metrics_address}",
         f"--metrics-port={ports.metrics}",
         f"--exit-timeout-secs={exit_timeout_secs}",
-        "--allow-gpu-metrics=false" if not _has_nvidia_gpu() else "--allow-gpu-metrics=true",
+        "--allow-gpu-metrics=false" if not has_nvidia_gpu() else "--allow-gpu-metrics=true",
         *(extra_args or []),
     ]
 
 
-def _has_nvidia_gpu() -> bool:
+def has_nvidia_gpu() -> bool:
     return Path("/dev/nvidiactl").exists()
 
 

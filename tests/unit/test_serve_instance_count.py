@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import pytest
+
+from paged_llm.cli.arguments import GPU_INSTANCE_COUNT, build_parser, instance_count
+
+
+def parse(*flags: str):
+    return build_parser().parse_args(["serve", "tiny-qwen3", *flags])
+
+
+@pytest.mark.parametrize(
+    ("flags", "has_gpu", "expected"),
+    [
+        ((), True, GPU_INSTANCE_COUNT),  # device auto on a GPU host: the engine runs on the GPU
+        (("--device", "cuda"), True, GPU_INSTANCE_COUNT),
+        (("--device", "cuda:1"), True, GPU_INSTANCE_COUNT),
+        ((), False, 1),
+        (("--device", "cpu"), True, 1),  # a GPU host serving on its CPU
+        (("--instance-count", "2"), False, 2),  # an explicit count wins either way
+        (("--instance-count", "1"), True, 1),
+    ],
+)
+def test_the_instance_count_follows_where_the_engine_runs(flags, has_gpu, expected) -> None:
+    assert instance_count(parse(*flags), has_gpu) == expected
+
+
+def test_a_count_below_one_is_refused_naming_the_flag() -> None:
+    with pytest.raises(SystemExit, match="--instance-count must be >= 1, got 0"):
+        instance_count(parse("--instance-count", "0"), has_gpu=True)
