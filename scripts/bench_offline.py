@@ -333,8 +333,12 @@ def main() -> None:
         f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}; "
         f"engine core {args.core_mode}"
     )
-    if args.tensor_parallel_size > 1 and args.core_mode == "inprocess":
-        one_shot = engine.core.runner.parallel.uses_one_shot
+    if args.tensor_parallel_size > 1:
+        one_shot = (
+            engine.core.runner.parallel.uses_one_shot
+            if args.core_mode == "inprocess"
+            else "not known here (the core runs in its own process; --core-mode inprocess shows it)"
+        )
         print(f"tensor parallel size {args.tensor_parallel_size}, one-shot all-reduce {one_shot}")
     print(f"{'run':<24}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>12}")
     for result in results:

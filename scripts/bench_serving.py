@@ -223,11 +223,14 @@ async def _run_worker(
     # gRPC channel's connection, a pool connection, lazy imports): tens of ms in the TTFT of a
     # request the offline engine serves without it. With 8 processes of 2 lanes at concurrency 16
     # that was a quarter of the requests. One short request per lane, unmeasured, before the gate
-    # opens (the parent reads the server's counters in between, so they leave these out too).
-    lanes = 1 if concurrency is None else concurrency
+    # opens (the parent reads the server's counters after it). gRPC multiplexes every request of
+    # a process over one channel; aiohttp opens a connection per request in flight, so in request-
+    # rate mode every request of the process is a lane. The prompt is the first job's reversed, so
+    # no measured prompt finds its blocks in the prefix cache.
     if jobs:
-        prompt, lora_name = jobs[0].prompt_token_ids[:8], jobs[0].lora_name
-        num_warm = max(1, min(lanes, len(jobs)))
+        in_flight = concurrency if concurrency is not None else (len(jobs) if url.startswith("http") else 1)
+        prompt, lora_name = jobs[0].prompt_token_ids[:8][::-1], jobs[0].lora_name
+        num_warm = max(1, min(in_flight, len(jobs)))
         await asyncio.gather(*(send(Job(-1 - i, prompt, 2, lora_name=lora_name)) for i in range(num_warm)))
     # What exists now (modules, the channel) lives through the run: keep it out of the collections
     # that run during it, so a full collection in the client does not show up as a server ITL spike.
@@ -276,17 +279,29 @@ class _StartGate:
 
     def open(self, before_start: Callable[[], None] | None) -> None:
         """In the parent: once every client process is ready, run `before_start`, then let them go."""
-        self._ready.wait(self._TIMEOUT_S)
-        if before_start is not None:
-            before_start()
-        # time.monotonic() is system-wide on Linux; the margin covers the processes' wake-up
-        self._start_at.value = time.monotonic() + 0.1
-        self._open.wait(self._TIMEOUT_S)
+        try:
+            self._ready.wait(self._TIMEOUT_S)
+            if before_start is not None:
+                before_start()
+            # time.monotonic() is system-wide on Linux; the margin covers the processes' wake-up
+            self._start_at.value = time.monotonic() + 0.1
+            self._open.wait(self._TIMEOUT_S)
+        except BaseException:
+            self.abort()  # the client processes stop waiting at once, not after the timeout
+            raise
+
+    def abort(self) -> None:
+        self._ready.abort()
+        self._open.abort()
 
 
 def _worker_main(url, model, jobs, concurrency, gate, text_only, results) -> None:
     pauses = _GcPauses()
-    records = asyncio.run(_run_worker(url, model, jobs, concurrency, gate, text_only, pauses))
+    try:
+        records = asyncio.run(_run_worker(url, model, jobs, concurrency, gate, text_only, pauses))
+    except BaseException:
+        gate.abort()  # the parent and the other processes fail at once instead of timing out
+        raise
     results.put(([{**asdict(r), "endpoint": url} for r in records], pauses.pauses_s))
 
 
@@ -473,6 +488,10 @@ _HISTOGRAM_TOTALS = (
     "paged_llm_time_to_first_token_seconds_count",
     "paged_llm_inter_token_latency_seconds_count",
 )
+
+
+def _read_ttft_into(before: dict[str, Any], server: Any) -> None:
+    before["ttft"] = _server_ttft(server)
 
 
 def _histogram_totals(server: Any) -> dict[str, float] | None:
@@ -900,6 +919,10 @@ def main() -> int:
             before: dict[str, Any] = {}
 
             def read_server_before(before: dict[str, Any] = before) -> None:
+                # The stubs refresh the engine's counters (GC, cancellation polls) every ~0.5 s:
+                # wait for the warm-up requests' to land before the snapshot.
+                if server is not None:
+                    time.sleep(1.0)
                 before.update(counters=_server_counters(server), ttft=_server_ttft(server),
                               histograms=_histogram_totals(server))  # fmt: skip
 
@@ -957,13 +980,14 @@ def main() -> int:
                     flush=True,
                 )
             if args.endpoint == "both":
-                ttft_before = _server_ttft(server)
+                openai_before: dict[str, Any] = {}
                 via_openai, _ = run_served(
                     openai_url, args.model, _other_tokens(run.jobs, args.vocab_limit), run.concurrency,
                     args.client_processes,
+                    before_start=functools.partial(_read_ttft_into, openai_before, server),
                 )  # fmt: skip
                 openai_summary = summarize(via_openai)
-                openai_summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, ttft_before)
+                openai_summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, openai_before["ttft"])
                 results[-1]["served_openai"] = openai_summary
                 results[-1]["openai_added"] = _openai_added(summary, openai_summary)
                 print(

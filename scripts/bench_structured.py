@@ -282,8 +282,12 @@ def main() -> int:
     ) -> list[Any]:
         """The records of the measured jobs (all when `measured` is None); the engine core's own step
         periods over the whole run go to `last_steps`."""
-        steps_before = server_engine_figures(server, settle_s=0.0)
-        records, _ = run_served(url, args.model, run_jobs, concurrency, args.client_processes)
+        before: dict[str, Any] = {}  # read once the client processes' warm-up requests are done
+        records, _ = run_served(
+            url, args.model, run_jobs, concurrency, args.client_processes,
+            before_start=lambda: before.update(steps=server_engine_figures(server)),
+        )  # fmt: skip
+        steps_before = before["steps"]
         last_steps.clear()
         last_steps.update(step_means(steps_before, server_engine_figures(server)))
         every = summarize(records)

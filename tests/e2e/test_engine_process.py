@@ -377,17 +377,24 @@ def test_two_instances_share_one_engine_core_and_stop_cleanly(tmp_path):
 
 # Each cycle is a server start (~10-14 s on the 2-core CI machine); 20 took ~4.7 of CI's minutes.
 # PAGED_LLM_STRESS_CYCLES=20 runs issue "Hardening"'s full count by hand.
-STRESS_CYCLES = int(os.environ.get("PAGED_LLM_STRESS_CYCLES", "8"))
+STRESS_CYCLES_DEFAULT = 8
+
+
+def stress_cycles() -> int:
+    text = os.environ.get("PAGED_LLM_STRESS_CYCLES", str(STRESS_CYCLES_DEFAULT))
+    if not text.isdigit() or int(text) < 1:
+        pytest.fail(f"PAGED_LLM_STRESS_CYCLES must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def test_repeated_start_load_sigterm_cycles_leave_nothing_and_stop_in_time(tmp_path):
     """Issue "Hardening" row 7 (a SIGTERM after varied requests once left llm loaded and processes
-    alive): STRESS_CYCLES times start a server with llm and llm_trtllm, put mixed load on it (gRPC
+    alive): stress_cycles() times start a server with llm and llm_trtllm, put mixed load on it (gRPC
     streams on both models, an HTTP generate_stream, a cancelled stream), SIGTERM it with that load
     in flight. Every time: the server exits within its exit timeout (+ a margin for a loaded
     machine), llm is finalized, and no process of ours is left."""
     repository = make_model_repository(tmp_path / "models")
-    for cycle in range(STRESS_CYCLES):
+    for cycle in range(stress_cycles()):
         _start_load_sigterm(repository, tmp_path / f"server_{cycle}.log", cycle)
 
 

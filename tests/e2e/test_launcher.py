@@ -207,7 +207,10 @@ def _serves_again(served: Served, old_server_pid: int) -> bool:
 
 
 def test_a_dead_stub_or_a_crashed_server_is_restarted_until_the_budget_is_spent(tmp_path, tiny_model_dir):
-    served = start_served(tmp_path, "--max-restarts", "2", "--restart-window-s", "600")
+    # one stub to kill, whatever the host (`paged-llm serve` starts three where a GPU serves)
+    served = start_served(
+        tmp_path, "--max-restarts", "2", "--restart-window-s", "600", "--instance-count", "1"
+    )
     try:
         openai_side = [p for p in psutil.Process(served.process.pid).children() if p.name() != "tritonserver"]
         for kill in ("stub", "server"):

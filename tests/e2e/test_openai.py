@@ -901,7 +901,8 @@ def test_streams_cut_by_a_killed_llm_stub_end_with_an_error_event_and_done(tmp_p
         process = subprocess.Popen(
             [sys.executable, "-m", "paged_llm.cli", "serve", "--port", str(port),
              "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-             "--metrics-port", str(metrics_port), "--model-repository-dir", str(tmp_path / "models")],
+             "--metrics-port", str(metrics_port), "--model-repository-dir", str(tmp_path / "models"),
+             "--instance-count", "1"],  # every stream on the one stub this test kills, on any host
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"

@@ -19,6 +19,9 @@ def parse(*flags: str):
         (("--device", "cpu"), True, 1),  # a GPU host serving on its CPU
         (("--instance-count", "2"), False, 2),  # an explicit count wins either way
         (("--instance-count", "1"), True, 1),
+        # a core in the stub's process is not shared: three instances would be three engines
+        (("--engine-arg", "engine_mode=thread"), True, 1),
+        (("--engine-arg", "engine_mode=process"), True, GPU_INSTANCE_COUNT),
     ],
 )
 def test_the_instance_count_follows_where_the_engine_runs(flags, has_gpu, expected) -> None:

@@ -121,13 +121,16 @@ GPU_INSTANCE_COUNT = 3
 
 def instance_count(args: argparse.Namespace, has_gpu: bool) -> int:
     """--instance-count, else 3 where the engine will run on a GPU (device auto or cuda on a host
-    with one), else 1: on a CPU the engine, not the stub, sets the pace."""
+    with one), else 1: on a CPU the engine, not the stub, sets the pace. Only instances of a core in
+    its own process share it: with engine_mode=thread each instance would load its own engine."""
     if args.instance_count is not None:
         if args.instance_count < 1:
             raise SystemExit(f"error: --instance-count must be >= 1, got {args.instance_count}")
         return args.instance_count
+    engine_modes = [item.partition("=")[2] for item in args.engine_arg if item.startswith("engine_mode=")]
+    shares_one_core = not engine_modes or engine_modes[-1] == "process"
     on_gpu = has_gpu and args.device.split(":", 1)[0] in ("auto", "cuda")
-    return GPU_INSTANCE_COUNT if on_gpu else 1
+    return GPU_INSTANCE_COUNT if on_gpu and shares_one_core else 1
 
 
 def engine_parameters(args: argparse.Namespace) -> dict[str, str]:

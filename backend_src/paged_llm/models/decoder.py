@@ -282,7 +282,7 @@ class CausalLM(nn.Module):
         self.shard = ShardPlan.of(spec, self.parallel.rank, self.parallel.world_size)
         vocab_rows = self.shard.vocab_rows if self.parallel.is_parallel else spec.vocab_size
         # An uninitialised table: the loader copies the checkpoint's in. Embedding's own N(0, 1) init
-        # on the meta device runs through torch._refs, whose first use imports torch._dynamo (~3 s
+        # on the meta device runs through torch._refs, whose first use imports torch._dynamo (~2.5 s
         # of every engine start on a CPU, for numbers nobody reads).
         self.embed_tokens = nn.Embedding(
             vocab_rows, spec.hidden_size, _weight=torch.empty(vocab_rows, spec.hidden_size)
