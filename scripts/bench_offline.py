@@ -164,13 +164,6 @@ def _synchronize(engine: LLMEngine) -> None:
         engine.core.device.synchronize()
 
 
-def default_core_mode(device: Device) -> str:
-    """The engine core in its own process on an accelerator: there the core's loop and the output
-    processing each take about as long as a large decode step (docs/benchmarks/step-breakdown.md),
-    and in one process they add up. On a CPU the second process only takes cores from the forward."""
-    return "inprocess" if device.is_cpu else "process"
-
-
 def batch_bucket(num_rows: int) -> str:
     """The BATCH_BUCKETS bucket a step of `num_rows` rows counts in ("<=64")."""
     return _bucket_name(next(upper for upper in BATCH_BUCKETS if num_rows <= upper))
@@ -314,8 +307,6 @@ def main() -> None:
         hf_result = run_hf(model_dir, subset, device.torch_device, dtype, args.hf, args.hf_batch_size)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if args.core_mode == "auto":
-        args.core_mode = default_core_mode(device)
     engine = LLMEngine(config, show_progress=not args.no_progress, core_mode=args.core_mode)
     warmup = [(p[:32], 8) for p, _ in workload[: min(8, len(workload))]]
     run_engine(engine, warmup, show_progress=False)
@@ -331,12 +322,12 @@ def main() -> None:
     print(f"\nmachine: {platform.node()} ({card}), torch {torch.__version__}, {threads} CPU threads")
     print(
         f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}; "
-        f"engine core {args.core_mode}"
+        f"engine core {engine.core_mode}"
     )
     if args.tensor_parallel_size > 1:
         one_shot = (
             engine.core.runner.parallel.uses_one_shot
-            if args.core_mode == "inprocess"
+            if engine.core_mode == "inprocess"
             else "not known here (the core runs in its own process; --core-mode inprocess shows it)"
         )
         print(f"tensor parallel size {args.tensor_parallel_size}, one-shot all-reduce {one_shot}")
@@ -355,7 +346,7 @@ def main() -> None:
             "argv": sys.argv,
             "card": card,
             "tensor_parallel_size": args.tensor_parallel_size,
-            "core_mode": args.core_mode,
+            "core_mode": engine.core_mode,
             "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
         }
         args.json.write_text(json.dumps(payload, indent=2))

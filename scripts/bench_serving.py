@@ -362,17 +362,6 @@ def _expected_length(job: Job, num_output_tokens: int) -> bool:
     return num_output_tokens == job.num_output_tokens
 
 
-def offline_core_mode(repository: Path, requested: str) -> str:
-    """auto: the core in its own process on an accelerator, as served (bench_offline.py's rule)."""
-    if requested != "auto":
-        return requested
-    from paged_llm.config import EngineConfig
-    from paged_llm.runner.device import Device
-
-    config = EngineConfig.from_parameters(read_llm_parameters(repository))
-    return "inprocess" if Device.resolve(config.device.device).is_cpu else "process"
-
-
 def offline_engine(repository: Path, model_dir: str | None, core_mode: str):
     from paged_llm.config import EngineConfig
     from paged_llm.engine.llm_engine import LLMEngine
@@ -1013,14 +1002,13 @@ def main() -> int:
         if server is not None:
             server.stop()
     if args.compare_offline is not None:
-        core_mode = offline_core_mode(repository, args.offline_core_mode)
-        print(f"offline engine: core {core_mode}", flush=True)
-        engine = offline_engine(repository, args.compare_offline or None, core_mode)
+        engine = offline_engine(repository, args.compare_offline or None, args.offline_core_mode)
+        print(f"offline engine: core {engine.core_mode}", flush=True)
         run_offline(engine, warmup, None)
         for run, result in tqdm(list(zip(runs, results)), desc="offline", unit="run"):
             gc_before = process_gc_pauses()
             summary = summarize(run_offline(engine, run.jobs, run.concurrency))
-            if core_mode == "inprocess":  # the engine's collections are this process's
+            if engine.core_mode == "inprocess":  # the engine's collections are this process's
                 pauses = process_gc_pauses().since(gc_before)
                 summary["engine_gc"] = {"num_collections": pauses.num_collections,
                                         "pause_ms": 1e3 * pauses.pause_s_total,

@@ -6,6 +6,11 @@
 | `thread`    | a busy-loop thread of this process | `engine_mode: thread` in config.pbtxt (debugging)   |
 | `process`   | its own process (the default)      | serving: the core never shares a GIL with Triton    |
 
+`auto` (offline LLMEngine, benchmarks): `process` on an accelerator, `inprocess` on a CPU. On an
+accelerator the core's loop and the output processing each take about as long as a large decode step
+(docs/benchmarks/step-breakdown.md), and in one process they add up; on a CPU a second process only
+takes cores from the forward.
+
 The process mode's clients (start a core, or join the one another instance started) live in
 engine/core_process_client.py.
 
@@ -56,6 +61,15 @@ class EngineCoreClient(Protocol):
     def poll_outputs(self) -> EngineCoreOutputs | None: ...
 
     def shutdown(self, timeout_s: float = 10.0) -> None: ...
+
+
+def resolve_core_mode(config: EngineConfig, mode: str) -> str:
+    """`auto` made concrete for this config's device; every other mode as given."""
+    if mode != "auto":
+        return mode
+    from paged_llm.runner.device import Device
+
+    return "inprocess" if Device.resolve(config.device.device).is_cpu else "process"
 
 
 def start_core_and_tokenizer(

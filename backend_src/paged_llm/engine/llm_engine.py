@@ -2,6 +2,7 @@
 
     engine = LLMEngine(config)                       # core stepped in this process (no thread)
     engine = LLMEngine(config, core_mode="process")  # the same core in its own process
+    engine = LLMEngine(config, core_mode="auto")     # process on an accelerator, inprocess on a CPU
     engine.add_request("r0", prompt_token_ids, SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
         for output in engine.step(): ...             # RequestOutputs: text deltas, finish reasons
@@ -19,7 +20,12 @@ from typing import Any
 from paged_llm.config import EngineConfig
 from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.core.sessions import SessionTurn
-from paged_llm.engine.core_client import PARKED_WAIT_S, InProcessCoreClient, start_core_and_tokenizer
+from paged_llm.engine.core_client import (
+    PARKED_WAIT_S,
+    InProcessCoreClient,
+    resolve_core_mode,
+    start_core_and_tokenizer,
+)
 from paged_llm.engine.core_types import AbortRequest, EngineCoreOutputs, EngineCoreRequest, utility_error
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.outputs import RequestOutput
@@ -35,7 +41,8 @@ class LLMEngine:
         self, config: EngineConfig, show_progress: bool = True, core_mode: str = "inprocess"
     ) -> None:
         self.config = config
-        self.client, self.tokenizer = start_core_and_tokenizer(config, core_mode, show_progress)
+        self.core_mode = resolve_core_mode(config, core_mode)  # never "auto"
+        self.client, self.tokenizer = start_core_and_tokenizer(config, self.core_mode, show_progress)
         self.info = self.client.info
         self.stats = EngineStats()
         self.processor = OutputProcessor(self.tokenizer, self.stats)
