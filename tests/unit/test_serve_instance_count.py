@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from paged_llm.cli.arguments import GPU_INSTANCE_COUNT, build_parser, instance_count
+from paged_llm.cli.arguments import GPU_INSTANCE_COUNT, build_parser, engine_parameters, instance_count
 
 
 def parse(*flags: str):
-    return build_parser().parse_args(["serve", "tiny-qwen3", *flags])
+    args = build_parser().parse_args(["serve", "tiny-qwen3", *flags])
+    args.model_path = args.model  # serve() resolves it before writing the repository
+    return args
 
 
 @pytest.mark.parametrize(
@@ -22,12 +24,15 @@ def parse(*flags: str):
         # a core in the stub's process is not shared: three instances would be three engines
         (("--engine-arg", "engine_mode=thread"), True, 1),
         (("--engine-arg", "engine_mode=process"), True, GPU_INSTANCE_COUNT),
+        (("--engine-arg", "device=cpu"), True, 1),  # the device given as a parameter counts too
     ],
 )
 def test_the_instance_count_follows_where_the_engine_runs(flags, has_gpu, expected) -> None:
-    assert instance_count(parse(*flags), has_gpu) == expected
+    args = parse(*flags)
+    assert instance_count(args, engine_parameters(args), has_gpu) == expected
 
 
 def test_a_count_below_one_is_refused_naming_the_flag() -> None:
     with pytest.raises(SystemExit, match="--instance-count must be >= 1, got 0"):
-        instance_count(parse("--instance-count", "0"), has_gpu=True)
+        args = parse("--instance-count", "0")
+        instance_count(args, engine_parameters(args), has_gpu=True)

@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from paged_llm.config import ServingConfig
 from paged_llm.launcher.guard_process import DEFAULT_MAX_BODY_BYTES
 from paged_llm.models.tiny_model import TINY_MODEL_NAME
 from paged_llm.openai.server import API_KEY_ENV, add_chat_arguments
@@ -119,17 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
 GPU_INSTANCE_COUNT = 3
 
 
-def instance_count(args: argparse.Namespace, has_gpu: bool) -> int:
+def instance_count(args: argparse.Namespace, parameters: dict[str, str], has_gpu: bool) -> int:
     """--instance-count, else 3 where the engine will run on a GPU (device auto or cuda on a host
     with one), else 1: on a CPU the engine, not the stub, sets the pace. Only instances of a core in
-    its own process share it: with engine_mode=thread each instance would load its own engine."""
+    its own process share it: with engine_mode=thread each instance would load its own engine.
+    `parameters`: the llm model's parameters these flags give (engine_parameters)."""
     if args.instance_count is not None:
         if args.instance_count < 1:
             raise SystemExit(f"error: --instance-count must be >= 1, got {args.instance_count}")
         return args.instance_count
-    engine_modes = [item.partition("=")[2] for item in args.engine_arg if item.startswith("engine_mode=")]
-    shares_one_core = not engine_modes or engine_modes[-1] == "process"
-    on_gpu = has_gpu and args.device.split(":", 1)[0] in ("auto", "cuda")
+    shares_one_core = parameters.get("engine_mode", ServingConfig.engine_mode) == "process"
+    on_gpu = has_gpu and parameters.get("device", "auto").split(":", 1)[0] in ("auto", "cuda")
     return GPU_INSTANCE_COUNT if on_gpu and shares_one_core else 1
 
 

@@ -79,9 +79,9 @@ def write_repository(args: argparse.Namespace) -> Path:
     # tensorrt_llm_bls: they forward to llm by that name) come along, as in the project's repository.
     models = ("llm", *TRTLLM_MODEL_NAMES) if args.served_model_name == "llm" else ("llm",)
     lora_flags(args)  # an adapter named like the model: refused before anything starts
-    make_model_repository(
-        root, engine_parameters(args), models=models, instance_count=instance_count(args, has_nvidia_gpu())
-    )
+    parameters = engine_parameters(args)
+    count = instance_count(args, parameters, has_nvidia_gpu())
+    make_model_repository(root, parameters, models=models, instance_count=count)
     if args.served_model_name != "llm":  # Triton names a model after its directory
         shutil.rmtree(root / args.served_model_name, ignore_errors=True)
         (root / "llm").rename(root / args.served_model_name)
