@@ -479,8 +479,21 @@ _HISTOGRAM_TOTALS = (
 )
 
 
-def _read_ttft_into(before: dict[str, Any], server: Any) -> None:
-    before["ttft"] = _server_ttft(server)
+class _ServerBefore(dict):
+    """The server's counters before a run: run_served's start gate calls it once every client has
+    sent its warm-up request, so the warm-ups stay out of every figure taken against it."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
+
+    def __call__(self) -> None:
+        # The stubs refresh the engine's counters (GC, cancellation polls) every ~0.5 s: wait for
+        # the warm-up requests' to land before the snapshot.
+        if self.server is not None:
+            time.sleep(1.0)
+        self.update(counters=_server_counters(self.server), ttft=_server_ttft(self.server),
+                    histograms=_histogram_totals(self.server))  # fmt: skip
 
 
 def _histogram_totals(server: Any) -> dict[str, float] | None:
@@ -905,16 +918,7 @@ def main() -> int:
                 results.append(_mixed_run(run, url, openai_url, args))
                 continue
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
-            before: dict[str, Any] = {}
-
-            def read_server_before(before: dict[str, Any] = before) -> None:
-                # The stubs refresh the engine's counters (GC, cancellation polls) every ~0.5 s:
-                # wait for the warm-up requests' to land before the snapshot.
-                if server is not None:
-                    time.sleep(1.0)
-                before.update(counters=_server_counters(server), ttft=_server_ttft(server),
-                              histograms=_histogram_totals(server))  # fmt: skip
-
+            before = _ServerBefore(server)
             served, client_gc = run_served(
                 openai_url if args.endpoint == "openai" else url,
                 args.model,
@@ -922,7 +926,7 @@ def main() -> int:
                 run.concurrency,
                 args.client_processes,
                 args.text_only,
-                before_start=read_server_before,
+                before_start=before,
             )
             summary = summarize(served)
             summary["client_gc"] = client_gc
@@ -969,11 +973,11 @@ def main() -> int:
                     flush=True,
                 )
             if args.endpoint == "both":
-                openai_before: dict[str, Any] = {}
+                openai_before = _ServerBefore(server)
                 via_openai, _ = run_served(
                     openai_url, args.model, _other_tokens(run.jobs, args.vocab_limit), run.concurrency,
                     args.client_processes,
-                    before_start=functools.partial(_read_ttft_into, openai_before, server),
+                    before_start=openai_before,
                 )  # fmt: skip
                 openai_summary = summarize(via_openai)
                 openai_summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, openai_before["ttft"])
