@@ -494,6 +494,8 @@ class _ServerBefore(dict):
             time.sleep(1.0)
         self.update(counters=_server_counters(self.server), ttft=_server_ttft(self.server),
                     histograms=_histogram_totals(self.server))  # fmt: skip
+        if self.server is not None:
+            self["steps"] = server_engine_figures(self.server, settle_s=0.0)
 
 
 def _histogram_totals(server: Any) -> dict[str, float] | None:
@@ -592,6 +594,33 @@ def step_means(before: EngineFigures, after: EngineFigures) -> dict[str, dict[st
         "wait_ms": 1e3 * (after.mask_wait_s - before.mask_wait_s) / fills if fills else None,
     }
     return means
+
+
+def gap_over_step(summary: dict[str, Any]) -> dict[str, float] | None:
+    """A stream's longest gap after its first token against the engine's mean busy step (decode and
+    prefill steps together) over the same run: issue 45's flood measure (p99 <= 2, max <= 4)."""
+    steps, gaps = summary.get("engine_steps"), summary.get("longest_gap_ms")
+    if not steps or not gaps:
+        return None
+    num_steps = sum(steps[kind]["num_steps"] or 0 for kind in STEP_KINDS)
+    total_ms = sum((steps[kind]["mean_ms"] or 0.0) * (steps[kind]["num_steps"] or 0) for kind in STEP_KINDS)
+    if not num_steps or not total_ms:
+        return None
+    mean_step_ms = total_ms / num_steps
+    ratios = {key: gaps[key] / mean_step_ms for key in ("p50", "p99", "max") if gaps.get(key) is not None}
+    return {"mean_step_ms": mean_step_ms, **ratios} if len(ratios) == 3 else None
+
+
+def print_step_figures(summary: dict[str, Any]) -> None:
+    if summary.get("engine_steps"):
+        print(f"   engine steps: {format_step_means(summary['engine_steps'])}", flush=True)
+    ratio = summary.get("longest_gap_over_step")
+    if ratio:
+        print(
+            f"   a stream's longest gap / the mean engine step ({ratio['mean_step_ms']:.2f} ms): "
+            f"p50 {ratio['p50']:.2f}, p99 {ratio['p99']:.2f}, max {ratio['max']:.2f}",
+            flush=True,
+        )
 
 
 def format_step_means(means: dict[str, dict[str, float | None]]) -> str:
@@ -937,6 +966,9 @@ def main() -> int:
             summary["cancellation_polls"] = _poll_delta(before["counters"], counters_after)
             summary["engine_gc"] = _engine_gc_delta(before["counters"], counters_after)
             summary["server_ttft_mean_ms"] = _server_ttft_mean_ms(server, before["ttft"])
+            if server is not None:  # after the histograms' lag: the counters are as fresh
+                summary["engine_steps"] = step_means(before["steps"], server_engine_figures(server, 0.6))
+                summary["longest_gap_over_step"] = gap_over_step(summary)
             results.append(
                 {"label": run.label, "scenario": run.scenario, "concurrency": run.concurrency,
                  "request_rate": run.request_rate, "served": summary}
@@ -965,6 +997,7 @@ def main() -> int:
                     + f", {lag['num_dropped']:.0f} dropped",
                     flush=True,
                 )
+            print_step_figures(summary)
             if summary["server_ttft_mean_ms"] is not None:
                 print(
                     f"   TTFT mean: {summary['ttft_ms']['mean']:.2f} ms at the client, "
@@ -1010,8 +1043,10 @@ def main() -> int:
         print(f"offline engine: core {engine.core_mode}", flush=True)
         run_offline(engine, warmup, None)
         for run, result in tqdm(list(zip(runs, results)), desc="offline", unit="run"):
-            gc_before = process_gc_pauses()
+            gc_before, steps_before = process_gc_pauses(), engine_figures(engine)
             summary = summarize(run_offline(engine, run.jobs, run.concurrency))
+            summary["engine_steps"] = step_means(steps_before, engine_figures(engine))
+            summary["longest_gap_over_step"] = gap_over_step(summary)
             if engine.core_mode == "inprocess":  # the engine's collections are this process's
                 pauses = process_gc_pauses().since(gc_before)
                 summary["engine_gc"] = {"num_collections": pauses.num_collections,
@@ -1022,6 +1057,7 @@ def main() -> int:
                 result["served"]["output_tokens_per_s"] / summary["output_tokens_per_s"]
             )
             print(format_summary(f"offline, {run.label}", summary))
+            print_step_figures(summary)
             if summary.get("engine_gc"):
                 print(_format_gc("offline engine GC (this process)", **summary["engine_gc"]))
             served_tpot, offline_tpot = result["served"]["tpot_ms"]["p50"], summary["tpot_ms"]["p50"]
