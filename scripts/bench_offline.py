@@ -23,7 +23,7 @@ import logging
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,6 +68,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", default="16:256", help="uniform range, e.g. 100:1024")
     parser.add_argument("--output-len", default="16:128", help="uniform range, e.g. 100:1024")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the engine's requests sample at this temperature (0: greedy; the HF baseline stays greedy)",
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=0, help="0: the checkpoint's")
@@ -122,9 +130,16 @@ def make_workload(args: argparse.Namespace, vocab_limit: int) -> list[tuple[list
     return [(job.prompt_token_ids, job.num_output_tokens) for job in jobs]
 
 
-def run_engine(engine: LLMEngine, workload: list[tuple[list[int], int]], show_progress: bool) -> RunResult:
+def run_engine(
+    engine: LLMEngine,
+    workload: list[tuple[list[int], int]],
+    show_progress: bool,
+    sampling: SamplingParams | None = None,
+) -> RunResult:
+    """`sampling`: every request's parameters but max_tokens (default greedy)."""
+    sampling = sampling or SamplingParams(temperature=0.0)
     for index, (prompt, num_output) in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=num_output, ignore_eos=True)
+        params = replace(sampling, max_tokens=num_output, ignore_eos=True, seed=index)
         engine.add_request(f"bench-{index}", prompt, params)
     total = sum(n for _, n in workload)
     produced = 0
@@ -308,9 +323,10 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     engine = LLMEngine(config, show_progress=not args.no_progress, core_mode=args.core_mode)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     warmup = [(p[:32], 8) for p, _ in workload[: min(8, len(workload))]]
-    run_engine(engine, warmup, show_progress=False)
-    ours = run_engine(engine, workload, show_progress=not args.no_progress)
+    run_engine(engine, warmup, show_progress=False, sampling=sampling)
+    ours = run_engine(engine, workload, show_progress=not args.no_progress, sampling=sampling)
     results = [ours] + ([hf_result] if hf_result is not None else [])
 
     card = (
@@ -322,7 +338,12 @@ def main() -> None:
     print(f"\nmachine: {platform.node()} ({card}), torch {torch.__version__}, {threads} CPU threads")
     print(
         f"workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}; "
-        f"engine core {engine.core_mode}"
+        f"engine core {engine.core_mode}; "
+        + (
+            f"sampling temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}"
+            if args.temperature > 0
+            else "greedy"
+        )
     )
     if args.tensor_parallel_size > 1:
         one_shot = (

@@ -25,6 +25,12 @@ from paged_llm.sampling.token_bitmask import apply_token_bitmask_
 from paged_llm.sampling.transfer import host_to_device
 from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
+# A row with 0 < top_k <= this many tokens resolves top-p on its top tokens (apply_top_k_top_p_window)
+# instead of a sort of the whole vocabulary: the sort of a step's [B, V] logits costs more than the
+# rest of the sampler. Qwen3's generation config asks top_k 20, top_p 0.95. A row's path depends
+# on its own parameters only, so its tokens stay a function of the row.
+TOP_P_WINDOW_TOKENS = 1024
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -58,6 +64,12 @@ class SamplingMetadata:
     # [B, ceil(V / 32)] int32: the tokens each row's grammar allows (structured output; rows
     # without one allow all); None when no row is constrained
     token_bitmask: torch.Tensor | None = None
+    # With top-p on: the rows resolved on their top tokens (0 < top_k <= the window) and the rows whose
+    # vocabulary is sorted (every other row with a filter), each None when it is every row or none.
+    window_rows: torch.Tensor | None = None  # [W] int64
+    sort_rows: torch.Tensor | None = None  # [S] int64
+    any_window_row: bool = False  # some row takes the window path
+    any_sort_row: bool = False  # some row takes the sort path
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -88,6 +100,8 @@ class SamplingMetadata:
             return host_to_device(torch.tensor(values, dtype=dtype).unsqueeze(1), device)
 
         temperatures = noise_keys = min_p_log_ratios = top_k = top_p = None
+        window_rows = sort_rows = None
+        any_window_row = any_sort_row = False
         max_top_k = 0
         if not all_greedy:
             # Filters are meaningless for greedy rows, so they get the "off" value and do not switch on
@@ -125,6 +139,17 @@ class SamplingMetadata:
             ]
             if any(value < 1.0 for value in top_p_values):
                 top_p = column(top_p_values, torch.float32)
+                window = min(TOP_P_WINDOW_TOKENS, vocab_size)
+                window_indices = [i for i, k in enumerate(top_k_values) if 0 < k <= window]
+                sort_indices = [
+                    i
+                    for i, (k, p) in enumerate(zip(top_k_values, top_p_values))
+                    if not 0 < k <= window and (k > 0 or p < 1.0)
+                ]
+                any_window_row, any_sort_row = bool(window_indices), bool(sort_indices)
+                if any_window_row and any_sort_row:  # a mixed batch: each path takes its rows
+                    window_rows = host_to_device(torch.tensor(window_indices, dtype=torch.int64), device)
+                    sort_rows = host_to_device(torch.tensor(sort_indices, dtype=torch.int64), device)
 
         greedy_mask = None
         if any_greedy and not all_greedy:
@@ -167,6 +192,10 @@ class SamplingMetadata:
             suppressed_flat_ids=suppressed_flat_ids,
             max_num_logprobs=min(max(asked), vocab_size) if asked else None,
             token_bitmask=token_bitmask,
+            window_rows=window_rows,
+            sort_rows=sort_rows,
+            any_window_row=any_window_row,
+            any_sort_row=any_sort_row,
         )
 
 
@@ -226,8 +255,10 @@ def _sample_random(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     work /= metadata.temperatures
     if metadata.min_p_log_ratios is not None:
         apply_min_p_(work, metadata.min_p_log_ratios)
-    if metadata.top_k is not None or metadata.top_p is not None:
-        work = apply_top_k_top_p(work, metadata.top_k, metadata.max_top_k, metadata.top_p)
+    if metadata.top_p is not None:
+        work = _apply_top_p_by_row(work, metadata)
+    elif metadata.top_k is not None:
+        work = apply_top_k_top_p(work, metadata.top_k, metadata.max_top_k, None)
     # argmax(log p - log E) = argmax(p / E): the exponential race, an exact categorical draw. -inf stays
     # -inf, so filtered tokens can never win.
     work -= exponential_noise(metadata.noise_keys, metadata.vocab_size).log_()
@@ -279,6 +310,73 @@ def apply_top_k_top_p(
     drop[:, 0] = False  # the top token always stays, whatever rounding did to its cumulative sum
     sorted_logits.masked_fill_(drop, -math.inf)
     return torch.empty_like(scaled_logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _apply_top_p_by_row(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Top-k and top-p with top-p on in the batch: each row by the path its own parameters pick."""
+    top_k, top_p = metadata.top_k, metadata.top_p
+    assert top_p is not None
+    if not metadata.any_window_row:
+        return apply_top_k_top_p(work, top_k, metadata.max_top_k, top_p)
+    assert top_k is not None  # a window row has one
+    if not metadata.any_sort_row:
+        return apply_top_k_top_p_window(work, top_k, top_p)
+    assert metadata.window_rows is not None and metadata.sort_rows is not None
+    window, ordered = metadata.window_rows, metadata.sort_rows
+    work[window] = apply_top_k_top_p_window(work[window], top_k[window], top_p[window])
+    work[ordered] = apply_top_k_top_p(work[ordered], top_k[ordered], metadata.max_top_k, top_p[ordered])
+    return work
+
+
+def apply_top_k_top_p_window(
+    scaled_logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    window_tokens: int = TOP_P_WINDOW_TOKENS,
+) -> torch.Tensor:
+    """apply_top_k_top_p's filter for rows with top_k <= `window_tokens` (top_k 0: the row is left
+    as is), without sorting the vocabulary; edits in place.
+
+    The top-p cut falls among the top-k survivors, so the row's `window_tokens` largest values (a
+    partial topk) hold every survivor but ties of the k-th value, which all have one probability.
+    The cut keeps the first m survivors in the order (value descending, token id ascending); the
+    m-th survivor's value u then keeps every token above u and the lowest-id ties of u up to m.
+    Same semantics as the sort; the sums run in another order, so a mass within rounding of top_p
+    may fall on the other side.
+    """
+    window = min(window_tokens, scaled_logits.shape[1])
+    values = scaled_logits.topk(window, dim=-1).values  # [B, W], descending
+    kth = values.gather(1, (top_k - 1).clamp(min=0, max=window - 1))  # [B, 1]
+    in_top_k = values >= kth
+    num_in_window = in_top_k.sum(dim=-1, keepdim=True)
+    # Ties of the k-th value past the window: survivors too.
+    num_tail = (scaled_logits >= kth).sum(dim=-1, keepdim=True) - num_in_window
+    # Unnormalised probabilities relative to the row's top value: exp(-inf) = 0 for masked tokens.
+    weights = torch.where(in_top_k, (values - values[:, :1]).exp(), 0.0)
+    cumulative = weights.cumsum(dim=-1)
+    window_weight = cumulative[:, -1:]
+    tail_weight = (kth - values[:, :1]).exp()  # each tie past the window
+    total = window_weight + num_tail * tail_weight
+    mass_above = (cumulative - weights) / total
+    num_kept = (in_top_k & (mass_above < top_p)).sum(dim=-1, keepdim=True).clamp(min=1)
+    # Past the window the j-th tie has (window_weight + j * tail_weight) / total above it.
+    tail_room = (top_p * total - window_weight) / tail_weight.clamp(min=torch.finfo(torch.float32).tiny)
+    # Ties of zero weight (-inf, or underflowed) have all the mass above them: dropped.
+    num_tail_kept = torch.where(
+        (num_kept == num_in_window) & (tail_weight > 0),
+        tail_room.ceil().clamp(min=0).minimum(num_tail.to(tail_room.dtype)).to(torch.int64),
+        0,
+    )
+    num_kept = num_kept + num_tail_kept
+    last = torch.where(
+        num_kept <= window, values.gather(1, (num_kept - 1).clamp(max=window - 1)), kth
+    )  # u, the last kept survivor's value
+    above = scaled_logits > last
+    ties = scaled_logits == last
+    tie_quota = num_kept - above.sum(dim=-1, keepdim=True)
+    keep = above | (ties & (ties.to(torch.int32).cumsum(dim=-1, dtype=torch.int32) <= tie_quota))
+    keep |= top_k <= 0
+    return scaled_logits.masked_fill_(~keep, -math.inf)
 
 
 def _with_logprobs(logits: torch.Tensor, sampled_ids: torch.Tensor, num_top: int) -> SamplerOutput:
