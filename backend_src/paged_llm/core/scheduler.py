@@ -34,6 +34,7 @@ The KV written for rejected ones is never counted, and later steps overwrite it:
 from __future__ import annotations
 
 import bisect
+import operator
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -411,8 +412,8 @@ class Scheduler:
         self._enqueue_waiting(seq)
 
     def _enqueue_waiting(self, seq: Sequence) -> None:
-        keys = [r.schedule_key for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.schedule_key), seq)
+        # O(log n) keys read, not n: a flood of arrivals made the list of keys quadratic.
+        bisect.insort_right(self.waiting, seq, key=operator.attrgetter("schedule_key"))
 
     def _remove_waiting(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
