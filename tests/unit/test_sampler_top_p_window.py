@@ -17,6 +17,7 @@ from paged_llm.sampling.sampler import (
     SamplingRow,
     apply_top_k_top_p,
     apply_top_k_top_p_window,
+    filter_logits_,
 )
 from paged_llm.sampling_params import SamplingParams
 
@@ -35,7 +36,7 @@ def masses_above(row: list[float], k: int) -> list[float]:
     kth = row[order[k - 1]] if k > 0 else -math.inf
     survivors = [row[i] for i in order if row[i] >= kth and row[i] != -math.inf]
     top = survivors[0]
-    weights = [math.exp(v - top) for v in survivors]
+    weights = [math.exp(max(v - top, -700.0)) for v in survivors]
     total = sum(weights)
     masses, above = [], 0.0
     for weight in weights:
@@ -51,10 +52,15 @@ def cases(draw):
     num_rows = draw(st.integers(1, 4))
     rows, top_ks, top_ps = [], [], []
     for _ in range(num_rows):
-        row = draw(st.lists(st.sampled_from(VALUES), min_size=vocab_size, max_size=vocab_size))
+        # Scaled by 60, a value's weight under the top's underflows to 0 in float32.
+        scale = draw(st.sampled_from([1.0, 60.0]))
+        row = [
+            scale * v
+            for v in draw(st.lists(st.sampled_from(VALUES), min_size=vocab_size, max_size=vocab_size))
+        ]
         assume(any(v != -math.inf for v in row))  # a grammar always leaves one token
         k = draw(st.integers(1, min(window, vocab_size)))
-        p = draw(st.one_of(st.just(math.inf), st.floats(0.01, 0.999)))
+        p = draw(st.one_of(st.just(math.inf), st.floats(0.01, 0.999), st.floats(1e-9, 1e-3)))
         if p != math.inf:  # a mass within rounding of top_p may fall either way: not this test's subject
             assume(all(abs(m - p) > 1e-5 for m in masses_above(row, k)))
         rows.append(row)
@@ -84,6 +90,16 @@ def test_ties_of_the_kth_value_past_the_window_share_the_cut_by_id() -> None:
     filtered = apply_top_k_top_p_window(logits.clone(), top_k, top_p, window_tokens=2)
     assert kept(filtered) == [{0, 1, 2}]
     assert kept(filtered) == kept(apply_top_k_top_p(logits.clone(), top_k, 2, top_p))
+
+
+def test_ties_of_the_kth_value_whose_weight_underflows_stay_when_top_p_is_off() -> None:
+    # e^-120 is 0 in float32: with top-p off the ties past the window are kept all the same, as
+    # top-k alone keeps them (a row's kept set must not depend on whether its batch uses top-p).
+    logits = torch.tensor([[-120.0, -120.0, 0.0]])
+    filtered = apply_top_k_top_p_window(logits.clone(), torch.tensor([[2]]), torch.tensor([[math.inf]]), 2)
+    assert kept(filtered) == [{0, 1, 2}]
+    filtered = apply_top_k_top_p_window(logits.clone(), torch.tensor([[2]]), torch.tensor([[0.5]]), 2)
+    assert kept(filtered) == [{2}]
 
 
 def test_top_k_off_leaves_the_row_as_is() -> None:
@@ -143,3 +159,59 @@ def test_the_path_is_picked_per_row() -> None:
     )
     assert mixed.sort_rows is not None and mixed.sort_rows.tolist() == [0]
     assert mixed.window_rows is not None and mixed.window_rows.tolist() == [1]
+
+
+ROW_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=0.8, top_k=3),
+    SamplingParams(temperature=0.8, top_k=3, top_p=0.6),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9),  # wider than the test's vocabulary: off
+    SamplingParams(temperature=0.8, top_p=0.7),
+    SamplingParams(temperature=0.8, top_k=2, top_p=0.99999999),  # top_p 1.0 in float32: off
+    SamplingParams(temperature=0.8, min_p=0.2, top_k=5, top_p=0.8),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, len(ROW_PARAMS) - 1), st.sampled_from([1.0, 60.0])), min_size=1, max_size=6
+    ),
+    st.integers(0, 2**32 - 1),
+)
+def test_each_rows_filtered_logits_are_the_same_alone_and_in_any_batch(rows, seed) -> None:
+    """Through SamplingMetadata.build and the sampler's filter, a row's kept set and drawn token do
+    not depend on the rows beside it (whose parameters may send the batch down other paths)."""
+    from paged_llm.sampling import sampler as sampler_module
+
+    vocab_size = 12
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.tensor(VALUES[1:])
+    logits = values[torch.randint(len(values), (len(rows), vocab_size), generator=generator)]
+    logits *= torch.tensor([scale for _, scale in rows]).unsqueeze(1)
+    params = [ROW_PARAMS[index] for index, _ in rows]
+
+    def sample_rows(indices: list[int]) -> tuple[list[int], list[set[int]]]:
+        """The rows' drawn tokens and kept sets (an all-greedy batch filters nothing)."""
+        sampling_rows = [
+            SamplingRow(params=params[i], seed=11 + i, prompt_token_ids=(), output_token_ids=())
+            for i in indices
+        ]
+        metadata = SamplingMetadata.build(sampling_rows, vocab_size, torch.device("cpu"))
+        tokens = Sampler()(logits[indices].clone(), metadata).sampled_token_ids.tolist()
+        if metadata.all_greedy:
+            return tokens, [set(range(vocab_size))] * len(indices)
+        return tokens, kept(filter_logits_(logits[indices].clone(), metadata))
+
+    saved = sampler_module.TOP_P_WINDOW_TOKENS
+    sampler_module.TOP_P_WINDOW_TOKENS = 8  # smaller than the vocabulary: ties can fall past it
+    try:
+        together_tokens, together_kept = sample_rows(list(range(len(rows))))
+        alone = [sample_rows([i]) for i in range(len(rows))]
+    finally:
+        sampler_module.TOP_P_WINDOW_TOKENS = saved
+    assert together_tokens == [tokens[0] for tokens, _ in alone]
+    for index, (_, kept_alone) in enumerate(alone):
+        if params[index].temperature > 0:  # a greedy row's filters are off in any batch
+            assert together_kept[index] == kept_alone[0], (index, params[index])

@@ -30,6 +30,9 @@ from paged_llm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 # rest of the sampler. Qwen3's generation config asks top_k 20, top_p 0.95. A row's path depends
 # on its own parameters only, so its tokens stay a function of the row.
 TOP_P_WINDOW_TOKENS = 1024
+# A top_p from here up is 1.0 in float32, where the cut would only keep or drop tokens by rounding:
+# off, as 1.0 is.
+TOP_P_OFF = 1.0 - 2.0**-25
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,10 @@ class SamplingMetadata:
             if max_top_k > 0:
                 top_k = column(top_k_values, torch.int64)
             top_p_values = [
-                math.inf if greedy or row.params.top_p >= 1.0 else row.params.top_p
+                math.inf if greedy or row.params.top_p >= TOP_P_OFF else row.params.top_p
                 for row, greedy in zip(rows, greedy_flags)
             ]
-            if any(value < 1.0 for value in top_p_values):
+            if any(value < TOP_P_OFF for value in top_p_values):
                 top_p = column(top_p_values, torch.float32)
                 window = min(TOP_P_WINDOW_TOKENS, vocab_size)
                 window_indices = [i for i, k in enumerate(top_k_values) if 0 < k <= window]
@@ -251,18 +254,25 @@ class Sampler:
 
 def _sample_random(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p, then one Gumbel-max draw per row. Consumes `work`."""
-    assert metadata.temperatures is not None and metadata.noise_keys is not None
-    work /= metadata.temperatures
-    if metadata.min_p_log_ratios is not None:
-        apply_min_p_(work, metadata.min_p_log_ratios)
-    if metadata.top_p is not None:
-        work = _apply_top_p_by_row(work, metadata)
-    elif metadata.top_k is not None:
-        work = apply_top_k_top_p(work, metadata.top_k, metadata.max_top_k, None)
+    assert metadata.noise_keys is not None
+    work = filter_logits_(work, metadata)
     # argmax(log p - log E) = argmax(p / E): the exponential race, an exact categorical draw. -inf stays
     # -inf, so filtered tokens can never win.
     work -= exponential_noise(metadata.noise_keys, metadata.vocab_size).log_()
     return work.argmax(dim=-1)
+
+
+def filter_logits_(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The random rows' temperature, min-p, top-k and top-p on float32 logits; may edit in place."""
+    assert metadata.temperatures is not None
+    work /= metadata.temperatures
+    if metadata.min_p_log_ratios is not None:
+        apply_min_p_(work, metadata.min_p_log_ratios)
+    if metadata.top_p is not None:
+        return _apply_top_p_by_row(work, metadata)
+    if metadata.top_k is not None:
+        return apply_top_k_top_p(work, metadata.top_k, metadata.max_top_k, None)
+    return work
 
 
 def apply_min_p_(scaled_logits: torch.Tensor, min_p_log_ratios: torch.Tensor) -> torch.Tensor:
@@ -361,9 +371,11 @@ def apply_top_k_top_p_window(
     num_kept = (in_top_k & (mass_above < top_p)).sum(dim=-1, keepdim=True).clamp(min=1)
     # Past the window the j-th tie has (window_weight + j * tail_weight) / total above it.
     tail_room = (top_p * total - window_weight) / tail_weight.clamp(min=torch.finfo(torch.float32).tiny)
-    # Ties of zero weight (-inf, or underflowed) have all the mass above them: dropped.
+    # With top-p off the room is inf: every tie stays, whatever its weight. With top-p on, ties whose
+    # weight underflowed to 0 have all the mass above them: the room is negative, none stays. NaN
+    # (a row of -inf only) keeps none.
     num_tail_kept = torch.where(
-        (num_kept == num_in_window) & (tail_weight > 0),
+        (num_kept == num_in_window) & ~tail_room.isnan(),
         tail_room.ceil().clamp(min=0).minimum(num_tail.to(tail_room.dtype)).to(torch.int64),
         0,
     )
