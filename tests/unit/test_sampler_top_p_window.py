@@ -18,6 +18,7 @@ from paged_llm.sampling.sampler import (
     apply_top_k_top_p,
     apply_top_k_top_p_window,
     filter_logits_,
+    top_values,
 )
 from paged_llm.sampling_params import SamplingParams
 
@@ -100,6 +101,15 @@ def test_ties_of_the_kth_value_whose_weight_underflows_stay_when_top_p_is_off() 
     assert kept(filtered) == [{0, 1, 2}]
     filtered = apply_top_k_top_p_window(logits.clone(), torch.tensor([[2]]), torch.tensor([[0.5]]), 2)
     assert kept(filtered) == [{2}]
+
+
+def test_top_values_are_the_same_by_sort_and_by_topk() -> None:
+    # The window path takes them by a sort on few CUDA rows, by topk otherwise: no result may change.
+    logits = torch.tensor([[0.5, -math.inf, 2.0, 2.0, 0.5, -1.0], [0.0, 0.0, 0.0, 3.0, -0.0, 1.0]])
+    for num_values in (1, 3, 6):
+        assert torch.equal(
+            top_values(logits, num_values, by_sort=True), top_values(logits, num_values, by_sort=False)
+        )
 
 
 def test_top_k_off_leaves_the_row_as_is() -> None:

@@ -355,7 +355,7 @@ def apply_top_k_top_p_window(
     may fall on the other side.
     """
     window = min(window_tokens, scaled_logits.shape[1])
-    values = scaled_logits.topk(window, dim=-1).values  # [B, W], descending
+    values = top_values(scaled_logits, window)  # [B, W], descending
     kth = values.gather(1, (top_k - 1).clamp(min=0, max=window - 1))  # [B, 1]
     in_top_k = values >= kth
     num_in_window = in_top_k.sum(dim=-1, keepdim=True)
@@ -390,6 +390,23 @@ def apply_top_k_top_p_window(
     keep = above | (ties & (ties.cumsum(dim=-1, dtype=torch.int32) <= tie_quota))
     keep |= top_k <= 0
     return scaled_logits.masked_fill_(~keep, -math.inf)
+
+
+# Below this many rows a CUDA sort of the whole rows gives their top values sooner than torch.topk,
+# whose one block per row made 1,024 of 151,936 values take ~0.7 ms on an H100 at 1 to 64 rows
+# (docs/benchmarks/sampler.md); from 64 rows on the full sort path cost more than the window path.
+# The crossover in between is an estimate.
+SORT_FOR_TOP_VALUES_BELOW_ROWS = 32
+
+
+def top_values(logits: torch.Tensor, num_values: int, by_sort: bool | None = None) -> torch.Tensor:
+    """Each row's `num_values` largest values, descending: the same tensor whether a sort or topk
+    finds them (values only, so ties cannot reorder anything). `by_sort` None: the faster one here."""
+    if by_sort is None:
+        by_sort = logits.is_cuda and logits.shape[0] < SORT_FOR_TOP_VALUES_BELOW_ROWS
+    if by_sort:
+        return logits.sort(dim=-1, descending=True).values[:, :num_values]
+    return logits.topk(num_values, dim=-1).values
 
 
 def _with_logprobs(logits: torch.Tensor, sampled_ids: torch.Tensor, num_top: int) -> SamplerOutput:
