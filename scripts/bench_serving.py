@@ -479,23 +479,23 @@ _HISTOGRAM_TOTALS = (
 )
 
 
-class _ServerBefore(dict):
-    """The server's counters before a run: run_served's start gate calls it once every client has
-    sent its warm-up request, so the warm-ups stay out of every figure taken against it."""
+class ServerBefore(dict):
+    """The server's counters before a run (`counters`, `ttft`, `histograms`, and the engine's
+    `steps`): run_served's start gate calls it once every client has sent its warm-up request, so
+    the warm-ups stay out of every figure taken against it. Without a server every entry is None."""
 
     def __init__(self, server: Any) -> None:
         super().__init__()
         self.server = server
 
     def __call__(self) -> None:
-        # The stubs refresh the engine's counters (GC, cancellation polls) every ~0.5 s: wait for
-        # the warm-up requests' to land before the snapshot.
+        steps = None
         if self.server is not None:
-            time.sleep(1.0)
+            # The stubs refresh the engine's counters (GC, cancellation polls, steps) every ~0.5 s:
+            # wait for the warm-up requests' to land before the snapshot.
+            steps = server_engine_figures(self.server, settle_s=1.0)
         self.update(counters=_server_counters(self.server), ttft=_server_ttft(self.server),
-                    histograms=_histogram_totals(self.server))  # fmt: skip
-        if self.server is not None:
-            self["steps"] = server_engine_figures(self.server, settle_s=0.0)
+                    histograms=_histogram_totals(self.server), steps=steps)  # fmt: skip
 
 
 def _histogram_totals(server: Any) -> dict[str, float] | None:
@@ -947,7 +947,7 @@ def main() -> int:
                 results.append(_mixed_run(run, url, openai_url, args))
                 continue
             profiler = _profile_stub(server, args.profile_stub) if index == 0 and server else None
-            before = _ServerBefore(server)
+            before = ServerBefore(server)
             served, client_gc = run_served(
                 openai_url if args.endpoint == "openai" else url,
                 args.model,
@@ -1006,7 +1006,7 @@ def main() -> int:
                     flush=True,
                 )
             if args.endpoint == "both":
-                openai_before = _ServerBefore(server)
+                openai_before = ServerBefore(server)
                 via_openai, _ = run_served(
                     openai_url, args.model, _other_tokens(run.jobs, args.vocab_limit), run.concurrency,
                     args.client_processes,

@@ -44,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import (
+    ServerBefore,
     engine_figures,
     format_step_means,
     offline_engine,
@@ -282,11 +283,10 @@ def main() -> int:
     ) -> list[Any]:
         """The records of the measured jobs (all when `measured` is None); the engine core's own step
         periods over the whole run go to `last_steps`."""
-        before: dict[str, Any] = {}  # read once the client processes' warm-up requests are done
+        before = ServerBefore(server)  # read once the client processes' warm-up requests are done
         records, _ = run_served(
-            url, args.model, run_jobs, concurrency, args.client_processes,
-            before_start=lambda: before.update(steps=server_engine_figures(server)),
-        )  # fmt: skip
+            url, args.model, run_jobs, concurrency, args.client_processes, before_start=before
+        )
         steps_before = before["steps"]
         last_steps.clear()
         last_steps.update(step_means(steps_before, server_engine_figures(server)))
