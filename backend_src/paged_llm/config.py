@@ -354,7 +354,7 @@ class ServingConfig:
 
     engine_mode: str = "process"  # process: the core in its own process | thread: in the stub's process
     max_merged_steps: int = 16  # a response merges at most this many engine steps when the sender lags
-    # Threads that only transmit the responses the output thread built (0: it sends them itself).
+    # Threads that build and send the streams' responses (0: the output thread does it itself).
     # A send is a ~0.2 ms round trip to the server with the GIL released; 8 of them in flight took
     # 64-256 streams from 3.6-4.4 down to 1.8-2.2 tokens per response on an H100 host.
     response_send_threads: int = 8

@@ -7,10 +7,10 @@ made here instead, on a thread of their own that releases the GIL while it waits
 
 * it drains `EngineStats`' buffered observations continuously (every `idle_poll_s` when idle), so
   under light load little is pending when a request finishes;
-* `settle()` (called before a FINAL response is sent) waits until every observation recorded so far
-  has gone out, but only when that is little work (`max_pending` observations, a bounded wait):
-  /metrics read right after a client's last response then counts that request, and under load no
-  final response waits for the histograms, which catch up a moment later.
+* `settle()` (called before the FINAL response of a stub's last request in flight) waits until every
+  observation recorded so far has gone out, but only when that is little work (`max_pending`
+  observations, a bounded wait): /metrics read right after a client's last response then counts its
+  requests, and under load no final response waits for the histograms, which catch up a moment later.
 
 The histograms' `Metric` objects are touched by this thread only (a pb_utils Metric is not
 thread-safe).

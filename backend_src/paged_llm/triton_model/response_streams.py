@@ -2,10 +2,13 @@
 response sender, and cancellation polling.
 
 AsyncLLM's output thread calls `on_outputs` once per pass with one RequestOutput per request that
-has news and builds the responses there; `num_send_threads` threads (`response_send_threads`, 8 by
-default) only transmit them. A send is a round trip to the server with the GIL released, so several
-in flight keep streamed responses small (config.py: ServingConfig gives the figures); with 0 the
-output thread sends them itself.
+has news. With `num_send_threads` threads (`response_send_threads`, 8 by default) it only adds the
+output to the stream's accumulator and puts the stream (once) on its send thread's queue; that thread
+builds the response from everything pending when it gets to the stream and sends it. A send is a
+round trip to the server with the GIL released, so several in flight keep streamed responses small
+(config.py: ServingConfig gives the figures), and a send thread that lags behind a stream sends it one
+larger response instead of a queue of one-token ones that each wait their turn. With 0 the output
+thread builds and sends the responses itself.
 
 A sender is touched under its stream's lock, and never once the FINAL response is out (`closed`):
 Triton frees the request's response factory with the FINAL, and is_cancelled() on it afterwards
@@ -71,6 +74,7 @@ class Stream:
     lock: threading.Lock = field(default_factory=threading.Lock)
     triton_request_id: str = ""  # the id the client gave the request (llm_trtllm: for its aborts)
     errors_as_output: bool = False  # its error goes as FORWARDED_ERROR_OUTPUT (triton_codec.py)
+    queued: bool = False  # on its send thread's queue: that thread takes what is pending when it gets there
 
 
 @dataclass
@@ -95,7 +99,7 @@ class ResponseStreams:
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._cancel_pacing = CancelPollPacing()
-        self._send_queues: list[queue.SimpleQueue[_Outgoing | None]] = [
+        self._send_queues: list[queue.SimpleQueue[Stream | None]] = [
             queue.SimpleQueue() for _ in range(num_send_threads)
         ]
         self._send_threads = [
@@ -172,27 +176,43 @@ class ResponseStreams:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.accumulator.add(output)
-            while self._send(stream):  # more than max_merged_steps waiting: several responses
-                pass
+            if not self._send_queues:
+                stream.accumulator.add(output)
+                self._send_pending(stream)
+                continue
+            with stream.lock:
+                stream.accumulator.add(output)
+                if stream.queued:  # its send thread has not taken what was pending yet
+                    continue
+                stream.queued = True
+            self._send_queues[hash(stream.request_id) % len(self._send_queues)].put(stream)
 
-    def _send(self, stream: Stream) -> bool:
-        """Sends the stream's next response; True when more are waiting to go."""
+    def _send_pending(self, stream: Stream) -> None:
+        """Sends what the stream has pending: one response, several when more than max_merged_steps
+        are waiting (on the thread that calls: the output thread, or the stream's send thread)."""
+        while True:
+            outgoing, more = self._next_response(stream)
+            if outgoing is None or not self._transmit(outgoing) or not more:
+                return
+
+    def _next_response(self, stream: Stream) -> tuple[_Outgoing | None, bool]:
+        """The stream's next response, built from everything pending (up to max_merged_steps), and
+        whether more is pending after it."""
         with stream.lock:
+            stream.queued = False
             if stream.closed:
-                return False
+                return None, False
             response = stream.accumulator.take(discard_data=stream.cancelled)
             if response is None:
-                return False
+                return None, False
             if response.is_final:
                 self._close(stream)
                 if stream.cancelled and response.error is None:  # finished before the abort landed
                     response = Response(None, True, RequestAbortedError("cancelled by the client"))
-        # The send itself runs outside the lock, so the cancellation poller never waits on it. An
-        # error final takes the same send queue as the stream's data: it must go after them.
+            more = not response.is_final and stream.accumulator.has_pending
+        # Built and sent outside the lock, so the cancellation poller never waits on a send.
         if response.error is not None:
-            self._dispatch(_Outgoing(stream, None, 0, 0, response.error))
-            return False
+            return _Outgoing(stream, None, 0, 0, response.error), False
         pb = self._pb
         tensors = [pb.Tensor(name, array) for name, array in response.tensors.items()]
         if response.is_final:
@@ -203,29 +223,20 @@ class ResponseStreams:
             pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.is_final else 0,
             response.num_tokens if stream.accumulator.parsed.stream else 0,
         )
-        if not self._dispatch(outgoing):
-            return False
-        return not response.is_final and stream.accumulator.has_pending
+        return outgoing, more
 
-    def _dispatch(self, outgoing: _Outgoing) -> bool:
-        """Onto the stream's send thread (one per stream, so its responses keep their order), or
-        sent here; False if the client is gone."""
-        if self._send_queues:
-            self._send_queues[hash(outgoing.stream.request_id) % len(self._send_queues)].put(outgoing)
-            return True
-        return self._transmit(outgoing)
-
-    def _send_loop(self, inbox: queue.SimpleQueue[_Outgoing | None]) -> None:
-        while (outgoing := inbox.get()) is not None:
-            self._transmit(outgoing)
+    def _send_loop(self, inbox: queue.SimpleQueue[Stream | None]) -> None:
+        while (stream := inbox.get()) is not None:
+            self._send_pending(stream)
 
     def _transmit(self, outgoing: _Outgoing) -> bool:
         """The round trip to the server (it releases the GIL); False if the client is gone."""
         stream = outgoing.stream
         if outgoing.flags or outgoing.error is not None:
-            # The request's counters and histograms first: a client that reads /metrics once it
-            # has its last response finds the request counted.
-            self._metrics.before_final()
+            # The request's counters first: a client that reads /metrics once it has its last
+            # response finds the request counted. Its histograms too when no other stream is open
+            # (this stub goes idle): waiting for them here with streams open holds up their tokens.
+            self._metrics.before_final(wait_for_histograms=not self._streams)
         if outgoing.error is not None:
             sent = self.send_error(stream.sender, outgoing.error, stream.errors_as_output)
             if sent and stream.cancelled and isinstance(outgoing.error, RequestAbortedError):
