@@ -28,9 +28,7 @@ _unzip() { "$HOST_PYTHON" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).
 mkdir -p "$_work/triton_root" "$_work/clientlibs" "$_work/home"
 [ -x "$_work/triton_root/pytriton/tritonserver/bin/tritonserver" ] || tar -xJf "$_root/.gpu/triton.tar.xz" -C "$_work/triton_root"
 [ -d "$_work/clientlibs/tritonclient" ] || tar -xJf "$_root/.gpu/tritonclient.tar.xz" -C "$_work/clientlibs"
-if [ ! -d "$_work/clientlibs/_pytest" ] && [ -f "$_root/.gpu/testlibs.tar.xz" ]; then  # pytest: tests/gpu only
-  tar -xJf "$_root/.gpu/testlibs.tar.xz" -C "$_work/clientlibs"
-fi
+[ -d "$_work/clientlibs/_pytest" ] || tar -xJf "$_root/.gpu/testlibs.tar.xz" -C "$_work/clientlibs"
 ls "$_work/clientlibs" | grep -q rapidjson || _unzip "$_root"/.gpu/wheels/python_rapidjson-*.whl "$_work/clientlibs"
 if [ ! -x "$_work/bin/py-spy" ] && ls "$_root"/.gpu/wheels/py_spy-*.whl >/dev/null 2>&1; then
   _unzip "$_root"/.gpu/wheels/py_spy-*.whl "$_work/pyspy" && mkdir -p "$_work/bin" &&
