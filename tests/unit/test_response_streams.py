@@ -16,6 +16,7 @@ import pytest
 
 from paged_llm.engine.outputs import RequestOutput, SequenceDelta
 from paged_llm.engine.stats import EngineStats
+from paged_llm.errors import EngineStepError
 from paged_llm.sampling_params import RequestLimits
 from paged_llm.triton_model.response_accumulator import ResponseAccumulator
 from paged_llm.triton_model.response_streams import ResponseStreams
@@ -30,10 +31,17 @@ class _Response:
         self.error = error
 
 
+class _TritonError:
+    INVALID_ARG, UNAVAILABLE, CANCELLED, NOT_FOUND, INTERNAL = range(5)
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        self.message, self.code = message, code
+
+
 PB = SimpleNamespace(
     Tensor=lambda name, array: SimpleNamespace(name=name, array=array),
     InferenceResponse=_Response,
-    TritonError=lambda message, code=None: SimpleNamespace(message=message, code=code),
+    TritonError=_TritonError,
     TRITONSERVER_RESPONSE_COMPLETE_FINAL=FINAL,
 )
 
@@ -52,17 +60,25 @@ class _Metrics:
 class _Sender:
     """Records (token ids, flags) per send; a send waits while `gate` is clear (a lagging server)."""
 
-    def __init__(self) -> None:
-        self.sent: list[tuple[list[int], int]] = []
+    def __init__(self, fail_at_send: int | None = None) -> None:
+        self.sent: list[tuple[list[int] | str, int]] = []  # an error final: (its message, FINAL)
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
         self.done = threading.Event()
+        self.fail_at_send = fail_at_send  # this send (0-based) raises: the client went away
+        self.num_sends = 0
 
     def send(self, response: _Response, flags: int = 0) -> None:
         self.entered.set()
         self.gate.wait(timeout=30)
-        self.sent.append((response.tensors["output_ids"].tolist(), flags))
+        self.num_sends += 1
+        if self.num_sends - 1 == self.fail_at_send:
+            raise RuntimeError("the client is gone")
+        if response.error is not None:
+            self.sent.append((response.error.message, flags))
+        else:
+            self.sent.append((response.tensors["output_ids"].tolist(), flags))
         if flags == FINAL:
             self.done.set()
 
@@ -74,10 +90,10 @@ def _streams(num_send_threads: int, metrics: _Metrics | None = None) -> Response
     return ResponseStreams(PB, metrics or _Metrics(), EngineStats(), lambda *_: None, num_send_threads)
 
 
-def _open(streams: ResponseStreams, request_id: str) -> _Sender:
+def _open(streams: ResponseStreams, request_id: str, sender: _Sender | None = None) -> _Sender:
     inputs = {"text_input": np.array([b"p"], dtype=np.object_), "stream": np.array([True])}
     parsed = parse_request(inputs, None, RequestLimits())
-    sender = _Sender()
+    sender = sender or _Sender()
     streams.open(request_id, sender, ResponseAccumulator(parsed, "p", 1, max_merged_steps=16))
     return sender
 
@@ -137,3 +153,36 @@ def test_only_the_last_final_in_flight_waits_for_the_histograms():
     streams.on_outputs([_token("a", 1, finished=True), _token("b", 1)])
     streams.on_outputs([_token("b", 2, finished=True), _token("c", 1, finished=True)])
     assert metrics.waits == [False, False, True]
+
+
+def test_data_that_waited_goes_out_before_an_error_final():
+    streams = _streams(1)
+    sender = _open(streams, "r")
+    sender.gate.clear()
+    streams.on_outputs([_token("r", 1)])
+    assert sender.entered.wait(timeout=30)
+    streams.on_outputs([_token("r", 2)])
+    streams.on_outputs([_token("r", 3)])
+    streams.on_outputs([RequestOutput("r", 1, [], True, EngineStepError("the step failed"))])
+    sender.gate.set()
+    assert sender.done.wait(timeout=30)
+    streams.stop()
+    assert sender.sent == [([1], 0), ([2, 3], 0), ("the step failed", FINAL)]
+
+
+def test_a_failed_send_still_lets_the_final_out_when_it_waited_past_the_merge_limit():
+    """The client went away while 19 steps waited, the last one final: the engine has nothing more
+    to say about the request, so only the send thread can close it."""
+    streams = _streams(1)
+    sender = _open(streams, "r", _Sender(fail_at_send=1))
+    sender.gate.clear()
+    streams.on_outputs([_token("r", 0)])
+    assert sender.entered.wait(timeout=30)
+    for token_id in range(1, 18):
+        streams.on_outputs([_token("r", token_id)])
+    streams.on_outputs([_token("r", 18, finished=True)])
+    sender.gate.set()
+    assert sender.done.wait(timeout=30)
+    streams.stop()
+    assert sender.sent[0] == ([0], 0) and sender.sent[-1] == ("cancelled by the client", FINAL)
+    assert len(sender.sent) == 2 and streams.num_open == 0

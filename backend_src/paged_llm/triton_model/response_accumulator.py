@@ -67,16 +67,18 @@ class ResponseAccumulator:
         steps = 0
         news = False
         while self._pending and not self.finished:
+            head = self._pending[0]
+            is_error = head.finished and head.error is not None
             if (
                 self.parsed.stream
                 and not discard_data
                 and news
-                and steps + self._pending[0].num_steps > self.max_merged_steps
+                and (is_error or steps + head.num_steps > self.max_merged_steps)
             ):
-                break
+                break  # over the merge limit, or an error: the data taken so far goes out first
             output = self._pending.popleft()
             steps += output.num_steps
-            if output.finished and output.error is not None:
+            if is_error:
                 self.finished = True
                 return Response(None, True, output.error)
             self._apply(output)

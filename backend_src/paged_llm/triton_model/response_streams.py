@@ -80,7 +80,7 @@ class Stream:
 @dataclass
 class _Outgoing:
     stream: Stream
-    response: Any  # pb_utils.InferenceResponse, built by the output thread (None for an error final)
+    response: Any  # pb_utils.InferenceResponse (None for an error final)
     flags: int
     num_tokens: int  # streamed tokens in it, for the tokens-per-response histogram
     error: BaseException | None = None  # an error FINAL: sent by send_error, after what is queued
@@ -90,8 +90,8 @@ class ResponseStreams:
     def __init__(
         self, pb_utils: Any, metrics: Any, stats: EngineStats, abort: AbortFn, num_send_threads: int = 0
     ) -> None:
-        """`num_send_threads` 0: the output thread sends; N: it builds the responses and N threads
-        only transmit them (a stream always through the same one, so its responses keep order)."""
+        """`num_send_threads` 0: the output thread builds and sends the responses; N: N threads do
+        (a stream always through the same one, so its responses keep their order)."""
         self._pb = pb_utils
         self._metrics = metrics
         self._stats = stats
@@ -192,7 +192,12 @@ class ResponseStreams:
         are waiting (on the thread that calls: the output thread, or the stream's send thread)."""
         while True:
             outgoing, more = self._next_response(stream)
-            if outgoing is None or not self._transmit(outgoing) or not more:
+            if outgoing is None:
+                return
+            # A failed send marks the stream cancelled: what is still pending is then dropped, but
+            # its final (already here when more than max_merged_steps were waiting) must still go.
+            self._transmit(outgoing)
+            if not more:
                 return
 
     def _next_response(self, stream: Stream) -> tuple[_Outgoing | None, bool]:
