@@ -362,6 +362,11 @@ class ServingConfig:
     # the GIL waits for the one that holds it. The send threads need it for a moment around each
     # send; at 5 ms they queue behind the busy output thread (measured: worse than no send threads).
     gil_switch_interval_s: float = 0.0002
+    # How long the FINAL response of a stub's last request in flight may wait for the histogram
+    # observations recorded before it, so that /metrics read right after it counts them
+    # (vllm_backend's metrics test reads it then); 0: it never waits. Each observation is a round
+    # trip to the server (0.2-0.8 ms on a loaded GPU host), and a wait holds the final back.
+    final_histogram_wait_s: float = 0.05
     # At unload / server shutdown, in-flight requests get this long to finish, then they get
     # CANCELLED. Keep it well below tritonserver's --exit-timeout-secs: Triton does not count
     # decoupled requests as in flight and gives up on the model after that timeout.
@@ -385,6 +390,8 @@ class ServingConfig:
             raise ConfigError(f"response_send_threads must be in [0, 64], got {self.response_send_threads}")
         if not 0.0 <= self.gil_switch_interval_s <= 1.0:
             raise ConfigError(f"gil_switch_interval_s must be in [0, 1], got {self.gil_switch_interval_s}")
+        if not 0.0 <= self.final_histogram_wait_s <= 1.0:
+            raise ConfigError(f"final_histogram_wait_s must be in [0, 1], got {self.final_histogram_wait_s}")
         if not 0.0 <= self.shutdown_grace_s <= 600.0:
             raise ConfigError(f"shutdown_grace_s must be in [0, 600], got {self.shutdown_grace_s}")
         if not 0 <= self.engine_max_restarts <= 1000:

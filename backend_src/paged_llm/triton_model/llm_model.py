@@ -139,6 +139,7 @@ class TritonPythonModel:
             args["model_version"],
             max_model_len=self.engine.info.max_model_len,
             lora_names=self.engine.info.lora_names,
+            final_histogram_wait_s=self.config.serving.final_histogram_wait_s,
         )
         self._streams = ResponseStreams(
             pb_utils,

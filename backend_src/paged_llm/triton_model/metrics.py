@@ -49,6 +49,7 @@ class TritonMetrics:
         reports_engine_state: bool = True,
         max_model_len: int = 4096,
         lora_names: tuple[str, ...] = (),
+        final_histogram_wait_s: float = 0.05,
     ) -> None:
         """`reports_engine_state` False: a stub that shares another's engine core leaves the
         core's own figures (running, waiting, KV usage, prefix cache, preemptions, engine up) to
@@ -56,6 +57,7 @@ class TritonMetrics:
         up). After a restart of the core its new owner reports them (the stats' `owns_core`)."""
         self._stats = stats
         self._reports_engine_state = reports_engine_state
+        self._final_histogram_wait_s = final_histogram_wait_s
         self._lock = threading.Lock()
         self._requests_lock = threading.Lock()
         self._finals_lock = threading.Lock()
@@ -82,8 +84,8 @@ class TritonMetrics:
         """A request's final response is about to leave: its counters now, and its histograms too
         when `wait_for_histograms` (the stub's last request in flight; see the module docstring)."""
         self.update_requests()
-        if wait_for_histograms:
-            self._histograms.settle()
+        if wait_for_histograms and self._final_histogram_wait_s > 0:
+            self._histograms.settle(timeout_s=self._final_histogram_wait_s)
 
     def count_final(self, code: str) -> None:
         with self._finals_lock:
