@@ -4,6 +4,7 @@ for them only when that is little work."""
 from __future__ import annotations
 
 import threading
+import time
 
 from paged_llm.engine import stats as stats_module
 from paged_llm.engine.stats import EngineStats
@@ -65,6 +66,50 @@ def test_settle_does_not_wait_when_much_is_pending() -> None:
         itl.open.set()
         assert writer.settle(max_pending=10_000, timeout_s=10)
         assert len(itl.values) == 601
+    finally:
+        writer.stop()
+
+
+class SlowHistogram(RecordingHistogram):
+    """Each observation takes at least 2 ms (a round trip to a loaded server)."""
+
+    def observe_many(self, values: list[float]) -> None:
+        values = list(values)
+        if values:
+            self.entered.set()
+            self.open.wait(timeout=30)
+        for value in values:
+            time.sleep(0.002)
+            self.values.append(value)
+
+
+def test_settle_does_not_start_a_wait_that_cannot_finish_in_time() -> None:
+    """A settle that would time out anyway is not started: it would only hold the final back."""
+    stats = EngineStats()
+    itl = SlowHistogram()
+    writer = _writer(stats, itl, "inter_token_latency_s")
+    writer.start()
+    try:
+        itl.open.clear()  # no batch completes until the estimate below is checked
+        for _ in range(40):
+            stats.on_token(None, last_token_time=0.0, now=1.0)
+        assert writer.can_send_unsent_within(0.001)  # nothing measured yet: no estimate against it
+        itl.open.set()
+        assert writer.settle(max_pending=512, timeout_s=10)  # measures >= 2 ms per observation
+        itl.open.clear()
+        itl.entered.clear()
+        stats.on_token(None, last_token_time=0.0, now=1.0)
+        assert itl.entered.wait(timeout=10)  # the writer holds one, stuck in the server
+        for _ in range(40):
+            stats.on_token(None, last_token_time=0.0, now=1.0)
+        # 41 unsent at >= 0.5 ms each by the moving mean (>= 2 ms measured, weight 1/4)
+        assert not writer.can_send_unsent_within(0.01)
+        assert writer.settle(max_pending=512, timeout_s=0.01) is False
+        assert writer.can_send_unsent_within(10.0)
+        assert not writer.can_send_unsent_within(10.0, max_pending=40)
+        itl.open.set()
+        assert writer.settle(max_pending=512, timeout_s=10)
+        assert len(itl.values) == 81
     finally:
         writer.stop()
 

@@ -8,9 +8,12 @@ made here instead, on a thread of their own that releases the GIL while it waits
 * it drains `EngineStats`' buffered observations continuously (every `idle_poll_s` when idle), so
   under light load little is pending when a request finishes;
 * `settle()` (called before the FINAL response of a stub's last request in flight) waits until every
-  observation recorded so far has gone out, but only when that is little work (`max_pending`
-  observations, a bounded wait): /metrics read right after a client's last response then counts its
-  requests, and under load no final response waits for the histograms, which catch up a moment later.
+  observation recorded so far has gone out, but only when that is little work: at most `max_pending`
+  observations, and no more than the wait allows at the time an observation has recently taken
+  (0.2-0.8 ms on a loaded GPU host: a wait that cannot finish in time is not started, since it
+  would only hold the final back). /metrics read right after a client's last response then counts
+  its requests, and under load no final response waits for the histograms, which catch up a
+  moment later.
 
 The histograms' `Metric` objects are touched by this thread only (a pb_utils Metric is not
 thread-safe).
@@ -19,6 +22,7 @@ thread-safe).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +50,7 @@ class HistogramWriter:
         self._num_drains_started = 0
         self._num_drains_done = 0
         self._num_in_flight = 0  # observations drained and not yet all sent
+        self._seconds_per_observation = 0.0  # recent batches' time per observation (a moving mean)
         self._thread = threading.Thread(target=self._run, name="paged_llm-histograms", daemon=True)
 
     def start(self) -> None:
@@ -60,17 +65,28 @@ class HistogramWriter:
 
     def settle(self, max_pending: int = 512, timeout_s: float = 0.05) -> bool:
         """Waits (at most `timeout_s`) until what was recorded before this call is sent, if that is at
-        most `max_pending` observations; True if it was."""
+        most `max_pending` observations that recent batches say can go out within `timeout_s`;
+        True if it was."""
         if not self._thread.is_alive():
             return False
         with self._progress:
-            if self._num_in_flight + self._num_pending() > max_pending:
+            if not self._can_send_unsent_within(timeout_s, max_pending):
                 return False
             # a drain that starts after this point sees everything recorded before it
             wanted = self._num_drains_started + 1
         self._wake.set()
         with self._progress:
             return self._progress.wait_for(lambda: self._num_drains_done >= wanted, timeout=timeout_s)
+
+    def can_send_unsent_within(self, timeout_s: float, max_pending: int = 512) -> bool:
+        """Whether what is unsent now is at most `max_pending` observations that, at the recent time
+        per observation, go out within `timeout_s`."""
+        with self._progress:
+            return self._can_send_unsent_within(timeout_s, max_pending)
+
+    def _can_send_unsent_within(self, timeout_s: float, max_pending: int) -> bool:
+        num_unsent = self._num_in_flight + self._num_pending()
+        return num_unsent <= max_pending and num_unsent * self._seconds_per_observation <= timeout_s
 
     def _run(self) -> None:
         while True:
@@ -80,15 +96,20 @@ class HistogramWriter:
                 drain_number = self._num_drains_started
                 observations = self._drain()
                 self._num_in_flight = sum(len(values) for values in vars(observations).values())
-            sent_any = self._num_in_flight > 0
+            num_sent = self._num_in_flight
+            start = time.monotonic()
             for histogram, field_name in self._histograms:
                 histogram.observe_many(getattr(observations, field_name))
+            elapsed = time.monotonic() - start
             with self._progress:
+                if num_sent:
+                    per_observation = elapsed / num_sent
+                    self._seconds_per_observation += 0.25 * (per_observation - self._seconds_per_observation)
                 self._num_in_flight = 0
                 self._num_drains_done = drain_number
                 self._progress.notify_all()
             if stopping:
                 return
-            if not sent_any:
+            if not num_sent:
                 self._wake.wait(self._idle_poll_s)
                 self._wake.clear()
