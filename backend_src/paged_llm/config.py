@@ -362,7 +362,7 @@ class ServingConfig:
     # the GIL waits for the one that holds it. The send threads need it for a moment around each
     # send; at 5 ms they queue behind the busy output thread (measured: worse than no send threads).
     gil_switch_interval_s: float = 0.0002
-    # How long the FINAL response sent as the server goes idle may wait for the histogram
+    # How long the FINAL response of a stub's last request in flight may wait for the histogram
     # observations recorded before it, so that /metrics read right after it counts them
     # (vllm_backend's metrics test reads it then); 0: it never waits. Each observation is a round
     # trip to the server (0.2-0.8 ms on a loaded GPU host), and a wait holds the final back.

@@ -290,19 +290,3 @@ def test_bad_words_are_checked(tiny_model_dir):
         SamplingParams.from_mapping({"bad_words": [7]})
     with pytest.raises(InvalidRequestError, match="bad_words_token_ids"):
         SamplingParams.from_mapping({"bad_words_token_ids": [[1, 2]]})  # internal, not a client's
-
-
-@pytest.mark.parametrize("core_mode", ["inprocess", "process+async"])
-def test_the_step_output_with_the_last_final_reports_an_empty_engine(engines, prompts, core_mode):
-    """The stub lets the final of a request wait for the histograms only when the server goes idle:
-    the scheduler stats that come with a request's last output must already count it out."""
-    engine = engines(core_mode)
-    for index, max_tokens in enumerate((3, 9)):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"r{index}", prompts[index], params)
-    busy_at_final: dict[str, bool] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                busy_at_final[output.request_id] = engine.stats.engine_has_requests()
-    assert busy_at_final == {"r0": True, "r1": False}

@@ -1,5 +1,5 @@
-"""TritonMetrics.before_final: the counters always; the histograms only for a final sent as the server
-goes idle, at most `final_histogram_wait_s` (0: never). pb_utils is a recorder (unit level)."""
+"""TritonMetrics.before_final: the counters always; the histograms only for a stub's last request in
+flight, at most `final_histogram_wait_s` (0: never). pb_utils is a recorder (unit level)."""
 
 from __future__ import annotations
 

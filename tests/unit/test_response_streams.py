@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paged_llm.core.scheduler import SchedulerStats
 from paged_llm.engine.outputs import RequestOutput, SequenceDelta
 from paged_llm.engine.stats import EngineStats
 from paged_llm.errors import EngineStepError
@@ -87,11 +86,8 @@ class _Sender:
         return False
 
 
-def _streams(
-    num_send_threads: int, metrics: _Metrics | None = None, stats: EngineStats | None = None
-) -> ResponseStreams:
-    metrics, stats = metrics or _Metrics(), stats or EngineStats()
-    return ResponseStreams(PB, metrics, stats, lambda *_: None, num_send_threads)
+def _streams(num_send_threads: int, metrics: _Metrics | None = None) -> ResponseStreams:
+    return ResponseStreams(PB, metrics or _Metrics(), EngineStats(), lambda *_: None, num_send_threads)
 
 
 def _open(streams: ResponseStreams, request_id: str, sender: _Sender | None = None) -> _Sender:
@@ -156,22 +152,6 @@ def test_only_the_last_final_in_flight_waits_for_the_histograms():
         _open(streams, request_id)
     streams.on_outputs([_token("a", 1, finished=True), _token("b", 1)])
     streams.on_outputs([_token("b", 2, finished=True), _token("c", 1, finished=True)])
-    assert metrics.waits == [False, False, True]
-
-
-def test_a_stubs_last_final_does_not_wait_while_the_engine_runs_other_requests():
-    """On a core shared by several instances the other stubs' requests keep the server busy."""
-    metrics, stats = _Metrics(), EngineStats()
-    streams = _streams(0, metrics, stats)
-    _open(streams, "a")
-    _open(streams, "b")
-    stats.update_scheduler(SchedulerStats(3, 0, 0.1, 0, 0, 0), 0)  # another stub's three
-    streams.on_outputs([_token("a", 1, finished=True)])
-    stats.update_scheduler(SchedulerStats(0, 1, 0.1, 0, 0, 0), 0)  # one waiting to start
-    streams.on_outputs([_token("b", 1, finished=True)])
-    _open(streams, "c")
-    stats.update_scheduler(SchedulerStats(0, 0, 0.0, 0, 0, 0), 0)
-    streams.on_outputs([_token("c", 1, finished=True)])
     assert metrics.waits == [False, False, True]
 
 

@@ -268,12 +268,6 @@ class EngineStats:
             self.num_cancellation_checks += num_checks
             self.cancellation_check_seconds += seconds
 
-    def engine_has_requests(self) -> bool:
-        """Whether the core's last reported step left sequences running or waiting (any stub's, on a
-        shared core); False before any report."""
-        sched = self.scheduler
-        return sched is not None and sched.num_running + sched.num_waiting > 0
-
     def on_streamed_response(self, num_tokens: int) -> None:
         with self._lock:
             self.num_streamed_responses += 1

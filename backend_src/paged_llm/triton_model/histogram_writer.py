@@ -7,7 +7,7 @@ made here instead, on a thread of their own that releases the GIL while it waits
 
 * it drains `EngineStats`' buffered observations continuously (every `idle_poll_s` when idle), so
   under light load little is pending when a request finishes;
-* `settle()` (called before the FINAL response sent as the server goes idle) waits until every
+* `settle()` (called before the FINAL response of a stub's last request in flight) waits until every
   observation recorded so far has gone out, but only when that is little work: at most `max_pending`
   observations, and no more than the wait allows at the time an observation has recently taken
   (0.2-0.8 ms on a loaded GPU host: a wait that cannot finish in time is not started, since it

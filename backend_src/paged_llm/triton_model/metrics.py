@@ -8,8 +8,7 @@ each, on the same channel as the responses), so updates cost calls for what chan
 * `update_requests()`: the request counters (tokens, outcomes, streamed responses), advanced by
   what changed since the previous update. `before_final()` calls it, so a client that reads
   /metrics after its last response sees its request counted; ResponseStreams calls it before a
-  request's FINAL response. When the server goes idle with it (no other stream open in the stub,
-  nothing left in the engine) it also waits for the histogram
+  request's FINAL response. For the stub's last request in flight it also waits for the histogram
   writer to settle (triton_model/histogram_writer.py: the histograms' observations, one round trip
   each, go out on a thread of their own): a final that waits blocks its send thread, and with other
   streams in flight their tokens would wait behind it (on an H100 at 16 streams, 10-40 ms gaps and
@@ -83,7 +82,7 @@ class TritonMetrics:
 
     def before_final(self, wait_for_histograms: bool) -> None:
         """A request's final response is about to leave: its counters now, and its histograms too
-        when `wait_for_histograms` (the server goes idle with it; see the module docstring)."""
+        when `wait_for_histograms` (the stub's last request in flight; see the module docstring)."""
         self.update_requests()
         if wait_for_histograms and self._final_histogram_wait_s > 0:
             self._histograms.settle(timeout_s=self._final_histogram_wait_s)

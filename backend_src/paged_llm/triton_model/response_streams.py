@@ -239,11 +239,9 @@ class ResponseStreams:
         stream = outgoing.stream
         if outgoing.flags or outgoing.error is not None:
             # The request's counters first: a client that reads /metrics once it has its last
-            # response finds the request counted. Its histograms too when the server goes idle (no
-            # other stream open here, nothing left in the engine): waiting for them while other
-            # requests run holds up their tokens, or this one's slot in the batch.
-            idle = not self._streams and not self._stats.engine_has_requests()
-            self._metrics.before_final(wait_for_histograms=idle)
+            # response finds the request counted. Its histograms too when no other stream is open
+            # (this stub goes idle): waiting for them here with streams open holds up their tokens.
+            self._metrics.before_final(wait_for_histograms=not self._streams)
         if outgoing.error is not None:
             sent = self.send_error(stream.sender, outgoing.error, stream.errors_as_output)
             if sent and stream.cancelled and isinstance(outgoing.error, RequestAbortedError):
