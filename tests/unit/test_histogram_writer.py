@@ -102,14 +102,37 @@ def test_settle_does_not_start_a_wait_that_cannot_finish_in_time() -> None:
         assert itl.entered.wait(timeout=10)  # the writer holds one, stuck in the server
         for _ in range(40):
             stats.on_token(None, last_token_time=0.0, now=1.0)
-        # 41 unsent at >= 0.5 ms each by the moving mean (>= 2 ms measured, weight 1/4)
-        assert not writer.can_send_unsent_within(0.01)
-        assert writer.settle(max_pending=512, timeout_s=0.01) is False
+        # 41 unsent at >= 2 ms each (every batch so far took at least that per observation)
+        assert not writer.can_send_unsent_within(0.05)
+        assert writer.settle(max_pending=512, timeout_s=0.05) is False
         assert writer.can_send_unsent_within(10.0)
         assert not writer.can_send_unsent_within(10.0, max_pending=40)
         itl.open.set()
         assert writer.settle(max_pending=512, timeout_s=10)
         assert len(itl.values) == 81
+    finally:
+        writer.stop()
+
+
+def test_one_slow_batch_does_not_keep_later_waits_from_starting() -> None:
+    """A pause in one batch (a GC, a busy server for a moment) is not what an observation costs."""
+    stats = EngineStats()
+    itl = RecordingHistogram()
+    writer = _writer(stats, itl, "inter_token_latency_s")
+    writer.start()
+    try:
+        itl.open.clear()
+        stats.on_token(None, last_token_time=0.0, now=1.0)
+        assert itl.entered.wait(timeout=10)
+        time.sleep(0.3)  # the first batch, one observation, takes >= 0.3 s
+        itl.open.set()
+        assert writer.settle(max_pending=512, timeout_s=10)
+        for _ in range(4):  # fast batches after it
+            stats.on_token(None, last_token_time=0.0, now=1.0)
+            assert writer.settle(max_pending=512, timeout_s=10)
+        for _ in range(20):
+            stats.on_token(None, last_token_time=0.0, now=1.0)
+        assert writer.can_send_unsent_within(0.05)
     finally:
         writer.stop()
 

@@ -9,11 +9,11 @@ made here instead, on a thread of their own that releases the GIL while it waits
   under light load little is pending when a request finishes;
 * `settle()` (called before the FINAL response of a stub's last request in flight) waits until every
   observation recorded so far has gone out, but only when that is little work: at most `max_pending`
-  observations, and no more than the wait allows at the time an observation has recently taken
-  (0.2-0.8 ms on a loaded GPU host: a wait that cannot finish in time is not started, since it
-  would only hold the final back). /metrics read right after a client's last response then counts
-  its requests, and under load no final response waits for the histograms, which catch up a
-  moment later.
+  observations, and no more than the wait allows at what an observation costs now (the cheapest of
+  the last 8 batches; 0.2-0.8 ms on a loaded GPU host): a wait that cannot finish in time is not
+  started, since it would only hold the final back. /metrics read right after a client's last
+  response then counts its requests, and under load no final response waits for the histograms,
+  which catch up a moment later.
 
 The histograms' `Metric` objects are touched by this thread only (a pb_utils Metric is not
 thread-safe).
@@ -21,6 +21,7 @@ thread-safe).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +51,9 @@ class HistogramWriter:
         self._num_drains_started = 0
         self._num_drains_done = 0
         self._num_in_flight = 0  # observations drained and not yet all sent
-        self._seconds_per_observation = 0.0  # recent batches' time per observation (a moving mean)
+        # the time an observation took in each of the last batches: the cheapest is what one costs
+        # now (one batch slowed by a pause must not keep every later wait from starting)
+        self._recent_seconds_per_observation: collections.deque[float] = collections.deque(maxlen=8)
         self._thread = threading.Thread(target=self._run, name="paged_llm-histograms", daemon=True)
 
     def start(self) -> None:
@@ -65,7 +68,7 @@ class HistogramWriter:
 
     def settle(self, max_pending: int = 512, timeout_s: float = 0.05) -> bool:
         """Waits (at most `timeout_s`) until what was recorded before this call is sent, if that is at
-        most `max_pending` observations that recent batches say can go out within `timeout_s`;
+        most `max_pending` observations that can go out within `timeout_s` (see the module docstring);
         True if it was."""
         if not self._thread.is_alive():
             return False
@@ -79,14 +82,15 @@ class HistogramWriter:
             return self._progress.wait_for(lambda: self._num_drains_done >= wanted, timeout=timeout_s)
 
     def can_send_unsent_within(self, timeout_s: float, max_pending: int = 512) -> bool:
-        """Whether what is unsent now is at most `max_pending` observations that, at the recent time
-        per observation, go out within `timeout_s`."""
+        """Whether what is unsent now is at most `max_pending` observations that go out within
+        `timeout_s` at the cheapest time per observation of the last 8 batches."""
         with self._progress:
             return self._can_send_unsent_within(timeout_s, max_pending)
 
     def _can_send_unsent_within(self, timeout_s: float, max_pending: int) -> bool:
         num_unsent = self._num_in_flight + self._num_pending()
-        return num_unsent <= max_pending and num_unsent * self._seconds_per_observation <= timeout_s
+        seconds_per_observation = min(self._recent_seconds_per_observation, default=0.0)
+        return num_unsent <= max_pending and num_unsent * seconds_per_observation <= timeout_s
 
     def _run(self) -> None:
         while True:
@@ -103,8 +107,7 @@ class HistogramWriter:
             elapsed = time.monotonic() - start
             with self._progress:
                 if num_sent:
-                    per_observation = elapsed / num_sent
-                    self._seconds_per_observation += 0.25 * (per_observation - self._seconds_per_observation)
+                    self._recent_seconds_per_observation.append(elapsed / num_sent)
                 self._num_in_flight = 0
                 self._num_drains_done = drain_number
                 self._progress.notify_all()
