@@ -103,19 +103,27 @@ def _token(request_id: str, token_id: int, finished: bool = False) -> RequestOut
     return RequestOutput(request_id, 1, [delta], finished)
 
 
+def _run_behind_a_blocked_send(
+    streams: ResponseStreams, sender: _Sender, first: RequestOutput, later: list[RequestOutput]
+) -> None:
+    """`first` goes into a send the server holds; `later` arrive meanwhile; then the server answers.
+    Returns once the stream's final is out and the send threads have stopped."""
+    sender.gate.clear()
+    streams.on_outputs([first])
+    assert sender.entered.wait(timeout=30)  # the first response is in its (blocked) send
+    for output in later:
+        streams.on_outputs([output])
+    sender.gate.set()
+    assert sender.done.wait(timeout=30)
+    streams.stop()
+
+
 @pytest.mark.parametrize("num_send_threads", [1, 3])
 def test_a_lagging_sender_gets_the_tokens_that_waited_in_one_response(num_send_threads: int):
     streams = _streams(num_send_threads)
     sender = _open(streams, "r")
-    sender.gate.clear()
-    streams.on_outputs([_token("r", 1)])
-    assert sender.entered.wait(timeout=30)  # the first response is in its (blocked) send
-    for token_id in range(2, 6):
-        streams.on_outputs([_token("r", token_id)])
-    streams.on_outputs([_token("r", 6, finished=True)])
-    sender.gate.set()
-    assert sender.done.wait(timeout=30)
-    streams.stop()
+    later = [_token("r", token_id) for token_id in range(2, 6)] + [_token("r", 6, finished=True)]
+    _run_behind_a_blocked_send(streams, sender, _token("r", 1), later)
     assert sender.sent == [([1], 0), ([2, 3, 4, 5, 6], FINAL)]
     assert streams.num_open == 0
 
@@ -158,15 +166,8 @@ def test_only_the_last_final_in_flight_waits_for_the_histograms():
 def test_data_that_waited_goes_out_before_an_error_final():
     streams = _streams(1)
     sender = _open(streams, "r")
-    sender.gate.clear()
-    streams.on_outputs([_token("r", 1)])
-    assert sender.entered.wait(timeout=30)
-    streams.on_outputs([_token("r", 2)])
-    streams.on_outputs([_token("r", 3)])
-    streams.on_outputs([RequestOutput("r", 1, [], True, EngineStepError("the step failed"))])
-    sender.gate.set()
-    assert sender.done.wait(timeout=30)
-    streams.stop()
+    error = RequestOutput("r", 1, [], True, EngineStepError("the step failed"))
+    _run_behind_a_blocked_send(streams, sender, _token("r", 1), [_token("r", 2), _token("r", 3), error])
     assert sender.sent == [([1], 0), ([2, 3], 0), ("the step failed", FINAL)]
 
 
@@ -175,14 +176,7 @@ def test_a_failed_send_still_lets_the_final_out_when_it_waited_past_the_merge_li
     to say about the request, so only the send thread can close it."""
     streams = _streams(1)
     sender = _open(streams, "r", _Sender(fail_at_send=1))
-    sender.gate.clear()
-    streams.on_outputs([_token("r", 0)])
-    assert sender.entered.wait(timeout=30)
-    for token_id in range(1, 18):
-        streams.on_outputs([_token("r", token_id)])
-    streams.on_outputs([_token("r", 18, finished=True)])
-    sender.gate.set()
-    assert sender.done.wait(timeout=30)
-    streams.stop()
+    later = [_token("r", token_id) for token_id in range(1, 18)] + [_token("r", 18, finished=True)]
+    _run_behind_a_blocked_send(streams, sender, _token("r", 0), later)
     assert sender.sent[0] == ([0], 0) and sender.sent[-1] == ("cancelled by the client", FINAL)
     assert len(sender.sent) == 2 and streams.num_open == 0

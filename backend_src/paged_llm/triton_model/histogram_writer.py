@@ -73,7 +73,7 @@ class HistogramWriter:
         if not self._thread.is_alive():
             return False
         with self._progress:
-            if not self._can_send_unsent_within(timeout_s, max_pending):
+            if not self.can_send_unsent_within(timeout_s, max_pending):
                 return False
             # a drain that starts after this point sees everything recorded before it
             wanted = self._num_drains_started + 1
@@ -84,13 +84,10 @@ class HistogramWriter:
     def can_send_unsent_within(self, timeout_s: float, max_pending: int = 512) -> bool:
         """Whether what is unsent now is at most `max_pending` observations that go out within
         `timeout_s` at the cheapest time per observation of the last 8 batches."""
-        with self._progress:
-            return self._can_send_unsent_within(timeout_s, max_pending)
-
-    def _can_send_unsent_within(self, timeout_s: float, max_pending: int) -> bool:
-        num_unsent = self._num_in_flight + self._num_pending()
-        seconds_per_observation = min(self._recent_seconds_per_observation, default=0.0)
-        return num_unsent <= max_pending and num_unsent * seconds_per_observation <= timeout_s
+        with self._progress:  # re-entrant (a Condition's default lock): settle() calls it holding it
+            num_unsent = self._num_in_flight + self._num_pending()
+            seconds_per_observation = min(self._recent_seconds_per_observation, default=0.0)
+            return num_unsent <= max_pending and num_unsent * seconds_per_observation <= timeout_s
 
     def _run(self) -> None:
         while True:

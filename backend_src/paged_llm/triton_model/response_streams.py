@@ -83,7 +83,7 @@ class _Outgoing:
     response: Any  # pb_utils.InferenceResponse (None for an error final)
     flags: int
     num_tokens: int  # streamed tokens in it, for the tokens-per-response histogram
-    error: BaseException | None = None  # an error FINAL: sent by send_error, after what is queued
+    error: BaseException | None = None  # an error FINAL: sent by send_error, after the data before it
 
 
 class ResponseStreams:
@@ -234,8 +234,8 @@ class ResponseStreams:
         while (stream := inbox.get()) is not None:
             self._send_pending(stream)
 
-    def _transmit(self, outgoing: _Outgoing) -> bool:
-        """The round trip to the server (it releases the GIL); False if the client is gone."""
+    def _transmit(self, outgoing: _Outgoing) -> None:
+        """The round trip to the server (it releases the GIL). A failed send of data cancels the stream."""
         stream = outgoing.stream
         if outgoing.flags or outgoing.error is not None:
             # The request's counters first: a client that reads /metrics once it has its last
@@ -246,7 +246,7 @@ class ResponseStreams:
             sent = self.send_error(stream.sender, outgoing.error, stream.errors_as_output)
             if sent and stream.cancelled and isinstance(outgoing.error, RequestAbortedError):
                 logger.info("%s (request %s)", CANCELLED_LOG_LINE, stream.request_id)
-            return False
+            return
         try:
             stream.sender.send(outgoing.response, flags=outgoing.flags)
         except Exception as send_error:  # the client went away: stop generating for it
@@ -254,7 +254,7 @@ class ResponseStreams:
                 logger.info(
                     "request %s: the final response could not be sent (%s)", stream.request_id, send_error
                 )
-                return False
+                return
             with stream.lock:
                 newly_cancelled = not stream.cancelled and not stream.closed
                 stream.cancelled = True
@@ -269,10 +269,9 @@ class ResponseStreams:
                 self._abort(
                     stream.request_id, RequestAbortedError(f"response could not be sent ({send_error})")
                 )
-            return False
+            return
         if outgoing.num_tokens:
             self._stats.on_streamed_response(outgoing.num_tokens)
-        return True
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Sends what is queued, then stops the send threads (if any)."""
